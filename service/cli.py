@@ -1,0 +1,46 @@
+"""One console entry point: `python -m service <command>` or `llm-service <command>`."""
+
+import argparse
+import logging
+import sys
+
+
+def _generate(argv: list[str]) -> None:
+    from service.engine import EngineConfig, LLMEngine, SamplingParams
+
+    ap = argparse.ArgumentParser(prog="service generate", description="Generate text offline with the engine.")
+    ap.add_argument("prompt", nargs="+")
+    ap.add_argument("--model", default=EngineConfig.model)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    args = ap.parse_args(argv)
+    engine = LLMEngine(EngineConfig(model=args.model, device=args.device))
+    prompts = args.prompt
+    if args.chat:
+        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                        add_generation_prompt=True) for p in prompts]
+    for out in engine.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)):
+        print(out["text"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    commands = {"generate": _generate, "bench": _bench}
+    if not argv or argv[0] not in commands:
+        print("usage: python -m service {generate,bench} ...\n"
+              "  generate PROMPT...   generate text offline\n"
+              "  bench offline        offline throughput against transformers", file=sys.stderr)
+        sys.exit(2)
+    commands[argv[0]](argv[1:])
+
+
+def _bench(argv: list[str]) -> None:
+    if not argv or argv[0] != "offline":
+        print("usage: python -m service bench offline [options]", file=sys.stderr)
+        sys.exit(2)
+    from service.bench import offline
+
+    offline.main(argv[1:])

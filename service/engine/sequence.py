@@ -1,0 +1,73 @@
+"""A request's state inside the engine: its tokens, KV blocks, status and timings."""
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from service.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Timings:
+    """Monotonic clock readings (time.perf_counter) of one request's life."""
+
+    arrival: float = field(default_factory=time.perf_counter)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    status: Status = Status.WAITING
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0  # tokens whose keys and values are in the cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache on last admission
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading full blocks already registered in the prefix cache
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None  # per-request RNG when a seed is given
+    timings: Timings = field(default_factory=Timings)
+    # detokenizer and stop-string state, owned by service.engine.detokenizer
+    text: str = ""
+    emitted_text_len: int = 0
+    prefix_offset: int = 0
+    read_offset: int = 0
+    logprobs: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,169 @@
+"""Sampling, stop conditions, aborts, bad input and the async facade of the engine."""
+
+import asyncio
+
+import pytest
+import torch
+
+from service.engine import AsyncEngine, InvalidRequestError, SamplingParams
+from service.engine.sampler import Sampler
+from tests.conftest import make_engine
+
+PROMPT = "<|im_start|>user\nTell me a short story about a cat.<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def engine(default_model):
+    return make_engine(default_model, max_num_seqs=16)
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(engine):
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234)
+    alone = engine.generate([PROMPT], params)[0]["token_ids"]
+    crowd = [SamplingParams(max_tokens=16, temperature=1.0) for _ in range(5)]
+    batched = engine.generate([PROMPT] * 3 + [PROMPT], crowd[:3] + [params])[3]["token_ids"]
+    other_seed = engine.generate([PROMPT], SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=99))
+    assert alone == batched
+    assert other_seed[0]["token_ids"] != alone
+
+
+def test_stop_string_across_token_boundary_is_cut_from_the_text(engine):
+    full = engine.generate([PROMPT], SamplingParams(max_tokens=40, temperature=0))[0]
+    tokenizer = engine.tokenizer
+    ids = full["token_ids"]
+    # a stop string made of the end of one token and the start of the next
+    pieces = [tokenizer.decode(ids[i:i + 1]) for i in range(len(ids))]
+    i = next(i for i in range(3, len(ids) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    stop = pieces[i][-2:] + pieces[i + 1][:2]
+    expected = full["text"][:full["text"].index(stop)]
+
+    rid = engine.add_request(PROMPT, SamplingParams(max_tokens=40, temperature=0, stop=["never-appears", stop]))
+    deltas, last = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid:
+                deltas.append(out.text_delta)
+                last = out
+    assert last.finish_reason == "stop"
+    assert "".join(deltas) == expected
+    assert stop not in "".join(deltas)
+
+
+def test_stop_token_ids_and_min_tokens(engine):
+    full = engine.generate([PROMPT], SamplingParams(max_tokens=20, temperature=0))[0]["token_ids"]
+    stop_at = full[4]
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop_at]))[0]
+    assert out["finish_reason"] == "stop" and out["token_ids"] == full[:full.index(stop_at) + 1]
+    eos = next(iter(engine.eos_token_ids))
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=30, min_tokens=30, temperature=0))[0]
+    assert len(out["token_ids"]) == 30 and eos not in out["token_ids"]
+
+
+def test_eos_finishes_unless_ignored(engine):
+    out = engine.generate(["<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"],
+                          SamplingParams(max_tokens=200, temperature=0))[0]
+    assert out["finish_reason"] == "stop" and out["token_ids"][-1] in engine.eos_token_ids
+    assert "<|im_end|>" not in out["text"]
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=7, ignore_eos=True, temperature=0))[0]
+    assert out["finish_reason"] == "length" and len(out["token_ids"]) == 7
+
+
+def test_abort_mid_generation_frees_blocks(engine):
+    rid = engine.add_request(PROMPT, SamplingParams(max_tokens=100, temperature=0))
+    for _ in range(5):
+        engine.step()
+    assert engine.blocks.num_free_blocks < engine.blocks.num_usable_blocks
+    out = engine.abort(rid)
+    assert out.finished and out.finish_reason == "abort"
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
+    assert not engine.has_unfinished() and not engine.seqs
+
+
+@pytest.mark.parametrize("prompt, params, param", [
+    ("", SamplingParams(), "prompt"),
+    ([], SamplingParams(), "prompt"),
+    ([1, 2, 10**9], SamplingParams(), "prompt"),
+    ("hello " * 9000, SamplingParams(), "prompt"),
+    ("hello", SamplingParams(max_tokens=9000), "max_tokens"),
+    ("hello", SamplingParams(stop_token_ids=[10**9]), "stop_token_ids"),
+])
+def test_bad_requests_raise_typed_errors_and_engine_keeps_serving(engine, prompt, params, param):
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_request(prompt, params)
+    assert err.value.param == param and err.value.message
+    assert engine.generate(["Hi"], SamplingParams(max_tokens=2))[0]["finish_reason"] == "length"
+
+
+def test_over_long_prompt_message_names_the_limit(engine):
+    assert engine.max_model_len == 511 * 16  # the model allows 8192, the test's 511-block cache less
+    with pytest.raises(InvalidRequestError, match="maximum context length is 8176 tokens.*9001 tokens"):
+        engine.add_request("hello " * 9000)
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens"), (dict(stop=[1]), "stop"),
+    (dict(stop=[""]), "stop"), (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=50), "logprobs"),
+    (dict(seed="x"), "seed"),
+])
+def test_invalid_sampling_values_are_rejected(kwargs, param):
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(**kwargs)
+    assert err.value.param == param
+
+
+def test_top_k_and_top_p_keep_only_the_allowed_tokens():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.0]] * 200)
+    kept = Sampler._top_k_top_p(logits.clone(), [2] * 200, [1.0] * 200)
+    assert torch.isinf(kept[:, 2:]).all() and not torch.isinf(kept[:, :2]).any()
+    probs = logits[0].softmax(-1)  # [0.64, 0.23, ...]: top_p 0.8 keeps two tokens, 0.5 keeps one
+    assert (~torch.isinf(Sampler._top_k_top_p(logits[:1].clone(), [0], [0.8]))).sum() == 2
+    assert (~torch.isinf(Sampler._top_k_top_p(logits[:1].clone(), [0], [0.5]))).sum() == 1
+    assert probs[0] > 0.5
+
+
+def test_logprobs_are_returned_for_the_sampled_token(engine):
+    rid = engine.add_request(PROMPT, SamplingParams(max_tokens=3, temperature=0, logprobs=2))
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    for out in outs:
+        (chosen, top), = out.new_logprobs
+        assert top[0][0] == out.new_token_ids[0] and chosen == pytest.approx(top[0][1])
+        assert len(top) == 2 and top[0][1] >= top[1][1]
+
+
+def test_async_engine_streams_and_abort_on_early_exit_frees_blocks(default_model):
+    engine = make_engine(default_model)
+    facade = AsyncEngine(engine).start()
+
+    async def collect(prompt, n):
+        text, outs = "", []
+        async for out in facade.generate(prompt, SamplingParams(max_tokens=n, temperature=0)):
+            text += out.text_delta
+            outs.append(out)
+        return text, outs
+
+    async def leave_early():
+        async for out in facade.generate(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True)):
+            if out.num_output_tokens == 3:
+                break
+
+    async def main():
+        results = await asyncio.gather(*[collect(PROMPT, 10) for _ in range(4)], leave_early())
+        for _ in range(100):
+            if not engine.has_unfinished():
+                break
+            await asyncio.sleep(0.05)
+        return results
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        facade.shutdown()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
+    expected = engine.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0))[0]["text"]
+    for text, outs in results[:4]:
+        assert text == expected and outs[-1].finished and outs[-1].num_output_tokens == 10
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
+    assert not engine.seqs
