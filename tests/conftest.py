@@ -18,7 +18,7 @@ def tiny_model():
 
 def make_engine(loaded, **overrides) -> LLMEngine:
     """An engine over an already loaded model (the model object is shared, the KV cache is new)."""
-    config = EngineConfig(model=loaded.name, device="cpu", **{"num_blocks": 512, **overrides})
+    config = EngineConfig(**{"model": loaded.name, "device": "cpu", "num_blocks": 512, **overrides})
     return LLMEngine(config, loaded=loaded)
 
 
@@ -29,7 +29,8 @@ def reference_greedy(loaded, prompt: list[int], max_new_tokens: int) -> list[int
     model.set_attn_implementation("sdpa")
     try:
         with torch.inference_mode():
-            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            ids = torch.tensor([prompt], device=model.device)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids),
                                  max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
                                  pad_token_id=0)
     finally:

@@ -20,6 +20,7 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -59,7 +60,7 @@ def _paged_attention_kernel(
         offs = page * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
         k = tl.load(K + offs[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         v = tl.load(V + offs[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        qk = tl.dot(q, tl.trans(k))
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if USE_SOFTCAP:
             qk = qk * scale / softcap
             qk = softcap * (2.0 * tl.sigmoid(2.0 * qk) - 1.0) * 1.4426950408889634
@@ -74,7 +75,7 @@ def _paged_attention_kernel(
         p = tl.exp2(qk - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(O + (q_begin + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -109,6 +110,7 @@ def triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: 
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=k_cache.shape[1],
         BLOCK_M=meta.block_m, BLOCK_N=64 if meta.block_m <= 16 else 32,
         USE_WINDOW=bool(sliding_window), USE_SOFTCAP=bool(softcap),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2,
     )
     return out
