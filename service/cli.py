@@ -25,12 +25,20 @@ def _generate(argv: list[str]) -> None:
         print(out["text"])
 
 
+def _serve(argv: list[str]) -> None:
+    from service import settings
+    from service.api.server import serve
+
+    serve(settings.parse(argv))
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    commands = {"generate": _generate, "bench": _bench}
+    commands = {"serve": _serve, "generate": _generate, "bench": _bench}
     if not argv or argv[0] not in commands:
-        print("usage: python -m service {generate,bench} ...\n"
+        print("usage: python -m service {serve,generate,bench} ...\n"
+              "  serve [--model M --port P ...]   the HTTP server (see serve --help)\n"
               "  generate PROMPT...   generate text offline\n"
               "  bench offline        offline throughput against transformers", file=sys.stderr)
         sys.exit(2)

@@ -36,3 +36,63 @@ def reference_greedy(loaded, prompt: list[int], max_new_tokens: int) -> list[int
     finally:
         model.set_attn_implementation(previous)
     return out[0, len(prompt):].tolist()
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """A real uvicorn server on 127.0.0.1 in a thread, serving an engine over an already loaded model."""
+
+    def __init__(self, loaded, engine_overrides: dict | None = None, **server_overrides):
+        import threading
+
+        import uvicorn
+
+        from service.api.app import create_app
+        from service.api.server import DrainingServer
+        from service.settings import ServerSettings, Settings
+
+        self.engine = make_engine(loaded, **(engine_overrides or {}))
+        port = free_port()
+        settings = Settings(server=ServerSettings(port=port, **server_overrides), engine=self.engine.config)
+        self.app = create_app(settings, engine=self.engine)
+        self.url = f"http://127.0.0.1:{port}"
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning",
+                                timeout_graceful_shutdown=5)
+        self.server = DrainingServer(config, self.app.state.server)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        import time
+
+        import httpx
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("server did not become ready")
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """True once the engine holds no request and every KV block is free."""
+        import time
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            blocks = self.engine.blocks
+            if not self.engine.has_unfinished() and blocks.num_free_blocks == blocks.num_usable_blocks:
+                return True
+            time.sleep(0.05)
+        return False

@@ -115,14 +115,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if cuda:
         torch.cuda.empty_cache()
     peers = [p for p in args.peers.split(",") if p and p != "none"]
-    with torch.inference_mode():
-        if "static" in peers:
-            for b in static_batches:
-                rows.append(run_static(hf_model, prompts, output_len, b, device))
-                print(_fmt(rows[-1]), flush=True)
-        if "generate_batch" in peers:
-            rows.append(run_generate_batch(hf_model, prompts, output_len, device))
+    # peers run as their own docs show them (no inference_mode: generate_batch updates its tensors in place)
+    if "static" in peers:
+        for b in static_batches:
+            rows.append(run_static(hf_model, prompts, output_len, b, device))
             print(_fmt(rows[-1]), flush=True)
+    if "generate_batch" in peers:
+        rows.append(run_generate_batch(hf_model, prompts, output_len, device))
+        print(_fmt(rows[-1]), flush=True)
     hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
     machine = torch.cuda.get_device_name() if cuda else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"

@@ -27,6 +27,7 @@ class AsyncEngine:
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self.error: BaseException | None = None
+        self._queued = 0  # adds in the inbox, not yet handed to the engine
 
     def start(self) -> "AsyncEngine":
         self._thread.start()
@@ -41,14 +42,28 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted and not yet running: the engine's waiting queue plus those still in the inbox."""
+        return self.engine.num_waiting + self._queued
+
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
+               request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Validate now (raises InvalidRequestError), then stream outputs once iterated."""
         if not self.running:
             raise EngineDeadError("the engine loop is not running")
-        seq = self.engine.make_sequence(prompt, params, request_id)  # raises InvalidRequestError
+        return self._stream(self.engine.make_sequence(prompt, params, request_id))
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        async for out in self.submit(prompt, params, request_id):
+            yield out
+
+    async def _stream(self, seq) -> AsyncIterator[RequestOutput]:
         rid = seq.request_id
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), outputs)
+        self._queued += 1
         self._inbox.put(("add", seq))
         self._wake.set()
         finished = False
@@ -98,6 +113,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
+                self._queued -= 1
                 if item.request_id in self._streams:
                     self.engine.add_sequence(item)
             else:

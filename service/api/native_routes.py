@@ -1,0 +1,55 @@
+"""Native routes: /generate (with the request's own timings), /health and /ready."""
+
+import uuid
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+
+from service.api.app import ServerState, collect, get_state
+from service.api.errors import APIError
+from service.api.schemas import GenerateRequest
+from service.api.streaming import sse, timings, usage
+
+public = APIRouter()  # no API key: probes and scrapers
+router = APIRouter()
+
+
+@public.get("/health")
+async def health():
+    """The process is alive and its event loop answers."""
+    return {"status": "ok"}
+
+
+@public.get("/ready")
+async def ready(state: ServerState = Depends(get_state)):
+    """The model is loaded and the engine loop runs (and the server is not draining)."""
+    if state.ready:
+        return {"status": "ready", "model": state.model_name}
+    reason = ("draining" if state.draining else "failed: " + repr(state.load_error) if state.load_error
+              else "engine stopped" if state.facade is not None else "loading")
+    return JSONResponse({"status": "not ready", "reason": reason}, status_code=503, headers={"Retry-After": "5"})
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request, state: ServerState = Depends(get_state)):
+    rid = f"gen-{uuid.uuid4().hex}"
+    stream = state.submit(body.single_prompt(), body.sampling_params(body.max_tokens, body.logprobs), rid)
+
+    def final(out) -> dict:
+        return {"id": rid, "finish_reason": out.finish_reason, "usage": usage(out), "timings": timings(out.timings)}
+
+    if body.stream:
+        async def events():
+            async for out in stream:
+                if out.finish_reason == "error":
+                    raise APIError(500, "generation failed inside the engine", type="internal_error")
+                event = {"text": out.text_delta, "token_ids": out.new_token_ids}
+                yield {**event, **final(out)} if out.finished else event
+        return sse(events())
+
+    outs = await collect(request, stream)
+    last = outs[-1]
+    if last.finish_reason == "error":
+        raise APIError(500, "generation failed inside the engine", type="internal_error")
+    return {"text": "".join(o.text_delta for o in outs), "token_ids": [t for o in outs for t in o.new_token_ids],
+            **final(last)}

@@ -1,0 +1,72 @@
+"""Server-sent events and the token-level details (logprobs, timings) that responses carry."""
+
+import json
+from collections.abc import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from service.api.errors import to_api_error
+from service.engine import RequestOutput
+from service.engine.sequence import Timings
+
+
+def sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    """Each event as `data: <json>`, then `data: [DONE]`; an error mid-stream becomes an error event."""
+
+    async def body():
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+        except Exception as exc:
+            yield f"data: {json.dumps(to_api_error(exc).body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+
+def completion_logprobs(tokenizer, outs: list[RequestOutput], offset: int = 0) -> dict:
+    """OpenAI completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+    result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for out in outs:
+        for token_id, (logprob, top) in zip(out.new_token_ids, out.new_logprobs):
+            text = token_text(tokenizer, token_id)
+            result["tokens"].append(text)
+            result["token_logprobs"].append(logprob)
+            result["top_logprobs"].append({token_text(tokenizer, t): lp for t, lp in top})
+            result["text_offset"].append(offset)
+            offset += len(text)
+    return result
+
+
+def chat_logprobs(tokenizer, outs: list[RequestOutput]) -> dict:
+    """OpenAI chat shape: content = [{token, logprob, bytes, top_logprobs: [...]}]."""
+
+    def entry(token_id: int, logprob: float) -> dict:
+        text = token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = []
+    for out in outs:
+        for token_id, (logprob, top) in zip(out.new_token_ids, out.new_logprobs):
+            content.append({**entry(token_id, logprob), "top_logprobs": [entry(t, lp) for t, lp in top]})
+    return {"content": content}
+
+
+def usage(out: RequestOutput) -> dict:
+    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
+            "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+
+
+def timings(t: Timings) -> dict:
+    """The request's own clock, in seconds from its arrival."""
+    rel = lambda x: None if x is None else x - t.arrival
+    times = [x - t.arrival for x in t.token_times]
+    return {"queue": rel(t.first_scheduled), "ttft": rel(t.first_token), "token_times": times,
+            "inter_token": [b - a for a, b in zip(times, times[1:])],
+            "total": rel(t.finished if t.finished is not None else (t.token_times or [None])[-1])}

@@ -1,0 +1,71 @@
+"""The one settings object: every server and engine option, as a CLI flag and an environment variable.
+
+Each field `foo_bar` is the flag `--foo-bar` and the variable `LLM_FOO_BAR`; a flag beats the variable,
+the variable beats the default.
+"""
+
+import argparse
+import dataclasses
+import os
+import typing
+
+from service.engine.config import EngineConfig
+
+
+@dataclasses.dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # when set, every /v1 and /generate request needs `Authorization: Bearer <key>`
+    served_model_name: str | None = None  # the name clients send; None: the model's own name
+    max_waiting: int = 256  # requests waiting for a slot beyond this get 503 + Retry-After
+    drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests before exiting
+    log_level: str = "info"
+
+
+@dataclasses.dataclass
+class Settings:
+    server: ServerSettings = dataclasses.field(default_factory=ServerSettings)
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+
+
+ENV_PREFIX = "LLM_"
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
+
+
+def _converter(annotation):
+    hints = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    kind = hints[0]
+    if kind is bool:
+        return _parse_bool
+    return {int: int, float: float}.get(kind, str)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for section in (ServerSettings, EngineConfig):
+        group = parser.add_argument_group(section.__name__)
+        hints = typing.get_type_hints(section)
+        for f in dataclasses.fields(section):
+            convert = _converter(hints[f.name])
+            env = ENV_PREFIX + f.name.upper()
+            default = convert(os.environ[env]) if env in os.environ else f.default
+            group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=convert, default=default,
+                               metavar=f.name.upper(), help=f"(env {env}; default {f.default!r})")
+
+
+def from_namespace(args: argparse.Namespace) -> Settings:
+    pick = lambda cls: cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    return Settings(server=pick(ServerSettings), engine=pick(EngineConfig))
+
+
+def parse(argv: list[str] | None = None, prog: str = "service serve") -> Settings:
+    parser = argparse.ArgumentParser(prog=prog, description="Serve a model over HTTP (OpenAI-compatible).")
+    add_arguments(parser)
+    return from_namespace(parser.parse_args(argv))
