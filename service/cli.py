@@ -1,8 +1,14 @@
 """One console entry point: `python -m service <command>` or `llm-service <command>`."""
 
 import argparse
+import importlib
 import logging
 import sys
+
+# bench subcommands: each is a module of service.bench with a main(argv)
+BENCHES = {"offline": "offline throughput against transformers on the same weights",
+           "serve": "load generator against any OpenAI-compatible server",
+           "compare": "compare two bench serve results; non-zero exit on a regression"}
 
 
 def _generate(argv: list[str]) -> None:
@@ -32,6 +38,14 @@ def _serve(argv: list[str]) -> None:
     serve(settings.parse(argv))
 
 
+def _bench(argv: list[str]) -> None:
+    if not argv or argv[0] not in BENCHES:
+        print("usage: python -m service bench {%s} [options]\n%s" % (
+            ",".join(BENCHES), "\n".join(f"  {k:8} {v}" for k, v in BENCHES.items())), file=sys.stderr)
+        sys.exit(2)
+    importlib.import_module(f"service.bench.{argv[0]}").main(argv[1:])
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -39,16 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] not in commands:
         print("usage: python -m service {serve,generate,bench} ...\n"
               "  serve [--model M --port P ...]   the HTTP server (see serve --help)\n"
-              "  generate PROMPT...   generate text offline\n"
-              "  bench offline        offline throughput against transformers", file=sys.stderr)
+              "  generate PROMPT...               generate text offline\n"
+              "  bench {%s}   benchmarks and load generation" % ",".join(BENCHES), file=sys.stderr)
         sys.exit(2)
     commands[argv[0]](argv[1:])
-
-
-def _bench(argv: list[str]) -> None:
-    if not argv or argv[0] != "offline":
-        print("usage: python -m service bench offline [options]", file=sys.stderr)
-        sys.exit(2)
-    from service.bench import offline
-
-    offline.main(argv[1:])

@@ -1,0 +1,1 @@
+"""Telemetry: Prometheus metrics, OpenTelemetry traces and the GPU sampler."""

@@ -1,0 +1,106 @@
+"""Every Prometheus metric the service exports: names, types, labels, buckets and help text, in one place.
+
+Dashboards and alerts in deploy/ query these names; change them only together with those files.
+Each server owns a `Metrics` with its own registry (process collectors included), so values are exact.
+"""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
+
+disable_created_metrics()  # `*_created` series add nothing the dashboards use
+
+# Latency buckets fit LLM serving: first tokens from a few ms to a minute, token gaps from 1 ms to seconds.
+# 0.5 s is a boundary on purpose: the default TTFT SLO in deploy/ counts requests under it.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+                7.5, 10.0, 20.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+               0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0,
+                    180.0, 300.0, 600.0)
+QUEUE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5,
+                1.0, 2.5, 5.0)
+BATCH_TOKEN_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+PHASES = ("prefill", "decode", "mixed")
+
+
+class Metrics:
+    """The metric catalog of one server, every request metric bound to its `model` label."""
+
+    def __init__(self, model: str, registry: CollectorRegistry | None = None):
+        self.model = model
+        self.registry = r = registry or CollectorRegistry()
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        m = ["model"]
+
+        def histogram(name, doc, buckets, labels=m):
+            return Histogram(name, doc, labels, registry=r, buckets=buckets)
+
+        self.ttft = histogram("llm_time_to_first_token_seconds",
+                              "Time from a request's arrival to its first output token.", TTFT_BUCKETS)
+        self.itl = histogram("llm_time_per_output_token_seconds",
+                             "Gap between consecutive output tokens of a request (inter-token latency).", ITL_BUCKETS)
+        self.duration = histogram("llm_request_duration_seconds",
+                                  "Time from a request's arrival to its last token (end to end).", DURATION_BUCKETS)
+        self.queue = histogram("llm_request_queue_seconds",
+                               "Time from a request's arrival to its first scheduling.", QUEUE_BUCKETS)
+        self.prefill = histogram("llm_request_prefill_seconds",
+                                 "Time from a request's first scheduling to its first output token.", TTFT_BUCKETS)
+        self.decode = histogram("llm_request_decode_seconds",
+                                "Time from a request's first output token to its last.", DURATION_BUCKETS)
+        self.prompt_tokens = Counter("llm_prompt_tokens", "Prompt tokens of requests that reached their first "
+                                     "output token (prefill throughput is its rate).", m, registry=r)
+        self.generation_tokens = Counter("llm_generation_tokens", "Output tokens generated (output throughput is "
+                                         "its rate).", m, registry=r)
+        self.requests = Counter("llm_requests", "Finished requests, by why they finished: stop (stop token or "
+                                "string), length (max_tokens or context), abort (client gone), error.",
+                                ["model", "finish_reason"], registry=r)
+        self.http_requests = Counter("llm_http_requests", "HTTP requests answered, by route template and status "
+                                     "code (rejections included).", ["model", "route", "status"], registry=r)
+        self.running = Gauge("llm_requests_running", "Requests being generated (in the running batch).", m,
+                             registry=r)
+        self.waiting = Gauge("llm_requests_waiting", "Requests waiting to be scheduled (preempted ones included).",
+                             m, registry=r)
+        self.kv_usage = Gauge("llm_kv_cache_usage_ratio", "Share of KV cache blocks in use by requests.", m,
+                              registry=r)
+        self.preemptions = Counter("llm_preemptions", "Requests preempted (blocks freed, recomputed later) because "
+                                   "the KV cache was full.", m, registry=r)
+        self.step_seconds = histogram("llm_engine_step_seconds", "Duration of one engine step (one forward pass and "
+                                      "sampling), by phase.", STEP_BUCKETS, ["model", "phase"])
+        self.batch_tokens = histogram("llm_batch_tokens", "Tokens computed in one engine step, by phase.",
+                                      BATCH_TOKEN_BUCKETS, ["model", "phase"])
+
+        # children bound to this server's model, so the hot path does no label lookups
+        self.ttft_m, self.itl_m, self.duration_m = self.ttft.labels(model), self.itl.labels(model), \
+            self.duration.labels(model)
+        self.queue_m, self.prefill_m, self.decode_m = self.queue.labels(model), self.prefill.labels(model), \
+            self.decode.labels(model)
+        self.prompt_tokens_m = self.prompt_tokens.labels(model)
+        self.generation_tokens_m = self.generation_tokens.labels(model)
+        self.preemptions_m = self.preemptions.labels(model)
+        self.running_m, self.waiting_m, self.kv_usage_m = self.running.labels(model), self.waiting.labels(model), \
+            self.kv_usage.labels(model)
+        self.finish_m = {reason: self.requests.labels(model, reason) for reason in FINISH_REASONS}
+        self.step_m = {phase: (self.step_seconds.labels(model, phase), self.batch_tokens.labels(model, phase))
+                       for phase in PHASES}
+        for gauge in (self.running_m, self.waiting_m, self.kv_usage_m):
+            gauge.set(0)
+
+
+class GPUMetrics:
+    """NVML readings per GPU (label `gpu`: the device index); registered only where NVML answers."""
+
+    def __init__(self, registry: CollectorRegistry):
+        g = ["gpu"]
+        self.utilization = Gauge("llm_gpu_utilization_ratio", "Share of the last sample period in which a kernel ran "
+                                 "on the GPU (NVML utilization.gpu / 100).", g, registry=registry)
+        self.memory_used = Gauge("llm_gpu_memory_used_bytes", "GPU memory in use, all processes.", g,
+                                 registry=registry)
+        self.memory_total = Gauge("llm_gpu_memory_total_bytes", "GPU memory in all.", g, registry=registry)
+        self.power = Gauge("llm_gpu_power_watts", "GPU power draw.", g, registry=registry)
+        self.temperature = Gauge("llm_gpu_temperature_celsius", "GPU core temperature.", g, registry=registry)
+        self.sm_clock = Gauge("llm_gpu_sm_clock_hertz", "Current SM clock.", g, registry=registry)
