@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families as parse_pro
 
 from service.engine import SamplingParams
 from service.telemetry.gpu import GPUSampler
+from service.telemetry.hub import BackgroundObserver
 from service.telemetry.metrics import GPUMetrics, Metrics
 from service.telemetry.recorder import EngineRecorder, observe_many
 from tests.conftest import LiveServer, free_port, make_engine
@@ -143,6 +144,25 @@ def test_grouped_observations_equal_single_ones():
     for v, n in Counter(values).items():
         observe_many(grouped, v, n)
     assert [s for f in single.collect() for s in f.samples] == [s for f in grouped.collect() for s in f.samples]
+
+
+def test_background_recording_survives_a_failing_step_and_flush_waits_for_it():
+    recorded = []
+
+    def observer(step, outputs):
+        time.sleep(0.01)
+        if step == "bad":
+            raise RuntimeError("a recording bug")
+        recorded.append(step)
+
+    background = BackgroundObserver(observer)
+    background.start()
+    for step in ["a", "bad", "b", "c"]:
+        background(step, [])
+    background.flush()
+    assert recorded == ["a", "b", "c"]
+    background.close()
+    assert not background._thread.is_alive()
 
 
 # -- /metrics over HTTP ----------------------------------------------------------------------------------
