@@ -131,19 +131,23 @@ def overview() -> dict:
     panels = [
         row("Now"),
         stat("Requests/s", "Finished generation requests per second (5-minute rate).",
-             f"sum(instance_model:llm_requests:rate5m{{{SEL}}})", "reqps", decimals=2, w=4),
+             f"sum(instance_model:llm_requests:rate5m{{{SEL}}})", "reqps", decimals=2),
         stat("Error ratio", "Generation requests answered 5xx or failed in the engine (the availability SLI).",
-             errors, "percentunit", [(0.01, "orange"), (0.05, "red")], w=4),
+             errors, "percentunit", [(0.01, "orange"), (0.05, "red")]),
         stat("TTFT p95", "95th percentile of time to first token, 5 minutes.",
              f"histogram_quantile(0.95, sum by (le) (instance_model:llm_time_to_first_token_seconds_bucket:rate5m{{{SEL}}}))",
-             "s", [(0.5, "orange"), (1, "red")], w=4),
+             "s", [(0.5, "orange"), (1, "red")]),
         stat("Inter-token p95", "95th percentile of the gap between output tokens, 5 minutes.",
              f"histogram_quantile(0.95, sum by (le) (instance_model:llm_time_per_output_token_seconds_bucket:rate5m{{{SEL}}}))",
-             "s", [(0.05, "orange"), (0.1, "red")], w=4),
+             "s", [(0.05, "orange"), (0.1, "red")]),
+        stat("Request p95, worst instance", "95th percentile of end-to-end request duration on the slowest "
+             "selected instance, 5 minutes.",
+             f'max(instance_model:llm_request_duration_seconds:quantile_rate5m{{quantile="0.95", {SEL}}})', "s"),
         stat("Output tokens/s", "Generated tokens per second (5-minute rate).",
-             f"sum(instance_model:llm_generation_tokens:rate5m{{{SEL}}})", "suffix: tok/s", decimals=1, w=4),
+             f"sum(instance_model:llm_generation_tokens:rate5m{{{SEL}}})", "suffix: tok/s", decimals=1),
+        stat("Running", "Requests in the running batch, now.", f"sum(llm_requests_running{{{SEL}}})", "short"),
         stat("Waiting", "Requests waiting for a slot in the batch, now.", f"sum(llm_requests_waiting{{{SEL}}})",
-             "short", [(1, "orange"), (8, "red")], w=4),
+             "short", [(1, "orange"), (8, "red")]),
 
         row("Traffic"),
         timeseries("Requests by finish reason", "Finished requests per second: stop (stop token or string), "
@@ -199,11 +203,13 @@ def overview() -> dict:
                    [target(f"histogram_quantile({q}, sum by (phase, le) (instance_model:llm_engine_step_seconds_bucket:"
                            f"rate5m{{{SEL}}}))", f"{{{{phase}}}} p{float(q) * 100:g}") for q in ("0.5", "0.95")],
                    "s"),
-        timeseries("Tokens per step", "Mean tokens computed in one engine step, by phase: the batch size the "
-                   "scheduler achieves.",
+        timeseries("Tokens per step", "Tokens computed in one engine step, by phase (mean and p95): the batch "
+                   "size the scheduler achieves. Every step is one observation of step time and of batch tokens.",
                    [target(f"sum by (phase) (instance_model:llm_batch_tokens_sum:rate5m{{{SEL}}})"
                            f" / sum by (phase) (instance_model:llm_engine_step_seconds_count:rate5m{{{SEL}}})",
-                           "{{phase}}")], "short"),
+                           "{{phase}} mean"),
+                    target(f"histogram_quantile(0.95, sum by (phase, le) (instance_model:llm_batch_tokens_bucket:"
+                           f"rate5m{{{SEL}}}))", "{{phase}} p95")], "short"),
         timeseries("Steps per second", "Engine steps per second, by phase.",
                    [target(f"sum by (phase) (instance_model:llm_engine_step_seconds_count:rate5m{{{SEL}}})",
                            "{{phase}}")], "ops", stack=True),
