@@ -218,7 +218,7 @@ def overview() -> dict:
         {"type": "table", "title": "Recent generation requests (Tempo)", "_size": (24, 8), "datasource": TEMPO,
          "description": "The latest generation spans; click a trace id to open it.",
          "targets": [{"datasource": TEMPO, "queryType": "traceql", "limit": 20, "tableType": "traces",
-                      "query": '{resource.service.name="llm-service" && span.gen_ai.request.model=~"$model"}'}],
+                      "query": '{resource.service.name="llm-service" && span.gen_ai.request.model=~"${model:regex}"}'}],
          "fieldConfig": {"defaults": {}, "overrides": []}, "options": {"showHeader": True}},
     ]
     return dashboard("llm-overview", "LLM service overview", "Traffic, errors, latency and engine state of "
