@@ -3,8 +3,10 @@
 import asyncio
 import json
 import logging
+import re
 import time
 from collections import Counter
+from pathlib import Path
 
 import httpx
 import pytest
@@ -15,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families as parse_pro
 
 from service.engine import SamplingParams
 from service.telemetry.gpu import GPUSampler
-from service.telemetry.metrics import Metrics
+from service.telemetry.metrics import GPUMetrics, Metrics
 from service.telemetry.recorder import EngineRecorder, observe_many
 from tests.conftest import LiveServer, free_port, make_engine
 from tests.otlp import HangingCollector, Receiver
@@ -57,6 +59,18 @@ def phases_total(metrics: Metrics, name: str) -> float:
 def assert_at_rest(metrics: Metrics) -> None:
     for gauge in ("llm_requests_running", "llm_requests_waiting", "llm_kv_cache_usage_ratio"):
         assert value(metrics, gauge) == 0, gauge
+
+
+def test_readme_metric_table_is_the_catalog():
+    readme = Path(__file__).parent.parent / "README.md"
+    rows = dict(re.findall(r"^\| (llm_\w+) \| (\w+) \|", readme.read_text(), re.M))
+    registry = CollectorRegistry()
+    Metrics(MODEL, registry)
+    GPUMetrics(registry)
+    exported = {f.name + ("_total" if f.type == "counter" else ""): f.type
+                for f in registry.collect() if f.name.startswith("llm_")}
+    assert rows == exported
+    assert {name.removesuffix("_total") for name in rows} == set(CATALOG) | set(GPU_GAUGES)
 
 
 # -- the recorder, on the engine alone -------------------------------------------------------------------
