@@ -164,16 +164,21 @@ def dockerfile_command() -> list[str]:
 
 # ---------------------------------------------------------------- load
 
-def send_load(base: str, seconds: float = 8.0, max_requests: int = 400) -> dict[str, int]:
-    """Completions, streamed completions and native requests with token-id prompts, plus a few bad ones."""
+def send_load(base: str, seconds: float = 8.0, min_requests: int = 40, max_requests: int = 400) -> dict[str, int]:
+    """Completions, streamed completions and native requests with token-id prompts, plus a few bad ones:
+    for `seconds`, and on until `min_requests` were sent however slow a busy machine is (within 120 s)."""
     statuses: dict[str, int] = {}
-    stop = time.monotonic() + seconds
+    start = time.monotonic()
     lock = threading.Lock()
     sent = [0]
 
+    def more() -> bool:
+        elapsed = time.monotonic() - start
+        return elapsed < seconds or (sent[0] < min_requests and elapsed < 120)
+
     def worker(i: int):
         with httpx.Client(base_url=base, timeout=60) as client:
-            while time.monotonic() < stop:
+            while more():
                 with lock:
                     if sent[0] >= max_requests:
                         return
