@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--all", action="store_true", help="also show the information-only numbers")
     args = ap.parse_args(argv)
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)
     try:
         threshold = parse_threshold(args.threshold)
         with open(args.base) as f:

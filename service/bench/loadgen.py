@@ -54,16 +54,16 @@ class LoadSpec:
 
 
 class Slots:
-    """A concurrency cap that tells each waiter when its slot was freed (so waiting is not counted as lag)."""
+    """A concurrency cap that tells each taker when its slot was freed (so waiting is not counted as lag)."""
 
     def __init__(self, n: int):
-        self.free, self.waiters = n, deque()
+        self.free: deque[float | None] = deque([None] * n)  # when each free slot was freed; None: at the start
+        self.waiters: deque[asyncio.Future] = deque()
 
     async def acquire(self) -> float | None:
-        """None when a slot was free at once, else the perf_counter time at which one was handed over."""
-        if self.free > 0 and not self.waiters:
-            self.free -= 1
-            return None
+        """The perf_counter time at which the slot taken was freed (None: free from the start)."""
+        if self.free and not self.waiters:
+            return self.free.popleft()
         waiter = asyncio.get_running_loop().create_future()
         self.waiters.append(waiter)
         return await waiter
@@ -75,7 +75,7 @@ class Slots:
             if not waiter.done():
                 waiter.set_result(now)
                 return
-        self.free += 1
+        self.free.append(now)
 
 
 @dataclass

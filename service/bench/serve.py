@@ -188,6 +188,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     args.argv = argv
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)  # logs and pipes: wide enough that the tables do not wrap
     try:
         percentiles = stats.parse_percentiles(args.percentiles)
         slos = [stats.parse_slo(s) for s in args.slo]
