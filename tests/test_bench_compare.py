@@ -17,7 +17,8 @@ def test_each_metric_knows_its_better_direction():
     assert compare.direction("output_throughput") == compare.direction("goodput") == 1
     assert compare.direction("slo_attainment.ttft") == compare.direction("requests.completed") == 1
     # the generator's own numbers and the run's size inform, never fail
-    for metric in ("dispatch_lag_ms.p99", "achieved_rate", "duration_s", "requests.sent", "concurrency.mean"):
+    for metric in ("dispatch_lag_ms.p99", "achieved_rate", "duration_s", "requests.sent", "concurrency.mean",
+                   "generator.cpu_share"):
         assert compare.direction(metric) == 0
 
 

@@ -92,13 +92,13 @@ async def _read_stream(resp: httpx.Response, result: RequestResult, chat: bool, 
     """Consume the SSE stream; returns the usage; sets e2e at `data: [DONE]`, or an error kind."""
     usage = None
     async for line in resp.aiter_lines():
-        if not line.startswith("data:"):
-            continue  # blank separators, comments, `event:` lines
-        now = time.perf_counter()
+        if result.e2e is not None or not line.startswith("data:"):
+            continue  # blank separators, comments, `event:` lines; after [DONE], read to the end of the body
+        now = time.perf_counter()  # so that the connection goes back to the pool instead of being closed
         data = line[5:].strip()
         if data == "[DONE]":
             result.e2e = now - t0
-            return usage
+            continue
         chunk = json.loads(data)
         if "error" in chunk:
             result.error, result.message = "stream_error", _error_message(data.encode())
@@ -106,7 +106,8 @@ async def _read_stream(resp: httpx.Response, result: RequestResult, chat: bool, 
         if _bears_token(chunk, chat, bool(result.chunk_times)):
             result.chunk_times.append(now - t0)
         usage = chunk.get("usage") or usage
-    result.error, result.message = "truncated_stream", "the stream ended without data: [DONE]"
+    if result.e2e is None:
+        result.error, result.message = "truncated_stream", "the stream ended without data: [DONE]"
     return usage
 
 

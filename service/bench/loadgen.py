@@ -83,6 +83,7 @@ class LoadRun:
     results: list[RequestResult]
     duration: float  # seconds from the run's start to the last request's end
     started_at: float  # wall-clock (time.time()) of the start
+    cpu_seconds: float  # CPU time this process spent during the run: the generator's own cost
 
 
 async def run_load(spec: LoadSpec, sample_at: Callable, on_done: Callable[[RequestResult], None] | None = None
@@ -108,7 +109,7 @@ async def run_load(spec: LoadSpec, sample_at: Callable, on_done: Callable[[Reque
                 on_done(result)
 
         offsets = arrival_offsets(spec.request_rate, spec.burstiness, spec.seed, spec.constant_rate)
-        started_at, start = time.time(), time.perf_counter()
+        started_at, cpu_start, start = time.time(), time.process_time(), time.perf_counter()
         deadline = start + spec.duration if spec.duration else math.inf
         counter = range(spec.num_requests) if spec.num_requests is not None else itertools.count()
         for i in counter:
@@ -128,4 +129,5 @@ async def run_load(spec: LoadSpec, sample_at: Callable, on_done: Callable[[Reque
             results.append(result)
             tasks.append(asyncio.create_task(one(result, body)))
         await asyncio.gather(*tasks)
-    return LoadRun(results, max((r.ended for r in results), default=0.0), started_at)
+        cpu = time.process_time() - cpu_start
+    return LoadRun(results, max((r.ended for r in results), default=0.0), started_at, cpu)

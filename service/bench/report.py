@@ -64,6 +64,9 @@ def print_summary(console: Console, summary: dict, title: str = "bench serve", c
     gen.add_row("dispatch lag mean / p99 / max (ms)", " / ".join(
         _fmt(s[f"dispatch_lag_ms.{k}"], 3) for k in ("mean", "p99", "max")))
     gen.add_row("concurrency mean / max", f"{_fmt(s['concurrency.mean'])} / {s['concurrency.max']}")
+    if "generator.cpu_s" in s:
+        gen.add_row("generator CPU (s, share of one core)",
+                    f"{_fmt(s['generator.cpu_s'])} ({s['generator.cpu_share']:.1%})")
     console.print(gen)
 
     if crosscheck is not None:

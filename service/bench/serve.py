@@ -152,7 +152,7 @@ def run_once(args: argparse.Namespace, spec: LoadSpec, workload, prompt_kind: st
     finally:
         if bar:
             bar.stop()
-    summary = summarize(run.results, run.duration, percentiles, slos, spec.request_rate)
+    summary = summarize(run.results, run.duration, percentiles, slos, spec.request_rate, run.cpu_seconds)
     settings = run_settings(args, spec, prompt_kind)
     settings["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(run.started_at))
     document = {"settings": settings, "summary": summary,

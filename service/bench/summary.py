@@ -34,7 +34,8 @@ def max_in_flight(results: list[RequestResult]) -> int:
 
 
 def summarize(results: list[RequestResult], duration: float, percentiles=stats.DEFAULT_PERCENTILES,
-              slos=(), offered_rate: float = math.inf) -> dict:
+              slos=(), offered_rate: float = math.inf, cpu_seconds: float | None = None) -> dict:
+    """`cpu_seconds`: the generator process's CPU time during the run (its own cost, if no server shares it)."""
     ok = [r for r in results if r.ok]
     ttft = np.array([r.ttft for r in ok], dtype=float)
     e2e = np.array([r.e2e for r in ok], dtype=float)
@@ -76,4 +77,7 @@ def summarize(results: list[RequestResult], duration: float, percentiles=stats.D
     s["achieved_rate"] = _rate([r.sent for r in results])
     s["concurrency.mean"] = per_second(sum(r.ended - r.sent for r in results))
     s["concurrency.max"] = max_in_flight(results)
+    if cpu_seconds is not None:
+        s["generator.cpu_s"] = cpu_seconds
+        s["generator.cpu_share"] = per_second(cpu_seconds)  # of one core
     return s
