@@ -24,11 +24,24 @@ class ServerSettings:
 
 
 @dataclasses.dataclass
+class TelemetrySettings:
+    """Metrics are always served at /metrics; traces go out over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set."""
+
+    metrics: bool = True  # record request and engine metrics (off: /metrics has process metrics only)
+    trace_sample_ratio: float = 1.0  # share of new traces kept; a sampled incoming traceparent is always kept
+    trace_engine_steps: bool = True  # a span per engine step, linked to the requests in its batch
+    trace_text: bool = False  # put prompt and output text in request spans
+    gpu_sample_interval: float = 5.0  # seconds between NVML readings; 0: no GPU metrics
+
+
+@dataclasses.dataclass
 class Settings:
     server: ServerSettings = dataclasses.field(default_factory=ServerSettings)
+    telemetry: TelemetrySettings = dataclasses.field(default_factory=TelemetrySettings)
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
 
 
+SECTIONS = {"server": ServerSettings, "telemetry": TelemetrySettings, "engine": EngineConfig}
 ENV_PREFIX = "LLM_"
 
 
@@ -49,7 +62,7 @@ def _converter(annotation):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    for section in (ServerSettings, EngineConfig):
+    for section in SECTIONS.values():
         group = parser.add_argument_group(section.__name__)
         hints = typing.get_type_hints(section)
         for f in dataclasses.fields(section):
@@ -62,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def from_namespace(args: argparse.Namespace) -> Settings:
     pick = lambda cls: cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
-    return Settings(server=pick(ServerSettings), engine=pick(EngineConfig))
+    return Settings(**{name: pick(cls) for name, cls in SECTIONS.items()})
 
 
 def parse(argv: list[str] | None = None, prog: str = "service serve") -> Settings:

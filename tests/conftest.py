@@ -48,18 +48,21 @@ def free_port() -> int:
 class LiveServer:
     """A real uvicorn server on 127.0.0.1 in a thread, serving an engine over an already loaded model."""
 
-    def __init__(self, loaded, engine_overrides: dict | None = None, **server_overrides):
+    def __init__(self, loaded, engine_overrides: dict | None = None, telemetry: dict | None = None,
+                 **server_overrides):
         import threading
 
         import uvicorn
 
         from service.api.app import create_app
         from service.api.server import DrainingServer
-        from service.settings import ServerSettings, Settings
+        from service.settings import ServerSettings, Settings, TelemetrySettings
 
         self.engine = make_engine(loaded, **(engine_overrides or {}))
         port = free_port()
-        settings = Settings(server=ServerSettings(port=port, **server_overrides), engine=self.engine.config)
+        self.host = f"127.0.0.1:{port}"
+        settings = Settings(server=ServerSettings(port=port, **server_overrides), engine=self.engine.config,
+                            telemetry=TelemetrySettings(**(telemetry or {})))
         self.app = create_app(settings, engine=self.engine)
         self.url = f"http://127.0.0.1:{port}"
         config = uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning",

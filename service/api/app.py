@@ -1,4 +1,4 @@
-"""FastAPI app factory: loads the engine in the background, wires routes, auth and error handlers."""
+"""FastAPI app factory: loads the engine in the background, wires routes, auth, errors and telemetry."""
 
 import asyncio
 import logging
@@ -9,8 +9,12 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI, Request
 
 from service.api.errors import APIError, install_handlers, unavailable
+from service.api.middleware import HTTPMetrics
 from service.engine import AsyncEngine, LLMEngine, RequestOutput, SamplingParams
+from service.engine.models import display_name
 from service.settings import Settings
+from service.telemetry.hub import Telemetry
+from service.telemetry.tracing import traced
 
 log = logging.getLogger(__name__)
 
@@ -18,8 +22,9 @@ log = logging.getLogger(__name__)
 class ServerState:
     """What the routes share: the engine facade once loaded, the settings, and whether we are draining."""
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, telemetry: Telemetry):
         self.settings = settings
+        self.telemetry = telemetry
         self.facade: AsyncEngine | None = None
         self.load_error: BaseException | None = None
         self.draining = False
@@ -32,9 +37,11 @@ class ServerState:
     def model_name(self) -> str:
         return self.settings.server.served_model_name or self.facade.engine.model_name
 
+    @traced("model.load")
     def load(self, engine: LLMEngine | None = None) -> None:
         try:
             engine = engine or LLMEngine(self.settings.engine)
+            engine.observer = self.telemetry.observer
             self.facade = AsyncEngine(engine).start()
             log.info("model %s ready on %s", engine.model_name, engine.device)
         except BaseException as exc:  # keep serving /health; /ready reports the failure
@@ -48,16 +55,23 @@ class ServerState:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
                            type="invalid_request_error", param="model", code="model_not_found")
 
-    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str
+    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str, operation: str
                ) -> AsyncIterator[RequestOutput]:
-        """Admission control, then validation (400s are raised here, before any response starts)."""
+        """Admission control, then validation (400s are raised here, before any response starts).
+
+        `operation` names the request's span (gen_ai.operation.name: chat, text_completion, generate).
+        """
         if self.draining:
             raise unavailable("the server is shutting down", retry_after=5)
         if self.facade is None:
             raise unavailable("the model is still loading", retry_after=5)
         if self.facade.num_waiting >= self.settings.server.max_waiting:
             raise unavailable(f"too many requests waiting ({self.settings.server.max_waiting}); retry later")
-        return self.facade.submit(prompt, params, request_id)
+        stream = self.facade.submit(prompt, params, request_id)
+        tracing = self.telemetry.tracing
+        if tracing.enabled:
+            stream = tracing.generation(stream, request_id, operation, self.model_name, params, prompt)
+        return stream
 
 
 def get_state(request: Request) -> ServerState:
@@ -94,10 +108,13 @@ async def collect(request: Request, stream: AsyncIterator[RequestOutput]) -> lis
 def create_app(settings: Settings | None = None, engine: LLMEngine | None = None) -> FastAPI:
     """Build the app; with `engine`, serve that engine instead of loading one from the settings."""
     settings = settings or Settings()
-    state = ServerState(settings)
+    model = settings.server.served_model_name or (engine.model_name if engine else display_name(settings.engine.model))
+    telemetry = Telemetry(settings.telemetry, model)
+    state = ServerState(settings, telemetry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        telemetry.start()
         loader = threading.Thread(target=state.load, args=(engine,), name="model-loader", daemon=True)
         loader.start()
         yield
@@ -105,12 +122,21 @@ def create_app(settings: Settings | None = None, engine: LLMEngine | None = None
         loader.join()
         if state.facade is not None:
             state.facade.shutdown()
+        telemetry.shutdown()
 
     from service.api import native_routes, openai_routes
 
     app = FastAPI(title="llm-service", version="0.1.0", lifespan=lifespan)
     app.state.server = state
     install_handlers(app)
+    app.add_middleware(HTTPMetrics, counter=telemetry.metrics.http_requests, model=model)
+    if telemetry.tracing.enabled:
+        from opentelemetry import trace
+        from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+
+        trace.set_tracer_provider(telemetry.tracing.provider)  # for @traced; a no-op after the first server
+        FastAPIInstrumentor.instrument_app(app, tracer_provider=telemetry.tracing.provider,
+                                           excluded_urls="/health,/ready,/metrics", exclude_spans=["receive", "send"])
     app.include_router(native_routes.public)
     app.include_router(native_routes.router, dependencies=[Depends(require_api_key)])
     app.include_router(openai_routes.router, dependencies=[Depends(require_api_key)])

@@ -1,9 +1,9 @@
-"""Native routes: /generate (with the request's own timings), /health and /ready."""
+"""Native routes: /generate (with the request's own timings), /health, /ready and /metrics."""
 
 import uuid
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from service.api.app import ServerState, collect, get_state
 from service.api.errors import APIError
@@ -30,10 +30,18 @@ async def ready(state: ServerState = Depends(get_state)):
     return JSONResponse({"status": "not ready", "reason": reason}, status_code=503, headers={"Retry-After": "5"})
 
 
+@public.get("/metrics", include_in_schema=False)
+async def metrics(request: Request, state: ServerState = Depends(get_state)):
+    """Prometheus metrics; OpenMetrics (with exemplars) when the scraper asks for it."""
+    body, content_type = state.telemetry.render(request.headers.get("accept"))
+    return Response(body, media_type=content_type)
+
+
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request, state: ServerState = Depends(get_state)):
     rid = f"gen-{uuid.uuid4().hex}"
-    stream = state.submit(body.single_prompt(), body.sampling_params(body.max_tokens, body.logprobs), rid)
+    stream = state.submit(body.single_prompt(), body.sampling_params(body.max_tokens, body.logprobs), rid,
+                          "generate")
 
     def final(out) -> dict:
         return {"id": rid, "finish_reason": out.finish_reason, "usage": usage(out), "timings": timings(out.timings)}

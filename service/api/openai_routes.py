@@ -34,7 +34,8 @@ async def models(state: ServerState = Depends(get_state)):
 async def completions(body: CompletionRequest, request: Request, state: ServerState = Depends(get_state)):
     state.check_model(body.model)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    stream = state.submit(body.single_prompt(), body.sampling_params(body.max_tokens, body.logprobs), rid)
+    stream = state.submit(body.single_prompt(), body.sampling_params(body.max_tokens, body.logprobs), rid,
+                          "text_completion")
     tokenizer = state.facade.engine.tokenizer
     head = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
 
@@ -75,7 +76,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    stream = state.submit(prompt, body.sampling_params(max_tokens, body.num_logprobs), rid)
+    stream = state.submit(prompt, body.sampling_params(max_tokens, body.num_logprobs), rid, "chat")
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model}
 
     if body.stream:

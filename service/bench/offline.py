@@ -23,7 +23,8 @@ def _sync(device: torch.device) -> None:
 
 def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> dict:
     params = SamplingParams(max_tokens=output_len, min_tokens=output_len, ignore_eos=True, temperature=0)
-    engine.generate([p[:16] for p in prompts[:8]], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0))
+    # warm-up on the real prompts: every prefill shape is compiled and tuned before the clock starts
+    engine.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
     _sync(engine.device)
     steps, start = 0, time.perf_counter()
     for p in prompts:
@@ -35,6 +36,46 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> 
     elapsed = time.perf_counter() - start
     return {"system": "this engine (all at once)", "output_tokens": len(prompts) * output_len,
             "seconds": elapsed, "steps": steps}
+
+
+def telemetry_overhead(engine: LLMEngine, prompts: list[list[int]], output_len: int, repeats: int = 5) -> list[dict]:
+    """The engine without and with the server's telemetry observer, alternating so drift hits both alike.
+
+    'on' is what a server records: every metric, plus engine-step spans when OTEL_EXPORTER_OTLP_ENDPOINT
+    is set (exported over OTLP as in production) and GPU sampling on CUDA. The observer runs between
+    steps, on the engine's thread, so the time spent inside it is its direct cost; it is reported too,
+    since it does not drown in run-to-run noise as wall-clock differences do.
+    """
+    from service.settings import TelemetrySettings
+    from service.telemetry.hub import Telemetry
+
+    telemetry = Telemetry(TelemetrySettings(), engine.model_name)
+    telemetry.start()
+    observe, inside = telemetry.observer, [0.0]
+
+    def timed(step, outputs):
+        start = time.perf_counter()
+        observe(step, outputs)
+        inside[0] += time.perf_counter() - start
+
+    runs = {"off": [], "on": []}
+    try:
+        for _ in range(repeats):
+            for label, observer in (("off", None), ("on", timed)):
+                engine.observer = observer
+                runs[label].append(run_engine(engine, prompts, output_len)["seconds"])
+    finally:
+        engine.observer = None
+        telemetry.shutdown()
+    tracing = "metrics + step traces over OTLP" if telemetry.tracing.enabled else "metrics"
+    rows = [{"system": f"this engine, telemetry {label} (median of {repeats})" + (f": {tracing}" if label == "on" else ""),
+             "output_tokens": len(prompts) * output_len, "seconds": sorted(runs[label])[repeats // 2],
+             "runs": runs[label]} for label in ("off", "on")]
+    rows[1]["observer_share"] = share = inside[0] / sum(runs["on"])
+    overhead = rows[1]["seconds"] / rows[0]["seconds"] - 1
+    print(f"telemetry: median run {overhead:+.1%} slower; time inside the observer {share:.2%} of engine time "
+          f"(runs off {[round(x, 3) for x in runs['off']]}, on {[round(x, 3) for x in runs['on']]})", flush=True)
+    return rows
 
 
 def run_static(model, prompts: list[list[int]], output_len: int, batch: int, device: torch.device) -> dict:
@@ -85,6 +126,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--peers", default="generate_batch,static",
                     help="comma list of generate_batch, static, none")
     ap.add_argument("--static-batch", default=None, help="comma list; default: 64 on CUDA, 1,16 on CPU")
+    ap.add_argument("--telemetry", action="store_true",
+                    help="also measure the engine without and with the server's telemetry (the overhead)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
 
@@ -109,6 +152,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = [run_engine(engine, prompts, output_len)]
     rows[0]["setup_seconds"] = setup
     print(_fmt(rows[-1]), flush=True)
+    if args.telemetry:
+        rows += telemetry_overhead(engine, prompts, output_len)
     hf_model = engine.runner.model
     del engine
     gc.collect()

@@ -3,8 +3,8 @@
 from service.engine.async_engine import AsyncEngine
 from service.engine.config import DEFAULT_MODEL, EngineConfig
 from service.engine.errors import EngineDeadError, EngineError, InvalidRequestError
-from service.engine.llm_engine import LLMEngine, RequestOutput, StepStats
+from service.engine.llm_engine import LLMEngine, RequestOutput, StepObserver, StepStats
 from service.engine.sampling import SamplingParams
 
 __all__ = ["AsyncEngine", "DEFAULT_MODEL", "EngineConfig", "EngineDeadError", "EngineError", "InvalidRequestError",
-           "LLMEngine", "RequestOutput", "SamplingParams", "StepStats"]
+           "LLMEngine", "RequestOutput", "SamplingParams", "StepObserver", "StepStats"]

@@ -8,19 +8,18 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from service.engine.errors import EngineDeadError
-from service.engine.llm_engine import LLMEngine, RequestOutput, StepStats
+from service.engine.llm_engine import LLMEngine, RequestOutput
 from service.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_step: Callable[[StepStats, LLMEngine], None] | None = None):
+    def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self.on_step = on_step  # called on the engine thread after every step (telemetry)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -94,8 +93,6 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 outputs = engine.step()
-                if self.on_step and engine.last_step:
-                    self.on_step(engine.last_step, engine)
                 for out in outputs:
                     self._deliver(out)
         except BaseException as exc:  # a bug in the loop: fail every waiting client instead of hanging

@@ -4,6 +4,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,17 +40,25 @@ class RequestOutput:
 
 @dataclass
 class StepStats:
-    """One engine step, for telemetry."""
+    """One engine step for telemetry: what ran, and the engine's load after it."""
 
-    phase: str
+    phase: str | None  # prefill, decode or mixed; None when no forward pass ran (an abort, a failed step)
     num_tokens: int
-    num_seqs: int
     duration: float
-    preempted: list[str]
+    request_ids: list[str]  # the batch
+    num_preempted: int
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+
+
+# Called on the engine's thread after every step and abort, with the outputs they produced.
+StepObserver = Callable[[StepStats, list["RequestOutput"]], None]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
+                 observer: StepObserver | None = None):
         self.config = config = config or EngineConfig()
         if config.device == "auto":
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -68,7 +77,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
-        self.last_step: StepStats | None = None
+        self.observer = observer
         self._ids = itertools.count()
 
     # -- requests -------------------------------------------------------------------------------------
@@ -132,7 +141,9 @@ class LLMEngine:
             return None
         self.scheduler.finish(seq, "abort")
         seq.timings.finished = time.perf_counter()
-        return self._output(seq, [], [])
+        out = self._output(seq, [], [])
+        self._observe([out])
+        return out
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -147,20 +158,24 @@ class LLMEngine:
 
     # -- steps ----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            self.last_step = None
+            self._observe([], batch)
             return []
-        start = time.perf_counter()
         phase = batch.phase
         for seq in batch.seqs:
             if seq.timings.first_scheduled is None:
                 seq.timings.first_scheduled = start
+        for seq in batch.preempted:
+            seq.timings.preempted.append(start)
         try:
             sampled, result = self.runner.execute(batch)
         except Exception:
             log.exception("engine step failed; failing its %d requests", len(batch.seqs))
-            return self._fail(batch)
+            outputs = self._fail(batch)
+            self._observe(outputs, batch)
+            return outputs
         now = time.perf_counter()
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
@@ -180,9 +195,18 @@ class LLMEngine:
                 seq.timings.finished = now
                 del self.seqs[seq.request_id]
             outputs.append(self._output(seq, [token], logprobs))
-        self.last_step = StepStats(phase, batch.num_tokens, len(batch.seqs), now - start,
-                                   [s.request_id for s in batch.preempted])
+        self._observe(outputs, batch, phase, time.perf_counter() - start)
         return outputs
+
+    def _observe(self, outputs: list[RequestOutput], batch: ScheduledBatch | None = None, phase: str | None = None,
+                 duration: float = 0.0) -> None:
+        if self.observer is None:
+            return
+        ran = phase is not None
+        self.observer(StepStats(phase, batch.num_tokens if ran else 0, duration,
+                                [s.request_id for s in batch.seqs] if ran else [],
+                                len(batch.preempted) if batch else 0,
+                                self.num_running, self.num_waiting, self.blocks.usage), outputs)
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

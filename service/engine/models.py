@@ -74,18 +74,25 @@ def default_gguf_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
 
 
+def display_name(spec: str) -> str:
+    """The name clients use for a model spec (known before loading it)."""
+    if spec == DEFAULT_MODEL:
+        return "SmolLM2-135M-Instruct"
+    if spec.startswith("random:"):
+        return spec
+    if spec.endswith(".gguf"):
+        return Path(spec).stem
+    return spec.rstrip("/").split("/")[-1]
+
+
 def load_model(spec: str, dtype: torch.dtype, device: torch.device, cache_dir: str | None = None,
                seed: int = 0, trust_remote_code: bool = False) -> LoadedModel:
     if spec.startswith("random:"):
         return _load_random(spec, dtype, device, seed)
-    if spec == DEFAULT_MODEL:
-        path, name = default_gguf_path(), "SmolLM2-135M-Instruct"
-    else:
-        path, name = Path(spec), spec.rstrip("/").split("/")[-1]
+    name = display_name(spec)
+    path = default_gguf_path() if spec == DEFAULT_MODEL else Path(spec)
     if path.suffix == ".gguf":
         folder = _convert_gguf(path, cache_dir)
-        if spec != DEFAULT_MODEL:
-            name = path.stem
     else:
         folder = path if path.exists() else spec  # a hub id when no such folder exists
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
@@ -101,7 +108,7 @@ def _load_random(spec: str, dtype: torch.dtype, device: torch.device, seed: int)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return _finish(model, None, spec)
+    return _finish(model, None, display_name(spec))
 
 
 def _finish(model, tokenizer, name: str) -> LoadedModel:

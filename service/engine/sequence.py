@@ -23,6 +23,7 @@ class Timings:
     first_scheduled: float | None = None
     first_token: float | None = None
     token_times: list[float] = field(default_factory=list)
+    preempted: list[float] = field(default_factory=list)
     finished: float | None = None
 
 

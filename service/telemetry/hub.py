@@ -1,0 +1,51 @@
+"""One server's telemetry: the metric catalog, the engine recorder, tracing and the GPU sampler.
+
+The API builds it, hands `observer` to the engine and serves `render` at /metrics; nothing here
+calls the engine.
+"""
+
+from prometheus_client.exposition import choose_encoder
+
+from service.engine import RequestOutput, StepObserver, StepStats
+from service.settings import TelemetrySettings
+from service.telemetry.gpu import GPUSampler
+from service.telemetry.metrics import Metrics
+from service.telemetry.recorder import EngineRecorder
+from service.telemetry.tracing import Tracing, make_provider
+
+
+class Telemetry:
+    def __init__(self, settings: TelemetrySettings, model: str):
+        self.settings = settings
+        self.metrics = Metrics(model)
+        self.tracing = Tracing(make_provider(settings.trace_sample_ratio), settings.trace_engine_steps,
+                               settings.trace_text)
+        self.recorder = EngineRecorder(self.metrics, self.tracing.trace_id) if settings.metrics else None
+        self.gpu: GPUSampler | None = None
+
+    @property
+    def observer(self) -> StepObserver | None:
+        """What the engine calls after each step; None when nothing is recorded (no cost at all)."""
+        if self.recorder and self.tracing.trace_steps:
+            return self._observe_both
+        if self.recorder:
+            return self.recorder
+        return self.tracing.step if self.tracing.trace_steps else None
+
+    def _observe_both(self, step: StepStats, outputs: list[RequestOutput]) -> None:
+        self.recorder(step, outputs)
+        self.tracing.step(step)
+
+    def start(self) -> None:
+        if self.settings.gpu_sample_interval > 0:
+            self.gpu = GPUSampler(self.metrics.registry, self.settings.gpu_sample_interval).start()
+
+    def shutdown(self) -> None:
+        if self.gpu is not None:
+            self.gpu.stop()
+        self.tracing.shutdown()
+
+    def render(self, accept: str | None) -> tuple[bytes, str]:
+        """The registry in the format the scraper asks for (OpenMetrics, with exemplars, or Prometheus text)."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.metrics.registry), content_type

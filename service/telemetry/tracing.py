@@ -1,0 +1,210 @@
+"""OpenTelemetry traces: exporter set-up from the standard OTEL_* variables, `@traced`, and request spans.
+
+Tracing is on when an OTLP endpoint is configured (OTEL_EXPORTER_OTLP_ENDPOINT or
+OTEL_EXPORTER_OTLP_TRACES_ENDPOINT). Spans leave through a batch processor on its own thread, so a
+collector that is down, slow or refusing costs dropped spans, never serving time.
+"""
+
+import functools
+import inspect
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+
+from opentelemetry import context, trace
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+
+from service import __version__
+from service.engine import RequestOutput, SamplingParams, StepStats
+from service.engine.sequence import Timings
+
+log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("service")  # the global provider's; the server sets it when tracing is on
+
+
+def traced(name: str | None = None, **attributes):
+    """Run the function (sync, async, generator or async generator) in a span named `name`."""
+
+    def decorate(fn):
+        span_name = name or fn.__qualname__
+
+        if inspect.isasyncgenfunction(fn):
+            @functools.wraps(fn)
+            async def agen(*args, **kwargs):
+                # the span is current only while the generator runs, never while its consumer does
+                span = _tracer.start_span(span_name, attributes=attributes)
+                ctx, gen = trace.set_span_in_context(span), fn(*args, **kwargs)
+                try:
+                    while True:
+                        token = context.attach(ctx)
+                        try:
+                            item = await gen.__anext__()
+                        except StopAsyncIteration:
+                            return
+                        finally:
+                            context.detach(token)
+                        yield item
+                except Exception as exc:
+                    _record_error(span, exc)
+                    raise
+                finally:
+                    await gen.aclose()
+                    span.end()
+            return agen
+
+        if inspect.isgeneratorfunction(fn):
+            @functools.wraps(fn)
+            def gen(*args, **kwargs):
+                with _tracer.start_as_current_span(span_name, attributes=attributes):
+                    yield from fn(*args, **kwargs)
+            return gen
+
+        if inspect.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def coro(*args, **kwargs):
+                with _tracer.start_as_current_span(span_name, attributes=attributes):
+                    return await fn(*args, **kwargs)
+            return coro
+
+        @functools.wraps(fn)
+        def sync(*args, **kwargs):
+            with _tracer.start_as_current_span(span_name, attributes=attributes):
+                return fn(*args, **kwargs)
+        return sync
+
+    return decorate
+
+
+def _record_error(span, exc: BaseException) -> None:
+    span.record_exception(exc)
+    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+
+
+def _env(name: str) -> str | None:
+    return os.environ.get(f"OTEL_EXPORTER_OTLP_TRACES_{name}") or os.environ.get(f"OTEL_EXPORTER_OTLP_{name}")
+
+
+def make_provider(sample_ratio: float):
+    """A TracerProvider exporting over OTLP as the OTEL_* variables say, or None when no endpoint is set."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true" or not _env("ENDPOINT") \
+            or os.environ.get("OTEL_TRACES_EXPORTER", "otlp") == "none":
+        return None
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    protocol = _env("PROTOCOL") or "http/protobuf"
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    elif protocol == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    else:
+        raise ValueError(f"OTLP protocol {protocol!r} is not supported: use grpc or http/protobuf")
+    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "llm-service"),
+                                "service.version": __version__})
+    # OTEL_TRACES_SAMPLER, when set, wins (the SDK reads it when no sampler is given)
+    sampler = None if "OTEL_TRACES_SAMPLER" in os.environ else ParentBased(TraceIdRatioBased(sample_ratio))
+    provider = TracerProvider(sampler=sampler, resource=resource, span_limits=SpanLimits(max_links=1024),
+                              shutdown_on_exit=False)
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    log.info("tracing on: OTLP %s to %s, sample ratio %s", protocol, _env("ENDPOINT"),
+             os.environ.get("OTEL_TRACES_SAMPLER_ARG", sample_ratio) if sampler is None else sample_ratio)
+    return provider
+
+
+class Tracing:
+    """One server's spans: a generation span per request, and engine-step spans linked to the requests."""
+
+    def __init__(self, provider=None, trace_steps: bool = True, trace_text: bool = False):
+        self.provider = provider
+        self.tracer = provider.get_tracer("service", __version__) if provider else None
+        self.trace_steps = trace_steps and provider is not None
+        self.trace_text = trace_text
+        self.active: dict[str, trace.Span] = {}  # request id -> its generation span, while it runs
+
+    @property
+    def enabled(self) -> bool:
+        return self.tracer is not None
+
+    def trace_id(self, request_id: str) -> str | None:
+        """The trace id of a running request's span, if it is sampled (its trace will exist)."""
+        span = self.active.get(request_id)
+        if span is None:
+            return None
+        ctx = span.get_span_context()
+        return trace.format_trace_id(ctx.trace_id) if ctx.trace_flags.sampled else None
+
+    async def generation(self, stream: AsyncIterator[RequestOutput], request_id: str, operation: str, model: str,
+                         params: SamplingParams, prompt: str | list[int]) -> AsyncIterator[RequestOutput]:
+        """Wrap a request's output stream in its span (a child of the current HTTP span)."""
+        attributes = {"gen_ai.operation.name": operation, "gen_ai.provider.name": "llm-service",
+                      "gen_ai.request.model": model, "gen_ai.request.max_tokens": params.max_tokens or 0,
+                      "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
+                      "gen_ai.response.id": request_id}
+        if params.top_k:
+            attributes["gen_ai.request.top_k"] = params.top_k
+        if params.seed is not None:
+            attributes["gen_ai.request.seed"] = params.seed
+        if params.stop:
+            attributes["gen_ai.request.stop_sequences"] = params.stop
+        if self.trace_text:
+            attributes["gen_ai.prompt"] = prompt if isinstance(prompt, str) else json.dumps(prompt)
+        span = self.tracer.start_span(f"{operation} {model}", kind=SpanKind.INTERNAL, attributes=attributes)
+        self.active[request_id] = span
+        last, text = None, []
+        try:
+            async for out in stream:
+                last = out
+                if self.trace_text:
+                    text.append(out.text_delta)
+                yield out
+        except Exception as exc:
+            _record_error(span, exc)
+            raise
+        finally:
+            await stream.aclose()  # an early exit must reach the engine stream now: it aborts the request
+            self.active.pop(request_id, None)
+            self._finish(span, model, last, "".join(text))
+
+    def _finish(self, span, model: str, last: RequestOutput | None, text: str) -> None:
+        """Usage, finish reason and the request's life as events, at the times the engine recorded them."""
+        offset = time.time_ns() - time.perf_counter_ns()
+        at = lambda t: int(t * 1e9) + offset
+        if last is None:
+            span.end()
+            return
+        reason = last.finish_reason or "abort"  # the client left before the request finished
+        span.set_attributes({"gen_ai.response.model": model, "gen_ai.response.finish_reasons": [reason],
+                             "gen_ai.usage.input_tokens": last.num_prompt_tokens,
+                             "gen_ai.usage.output_tokens": last.num_output_tokens,
+                             "llm.usage.cached_tokens": last.num_cached_tokens})
+        if self.trace_text:
+            span.set_attribute("gen_ai.completion", text)
+        t: Timings = last.timings
+        events = [("queued", t.arrival), ("scheduled", t.first_scheduled), ("first_token", t.first_token),
+                  *(("preempted", p) for p in t.preempted)]
+        for name, when in sorted((e for e in events if e[1] is not None), key=lambda e: e[1]):
+            span.add_event(name, timestamp=at(when))
+        finished = t.finished if t.finished is not None else time.perf_counter()
+        span.add_event("finished", {"finish_reason": reason}, timestamp=at(finished))
+        if reason == "error":
+            span.set_status(Status(StatusCode.ERROR, "generation failed inside the engine"))
+        span.end(end_time=at(finished))
+
+    def step(self, step: StepStats) -> None:
+        """An engine-step span (a trace of its own), linked to the generation spans of its batch."""
+        if not self.trace_steps or step.phase is None:
+            return
+        end = time.time_ns()
+        links = [Link(span.get_span_context()) for rid in step.request_ids if (span := self.active.get(rid))]
+        self.tracer.start_span("engine.step", start_time=end - int(step.duration * 1e9), links=links, attributes={
+            "llm.step.phase": step.phase, "llm.step.tokens": step.num_tokens,
+            "llm.step.sequences": len(step.request_ids), "llm.step.preempted": step.num_preempted,
+        }).end(end_time=end)
+
+    def shutdown(self) -> None:
+        if self.provider is not None:
+            self.provider.shutdown()

@@ -1,0 +1,136 @@
+"""Real OTLP trace receivers for tests: HTTP/protobuf and gRPC, decoding ExportTraceServiceRequest."""
+
+import socket
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from tests.conftest import free_port
+
+
+@dataclass
+class Span:
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    name: str
+    attributes: dict
+    events: list[tuple[str, int, dict]]  # (name, time in ns, attributes)
+    links: list[tuple[str, str]]  # (trace id, span id)
+    start_ns: int
+    end_ns: int
+    status_code: int
+    resource: dict = field(default_factory=dict)
+
+
+def _value(v):
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    return getattr(v, kind) if kind else None
+
+
+def _attributes(kvs) -> dict:
+    return {kv.key: _value(kv.value) for kv in kvs}
+
+
+def decode(request: trace_service_pb2.ExportTraceServiceRequest) -> list[Span]:
+    spans = []
+    for rs in request.resource_spans:
+        resource = _attributes(rs.resource.attributes)
+        for ss in rs.scope_spans:
+            for s in ss.spans:
+                spans.append(Span(
+                    s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), s.name, _attributes(s.attributes),
+                    [(e.name, e.time_unix_nano, _attributes(e.attributes)) for e in s.events],
+                    [(link.trace_id.hex(), link.span_id.hex()) for link in s.links],
+                    s.start_time_unix_nano, s.end_time_unix_nano, s.status.code, resource))
+    return spans
+
+
+class Receiver:
+    """Collects every span exported to it; `protocol` is 'http/protobuf' or 'grpc'."""
+
+    def __init__(self, protocol: str):
+        self.protocol = protocol
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.spans: list[Span] = []
+        self._lock = threading.Lock()
+
+    def _add(self, raw: bytes) -> None:
+        spans = decode(trace_service_pb2.ExportTraceServiceRequest.FromString(raw))
+        with self._lock:
+            self.spans.extend(spans)
+
+    def __enter__(self) -> "Receiver":
+        if self.protocol == "grpc":
+            receiver = self
+
+            class Service(trace_service_pb2_grpc.TraceServiceServicer):
+                def Export(self, request, context):
+                    receiver._add(request.SerializeToString())
+                    return trace_service_pb2.ExportTraceServiceResponse()
+
+            self._server = grpc.server(futures.ThreadPoolExecutor(4))
+            trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), self._server)
+            self._server.add_insecure_port(f"127.0.0.1:{self.port}")
+            self._server.start()
+        else:
+            receiver = self
+
+            class Handler(BaseHTTPRequestHandler):
+                def do_POST(self):
+                    body = self.rfile.read(int(self.headers["Content-Length"]))
+                    assert self.path == "/v1/traces", self.path
+                    receiver._add(body)
+                    reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/x-protobuf")
+                    self.send_header("Content-Length", str(len(reply)))
+                    self.end_headers()
+                    self.wfile.write(reply)
+
+                def log_message(self, *args):
+                    pass
+
+            self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+            threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.protocol == "grpc":
+            self._server.stop(0)
+        else:
+            self._server.shutdown()
+            self._server.server_close()
+
+    def wait_for(self, predicate, timeout: float = 20.0) -> list[Span]:
+        """Poll until predicate(spans) is true; return the spans."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                spans = list(self.spans)
+            if predicate(spans):
+                return spans
+            time.sleep(0.05)
+        raise AssertionError(f"spans never matched; got {[s.name for s in spans]}")
+
+
+class HangingCollector:
+    """Accepts TCP connections (the kernel completes the handshake) but never reads or answers."""
+
+    def __enter__(self) -> "HangingCollector":
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.endpoint = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.sock.close()
