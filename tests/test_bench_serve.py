@@ -109,6 +109,7 @@ def test_cli_writes_json_csv_and_a_sweep_with_plots(server, tmp_path):
                        "--result-json", str(out), "--result-csv", str(tmp_path / "r.csv"),
                        "--plot-dir", str(tmp_path / "plots"), "--no-progress", "--no-crosscheck"])
     assert [d["settings"]["request_rate"] for d in docs] == [20.0, 80.0]
+    assert [d["settings"]["seed"] for d in docs] == [0, 1]  # new prompts per point: no prefix-cache hits
     saved = json.loads(out.read_text())
     assert saved["sweep"] == {"axis": "rate", "values": [20.0, 80.0]} and len(saved["runs"]) == 2
     run = saved["runs"][0]
@@ -125,7 +126,7 @@ def test_cli_writes_json_csv_and_a_sweep_with_plots(server, tmp_path):
 
 def test_cli_rejects_an_unbounded_or_impossible_run(server, capsys):
     for argv in (["--duration", "5"], ["--endpoint", CHAT, "--random-prompt", "ids"], ["--slo", "ttft:soon"],
-                 ["--sweep", "speed:1,2"]):
+                 ["--sweep", "speed:1,2"], ["--sweep", "rate:1,inf"], ["--sweep", "concurrency:1.5"]):
         with pytest.raises(SystemExit) as exc:
             serve.main(["--base-url", server.url, "--no-progress"] + argv)
         assert exc.value.code == 2, argv

@@ -8,6 +8,7 @@ JSON of the settings and the summary, CSV of every request, and --sweep over rat
 import argparse
 import asyncio
 import json
+import logging
 import math
 import os
 import platform
@@ -78,8 +79,10 @@ def parse_sweep(text: str) -> tuple[str, list[float]]:
     if axis not in ("rate", "concurrency") or not values:
         raise ValueError(f"--sweep is rate:V1,V2,... or concurrency:V1,V2,..., got {text!r}")
     parsed = [float(v) for v in values.split(",") if v.strip()]
-    if axis == "concurrency" and not all(v >= 1 and v == int(v) for v in parsed):
-        raise ValueError("concurrency values must be whole numbers >= 1")
+    if not parsed or not all(0 < v < math.inf for v in parsed):
+        raise ValueError(f"sweep values must be finite and > 0, got {values!r}")
+    if axis == "concurrency" and not all(v == int(v) for v in parsed):
+        raise ValueError("concurrency values must be whole numbers")
     return axis, parsed
 
 
@@ -90,17 +93,17 @@ def discover_model(base_url: str, api_key: str | None) -> str:
     return r.json()["data"][0]["id"]
 
 
-def make_workload(args: argparse.Namespace):
+def make_workload(args: argparse.Namespace, seed: int):
     if args.dataset == "random":
         low, _, high = args.random_token_range.partition(":")
         kind = args.random_prompt if args.random_prompt != "auto" else ("words" if args.endpoint == CHAT else "ids")
-        return datasets.RandomWorkload(args.input_len, args.output_len or 64, args.range_ratio, args.seed, kind,
+        return datasets.RandomWorkload(args.input_len, args.output_len or 64, args.range_ratio, seed, kind,
                                        (int(low), int(high)), args.prefix_len), kind
     if args.dataset == "builtin":
-        return datasets.builtin(args.output_len, args.seed), "text"
+        return datasets.builtin(args.output_len, seed), "text"
     if not args.dataset_path:
         raise ValueError("--dataset sharegpt needs --dataset-path")
-    return datasets.sharegpt(args.dataset_path, args.output_len, args.seed), "text"
+    return datasets.sharegpt(args.dataset_path, args.output_len, seed), "text"
 
 
 def run_settings(args: argparse.Namespace, spec: LoadSpec, prompt_kind: str) -> dict:
@@ -187,6 +190,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     args.argv = argv
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a log line per request would cost the generator time
     console = Console()
     if not console.is_terminal:
         console = Console(width=120)  # logs and pipes: wide enough that the tables do not wrap
@@ -194,7 +198,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         percentiles = stats.parse_percentiles(args.percentiles)
         slos = [stats.parse_slo(s) for s in args.slo]
         sweep = parse_sweep(args.sweep) if args.sweep else None
-        workload, prompt_kind = make_workload(args)
+        workload, prompt_kind = make_workload(args, args.seed)
         if prompt_kind == "ids" and args.endpoint == CHAT:
             raise ValueError("token-id prompts need /v1/completions; use --random-prompt words for chat")
         extra = json.loads(args.extra_body) if args.extra_body else {}
@@ -207,21 +211,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     base = LoadSpec(args.base_url, model, args.endpoint, args.request_rate, args.burstiness, args.arrival == "constant",
                     args.max_concurrency, num_requests, args.duration, args.seed, ignore_eos, args.temperature, extra,
                     args.request_timeout, args.api_key)
-    points = [(None, base)]
+    points = [(None, base, workload)]
     if sweep:
-        axis, values = sweep
-        field = "request_rate" if axis == "rate" else "max_concurrency"
-        cast = float if axis == "rate" else int
-        points = [(v, LoadSpec(**{**base.__dict__, field: cast(v)})) for v in values]
+        # Each point gets its own seed (seed + k): with the same prompts, a later point would find them in the
+        # server's prefix cache and look faster than it is.
+        field = "request_rate" if sweep[0] == "rate" else "max_concurrency"
+        cast = float if sweep[0] == "rate" else int
+        points = [(v, LoadSpec(**{**base.__dict__, field: cast(v), "seed": args.seed + k}),
+                   make_workload(args, args.seed + k)[0]) for k, v in enumerate(sweep[1])]
     try:
-        for _, spec in points:
+        for _, spec, _ in points:
             spec.check()
     except ValueError as exc:
         console.print(f"[red]error:[/red] {exc}")
         sys.exit(2)
 
     documents, per_request = [], []
-    for value, spec in points:
+    for value, spec, workload in points:
         title = f"bench serve: {model} at {args.base_url}{spec.endpoint}" + (
             f" ({sweep[0]} = {value:g})" if sweep else "")
         document, results = run_once(args, spec, workload, prompt_kind, percentiles, slos, console)
