@@ -26,7 +26,8 @@ def _fmt(value, digits: int = 2) -> str:
 def print_summary(console: Console, summary: dict, title: str = "bench serve", crosscheck: dict | None = None
                   ) -> None:
     s = summary
-    overview = Table(title=title, show_header=False, title_justify="left")
+    console.print(f"[bold]{title}[/bold]")
+    overview = Table(show_header=False)
     overview.add_column("metric")
     overview.add_column("value", justify="right")
     rows = [("requests sent / completed / failed",

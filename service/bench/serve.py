@@ -121,6 +121,17 @@ def run_settings(args: argparse.Namespace, spec: LoadSpec, prompt_kind: str) -> 
                        "cpus": os.cpu_count()}}
 
 
+def describe(spec: LoadSpec, args: argparse.Namespace) -> str:
+    """The load in one line, for the log."""
+    size = " and ".join(filter(None, [f"{spec.num_requests} requests" if spec.num_requests else "",
+                                      f"{spec.duration:g} s" if spec.duration else ""]))
+    arrivals = "all at once" if math.isinf(spec.request_rate) else (
+        f"{spec.request_rate:g} req/s " + ("constant" if spec.constant_rate else
+                                           "Poisson" if spec.burstiness == 1 else f"gamma, burstiness {spec.burstiness:g}"))
+    cap = f", at most {spec.max_concurrency} in flight" if spec.max_concurrency else ""
+    return f"{size}, {arrivals}{cap}; dataset {args.dataset}, seed {spec.seed}"
+
+
 def _progress(console: Console, spec: LoadSpec, enabled: bool):
     """A rich progress bar over requests (or over seconds in a duration-only run) and a completion callback."""
     if not enabled:
@@ -230,6 +241,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for value, spec, workload in points:
         title = f"bench serve: {model} at {args.base_url}{spec.endpoint}" + (
             f" ({sweep[0]} = {value:g})" if sweep else "")
+        console.print(f"{title}: {describe(spec, args)}")
         document, results = run_once(args, spec, workload, prompt_kind, percentiles, slos, console)
         report.print_summary(console, document["summary"], title, document["crosscheck"])
         documents.append(document)
