@@ -45,6 +45,9 @@ def plot_sweep(axis: str, values: list[float], runs: list[dict], out_dir: str, t
         left.plot(values, _series(runs, "goodput"), marker="s", label=f"goodput ({slos})")
     if axis == "rate":
         left.plot(values, values, linestyle="--", color="grey", label="offered")
+        # a short Poisson schedule's own rate strays from the offered one; show what was actually scheduled
+        left.plot(values, _series(runs, "scheduled_rate"), linestyle="none", marker="x", color="grey",
+                  label="scheduled (this run's arrivals)")
     left.set_xlabel(xlabel)
     left.set_ylabel("req/s")
     left.set_title("requests per second", fontsize=10)
