@@ -7,6 +7,7 @@ gets a note, never an error.
 """
 
 import math
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -149,3 +150,27 @@ def compare(delta: ServerDelta, ttft_s: list[float], prompt_tokens: int, output_
                 "tolerance": f"client in the server's bucket ({lower * 1e3:g}, {upper * 1e3:g}] ms + {slack * 1e3:.1f} ms",
                 "agrees": lower <= client_q <= upper + slack}
     return rows
+
+
+def check_run(base_url: str, api_key: str | None, model: str, before: Samples | None, why: str, results) -> dict:
+    """Scrape again after a run and hold the client's results against the server's deltas (or say why not)."""
+    if before is None:
+        return {"note": f"no server metrics ({why}); client numbers only"}
+    ok = [r for r in results if r.ok]
+    delta = None
+    for _ in range(10):  # the server may count a request's tokens just after its last chunk went out
+        after, why = scrape(base_url, api_key)
+        if after is None:
+            return {"note": f"no server metrics after the run ({why})"}
+        delta = server_delta(before, after, model)
+        if delta is None or delta.requests >= len(ok):
+            break
+        time.sleep(0.2)
+    if delta is None:
+        return {"note": "the server's /metrics holds none of the known TTFT histograms "
+                        f"({', '.join(n['ttft'] for n in NAME_SETS.values())}); client numbers only"}
+    rows = compare(delta, [r.ttft for r in ok], sum(r.prompt_tokens or 0 for r in ok),
+                   sum(r.output_tokens or 0 for r in ok), len(ok))
+    return {"kind": delta.kind, "rows": rows,
+            "note": "counts are exact only when this run was the server's only traffic; client TTFT includes "
+                    "the HTTP round trip the server does not see"}

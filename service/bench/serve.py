@@ -170,31 +170,9 @@ def run_once(args: argparse.Namespace, spec: LoadSpec, workload, prompt_kind: st
     settings = run_settings(args, spec, prompt_kind)
     settings["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(run.started_at))
     document = {"settings": settings, "summary": summary,
-                "crosscheck": server_crosscheck(spec, run.results, before, why) if check else {"note": why}}
+                "crosscheck": crosscheck.check_run(spec.base_url, spec.api_key, spec.model, before, why, run.results)
+                if check else {"note": why}}
     return document, run.results
-
-
-def server_crosscheck(spec: LoadSpec, results, before, why: str) -> dict:
-    if before is None:
-        return {"note": f"no server metrics ({why}); client numbers only"}
-    ok = [r for r in results if r.ok]
-    delta = None
-    for _ in range(10):  # the server may count a request's tokens just after its last chunk went out
-        after, why = crosscheck.scrape(spec.base_url, spec.api_key)
-        if after is None:
-            return {"note": f"no server metrics after the run ({why})"}
-        delta = crosscheck.server_delta(before, after, spec.model)
-        if delta is None or delta.requests >= len(ok):
-            break
-        time.sleep(0.2)
-    if delta is None:
-        return {"note": "the server's /metrics holds none of the known TTFT histograms "
-                        f"({', '.join(n['ttft'] for n in crosscheck.NAME_SETS.values())}); client numbers only"}
-    rows = crosscheck.compare(delta, [r.ttft for r in ok], sum(r.prompt_tokens or 0 for r in ok),
-                              sum(r.output_tokens or 0 for r in ok), len(ok))
-    return {"kind": delta.kind, "rows": rows,
-            "note": "counts are exact only when this run was the server's only traffic; client TTFT includes "
-                    "the HTTP round trip the server does not see"}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
