@@ -130,3 +130,12 @@ def test_cli_rejects_an_unbounded_or_impossible_run(server, capsys):
         with pytest.raises(SystemExit) as exc:
             serve.main(["--base-url", server.url, "--no-progress"] + argv)
         assert exc.value.code == 2, argv
+
+
+def test_progress_bar_by_requests_and_by_time_does_not_get_in_the_way(server):
+    by_count = serve.main(["--base-url", server.url, "--num-requests", "4", "--input-len", "8", "--output-len", "2",
+                           "--random-token-range", "10:500"])
+    by_time = serve.main(["--base-url", server.url, "--duration", "0.5", "--request-rate", "20", "--input-len", "8",
+                          "--output-len", "2", "--random-token-range", "10:500"])
+    assert by_count[0]["summary"]["requests.completed"] == 4
+    assert by_time[0]["summary"]["requests.completed"] == by_time[0]["summary"]["requests.sent"] > 0
