@@ -102,6 +102,7 @@ def test_compare_of_sweeps_goes_point_by_point_and_notes_different_settings(real
         compare.main([str(tmp_path / "b.json"), str(tmp_path / "n.json")])
     out = " ".join(capsys.readouterr().out.split())
     assert exc.value.code == 1 and "rate = 100: e2e_ms.median +100.0%" in out and "rate = 50:" not in out
+    assert "client machine load average (1 min) before -> after the run: base" in out
 
     other = copy.deepcopy(run)
     other["settings"]["input_len"] = 999

@@ -115,6 +115,7 @@ def test_cli_writes_json_csv_and_a_sweep_with_plots(server, tmp_path):
     run = saved["runs"][0]
     assert run["settings"]["model"] == TINY  # discovered from /v1/models
     assert run["settings"]["seed"] == 0 and run["settings"]["ignore_eos"] is True
+    assert set(run["settings"]["client"]["load_average_1m"]) == {"before", "after"}
     assert run["summary"]["requests.completed"] == 10 and run["summary"]["output_tokens"] == 40
     assert run["summary"]["goodput"] > 0 and "ttft_ms.p99" in run["summary"]
     rows = list(csv.DictReader(open(tmp_path / "r.csv")))

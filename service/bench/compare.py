@@ -121,6 +121,10 @@ def main(argv: list[str] | None = None) -> None:
     regressions = []
     for (name, b), (_, n) in zip(base, new):
         differences = settings_differences(b.get("settings", {}), n.get("settings", {}))
+        loads = [r.get("settings", {}).get("client", {}).get("load_average_1m") for r in (b, n)]
+        if all(loads):
+            console.print("client machine load average (1 min) before -> after the run: base "
+                          + ", new ".join(f"{x['before']:.2f} -> {x['after']:.2f}" for x in loads))
         if differences:
             console.print(f"[yellow]note:[/yellow] the runs{' at ' + name if name else ''} differ in their settings: "
                           + "; ".join(differences))

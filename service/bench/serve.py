@@ -159,6 +159,7 @@ def run_once(args: argparse.Namespace, spec: LoadSpec, workload, prompt_kind: st
     check = not args.no_crosscheck
     before, why = crosscheck.scrape(spec.base_url, spec.api_key) if check else (None, "skipped (--no-crosscheck)")
     bar, on_done = _progress(console, spec, not args.no_progress)
+    load_before = os.getloadavg()[0]
     if bar:
         bar.start()
     try:
@@ -169,6 +170,8 @@ def run_once(args: argparse.Namespace, spec: LoadSpec, workload, prompt_kind: st
     summary = summarize(run.results, run.duration, percentiles, slos, spec.request_rate, run.cpu_seconds)
     settings = run_settings(args, spec, prompt_kind)
     settings["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(run.started_at))
+    # other work on the client's machine (a server on the same host, say) shows up in every latency
+    settings["client"]["load_average_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
     document = {"settings": settings, "summary": summary,
                 "crosscheck": crosscheck.check_run(spec.base_url, spec.api_key, spec.model, before, why, run.results)
                 if check else {"note": why}}
