@@ -27,44 +27,43 @@ from service.bench.summary import summarize
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="service bench serve", description=__doc__,
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(prog="service bench serve", description=__doc__)
     a = ap.add_argument_group("server").add_argument
-    a("--base-url", default="http://127.0.0.1:8000", help="server root; the endpoint path is appended")
-    a("--endpoint", default=COMPLETIONS, choices=[COMPLETIONS, CHAT])
+    a("--base-url", default="http://127.0.0.1:8000", help="server root; the endpoint path is appended (default %(default)s)")
+    a("--endpoint", default=COMPLETIONS, choices=[COMPLETIONS, CHAT], help="default %(default)s")
     a("--model", default=None, help="model name to send; default: the first one GET /v1/models lists")
     a("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer token (default: $OPENAI_API_KEY)")
-    a("--request-timeout", type=float, default=600.0, help="seconds a request may take in all before it is an error")
+    a("--request-timeout", type=float, default=600.0, help="seconds a request may take in all before it is an error (default %(default)s)")
     a("--extra-body", default=None, help="JSON object merged into every request body, e.g. '{\"top_k\": 1}'")
-    a("--temperature", type=float, default=0.0)
+    a("--temperature", type=float, default=0.0, help="default %(default)s (greedy)")
     a("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
       help="send ignore_eos so every request generates max_tokens (default: on for the random dataset only)")
     a("--no-crosscheck", action="store_true", help="do not scrape the server's /metrics")
     a = ap.add_argument_group("load").add_argument
-    a("--request-rate", type=float, default=math.inf, help="requests per second; inf sends all at once")
+    a("--request-rate", type=float, default=math.inf, help="requests per second; inf (the default) sends all at once")
     a("--burstiness", type=float, default=1.0, help="gamma shape of the inter-arrival gaps; 1 is Poisson, "
-                                                      "lower is burstier")
-    a("--arrival", choices=["gamma", "constant"], default="gamma", help="constant: evenly spaced arrivals")
+                                                      "lower is burstier (default %(default)s)")
+    a("--arrival", choices=["gamma", "constant"], default="gamma", help="gamma (default): gaps drawn as --burstiness says; constant: evenly spaced")
     a("--max-concurrency", type=int, default=None, help="most requests in flight (closed loop)")
     a("--num-requests", type=int, default=None, help="requests to send (default 100 when no --duration)")
     a("--duration", type=float, default=None, help="seconds after which no request is sent")
-    a("--seed", type=int, default=0, help="seeds the prompts, their lengths and the arrival times")
+    a("--seed", type=int, default=0, help="seeds the prompts, their lengths and the arrival times (default %(default)s)")
     a = ap.add_argument_group("prompts").add_argument
-    a("--dataset", choices=["random", "builtin", "sharegpt"], default="random")
+    a("--dataset", choices=["random", "builtin", "sharegpt"], default="random", help="default %(default)s")
     a("--dataset-path", default=None, help="the ShareGPT JSON file")
-    a("--input-len", type=int, default=128, help="random: prompt tokens")
+    a("--input-len", type=int, default=128, help="random: prompt tokens (default %(default)s)")
     a("--output-len", type=int, default=None, help="max_tokens (default: 64 for random, each sample's own otherwise)")
-    a("--range-ratio", type=float, default=0.0, help="random: lengths uniform in [len * (1 - r), len * (1 + r)]")
+    a("--range-ratio", type=float, default=0.0, help="random: lengths uniform in [len * (1 - r), len * (1 + r)] (default %(default)s)")
     a("--random-prompt", choices=["auto", "ids", "words"], default="auto",
       help="random: token ids (exact lengths; completions only) or random common words (about one token each); "
-           "auto: ids on /v1/completions, words on chat")
+           "auto (default): ids on /v1/completions, words on chat")
     a("--random-token-range", default="1000:10000", help="random ids: LOW:HIGH, inside the server's vocabulary "
-                                                         "and clear of special tokens")
+                                                         "and clear of special tokens (default %(default)s)")
     a("--prefix-len", type=int, default=0, help="random: tokens of one shared prefix before every prompt")
     a = ap.add_argument_group("results").add_argument
     a("--slo", action="append", default=[], metavar="METRIC:VALUE",
       help="repeatable: ttft, tpot, itl (a request's largest gap) or e2e, in ms or s, e.g. ttft:500ms")
-    a("--percentiles", default="50,90,95,99")
+    a("--percentiles", default="50,90,95,99", help="default %(default)s")
     a("--result-json", default=None)
     a("--result-csv", default=None)
     a("--sweep", default=None, metavar="{rate,concurrency}:V1,V2,...", help="one run per value")
