@@ -121,8 +121,10 @@ def test_cli_writes_json_csv_and_a_sweep_with_plots(server, tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "r.csv")))
     assert len(rows) == 20 and {r["point"] for r in rows} == {"20.0", "80.0"}
     assert all(r["output_tokens"] == "4" and len(r["itl_ms"].split()) == 3 for r in rows)
-    for name in ("latency.png", "goodput.png"):
-        assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    serve.main(["--replot", str(out), "--plot-dir", str(tmp_path / "again")])  # from the saved result alone
+    for folder in ("plots", "again"):
+        for name in ("latency.png", "goodput.png"):
+            assert (tmp_path / folder / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_cli_rejects_an_unbounded_or_impossible_run(server, capsys):

@@ -68,6 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--result-csv", default=None)
     a("--sweep", default=None, metavar="{rate,concurrency}:V1,V2,...", help="one run per value")
     a("--plot-dir", default=None, help="with --sweep: write latency.png and goodput.png here")
+    a("--replot", default=None, metavar="SWEEP.json", help="draw the plots of a saved sweep result into "
+                                                           "--plot-dir instead of running anything")
     a("--label", default=None, help="a name for this run in the results and plots")
     a("--no-progress", action="store_true")
     return ap.parse_args(argv)
@@ -177,6 +179,20 @@ def run_once(args: argparse.Namespace, spec: LoadSpec, workload, prompt_kind: st
     return document, run.results
 
 
+def replot(args: argparse.Namespace, console: Console) -> list[dict]:
+    from service.bench.plots import plot_sweep
+    try:
+        with open(args.replot) as f:
+            document = json.load(f)
+        sweep, runs = document["sweep"], document["runs"]
+    except (OSError, ValueError, KeyError) as exc:
+        console.print(f"[red]error:[/red] {args.replot} is not a saved sweep ({exc!r})")
+        sys.exit(2)
+    label = args.label or runs[0]["settings"].get("label") or runs[0]["settings"]["model"]
+    console.print("plots: " + ", ".join(plot_sweep(sweep["axis"], sweep["values"], runs, args.plot_dir or ".", label)))
+    return runs
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -185,6 +201,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     console = Console()
     if not console.is_terminal:
         console = Console(width=120)  # logs and pipes: wide enough that the tables do not wrap
+    if args.replot:
+        return replot(args, console)
     try:
         percentiles = stats.parse_percentiles(args.percentiles)
         slos = [stats.parse_slo(s) for s in args.slo]
