@@ -31,6 +31,8 @@ BEHAVIOURS = {
                         DONE],
     "truncated": [_chunk("a"), _chunk("b")],
     "garbage": [_chunk("a"), b"data: {not json\n\n", DONE],
+    "list-chunk": [_chunk("a"), b"data: [1, 2]\n\n", DONE],
+    "odd-choices": [b'data: {"choices": ["text"]}\n\n', DONE],
     "nothing": [USAGE, DONE],
 }
 
@@ -64,12 +66,12 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
     writer.close()
 
 
-async def _run_against_fake(model: str, timeout: float = 10.0, n: int = 2):
+async def _run_against_fake(model: str, timeout: float = 10.0, n: int = 2, endpoint: str = "/v1/completions"):
     port = free_port()
     server = await asyncio.start_server(_handle, "127.0.0.1", port)
     async with server:
-        spec = LoadSpec(f"http://127.0.0.1:{port}", model, num_requests=n, request_timeout=timeout)
-        run = await run_load(spec, RandomWorkload(8, 3, id_range=(10, 500)).sample)
+        spec = LoadSpec(f"http://127.0.0.1:{port}", model, endpoint, num_requests=n, request_timeout=timeout)
+        run = await run_load(spec, RandomWorkload(8, 3, prompt_kind="words").sample)
     return run
 
 
@@ -79,6 +81,7 @@ async def _run_against_fake(model: str, timeout: float = 10.0, n: int = 2):
     ("midstream-error", "stream_error", "engine died"),
     ("truncated", "truncated_stream", "without data: [DONE]"),
     ("garbage", "bad_response", ""),
+    ("list-chunk", "bad_response", "not a JSON object"),
     ("nothing", "no_tokens", "no token"),
 ])
 def test_each_failure_is_its_kind(model, kind, message):
@@ -87,6 +90,11 @@ def test_each_failure_is_its_kind(model, kind, message):
     assert all(message in r.message and r.e2e is None for r in run.results)
     s = summarize(run.results, run.duration)
     assert s["requests.failed"] == 2 and s[f"errors.{kind}"] == 2 and s["ttft_ms.mean"] is None
+
+
+def test_json_of_an_unexpected_shape_is_a_bad_response_not_a_crash():
+    run = asyncio.run(_run_against_fake("odd-choices", endpoint="/v1/chat/completions"))
+    assert [r.error for r in run.results] == ["bad_response", "bad_response"]
 
 
 def test_a_timeout_bounds_a_silent_server():

@@ -89,23 +89,28 @@ def _bears_token(chunk: dict, chat: bool, seen: bool) -> bool:
 
 
 async def _read_stream(resp: httpx.Response, result: RequestResult, chat: bool, t0: float) -> dict | None:
-    """Consume the SSE stream; returns the usage; sets e2e at `data: [DONE]`, or an error kind."""
+    """Consume the SSE stream; returns the last usage seen; sets e2e at `data: [DONE]`, or an error kind."""
     usage = None
     async for line in resp.aiter_lines():
-        if result.e2e is not None or not line.startswith("data:"):
-            continue  # blank separators, comments, `event:` lines; after [DONE], read to the end of the body
-        now = time.perf_counter()  # so that the connection goes back to the pool instead of being closed
+        if result.e2e is not None:
+            continue  # read past [DONE] to the end of the body, so the connection goes back to the pool
+        if not line.startswith("data:"):
+            continue  # blank separators, comments, `event:` lines
+        now = time.perf_counter()
         data = line[5:].strip()
         if data == "[DONE]":
             result.e2e = now - t0
             continue
         chunk = json.loads(data)
+        if not isinstance(chunk, dict):
+            raise ValueError(f"a data line that is not a JSON object: {data[:100]}")
         if "error" in chunk:
             result.error, result.message = "stream_error", _error_message(data.encode())
             return usage
         if _bears_token(chunk, chat, bool(result.chunk_times)):
             result.chunk_times.append(now - t0)
-        usage = chunk.get("usage") or usage
+        if isinstance(chunk.get("usage"), dict):
+            usage = chunk["usage"]
     if result.e2e is None:
         result.error, result.message = "truncated_stream", "the stream ended without data: [DONE]"
     return usage
@@ -135,8 +140,10 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, result: RequestR
         result.error, result.message = "connection_lost", str(exc) or repr(exc)
     except httpx.HTTPError as exc:
         result.error, result.message = "http_client_error", repr(exc)
-    except ValueError as exc:  # a data line that is not JSON
+    except ValueError as exc:  # a data line that is not JSON, or not an object
         result.error, result.message = "bad_response", str(exc)[:300]
+    except (AttributeError, TypeError, IndexError, KeyError) as exc:  # JSON of an unexpected shape
+        result.error, result.message = "bad_response", repr(exc)[:300]
     result.ended = time.perf_counter() - start
     if result.ok and not result.chunk_times:
         result.error, result.message = "no_tokens", "the stream carried no token"

@@ -121,11 +121,13 @@ async def run_load(spec: LoadSpec, sample_at: Callable, on_done: Callable[[Reque
                 await asyncio.sleep(delay)
             freed = await slots.acquire() if slots else None
             if time.perf_counter() >= deadline:
-                slots and slots.release()
+                if slots:
+                    slots.release()
                 break
             body = request_body(spec.endpoint, spec.model, sample_at(i), spec.ignore_eos, spec.temperature,
                                 spec.extra_body)
-            result = RequestResult(i, due - start, max(due, freed or due) - start)
+            ready = due if freed is None else max(due, freed)
+            result = RequestResult(i, due - start, ready - start)
             results.append(result)
             tasks.append(asyncio.create_task(one(result, body)))
         await asyncio.gather(*tasks)
