@@ -65,8 +65,9 @@ def tiny_cuda():
     return load_model("random:tiny", torch.float32, torch.device("cuda"))
 
 
-@pytest.mark.parametrize("overrides", [{}, {"num_blocks": 25}, {"max_num_batched_tokens": 13}, {"cuda_graphs": False}],
-                         ids=["graphs", "preemption", "chunked", "eager"])
+@pytest.mark.parametrize("overrides", [{}, {"num_blocks": 25}, {"max_num_batched_tokens": 13}, {"cuda_graphs": False},
+                                       {"compile": False}, {"compile": False, "cuda_graphs": False}],
+                         ids=["graphs", "preemption", "chunked", "no-graphs", "uncompiled", "eager"])
 def test_cuda_engine_greedy_matches_transformers(tiny_cuda, overrides):
     rng = random.Random(3)
     prompts = [[rng.randrange(5, 500) for _ in range(rng.choice([1, 9, 17, 48, 120]))] for _ in range(32)]
@@ -74,6 +75,7 @@ def test_cuda_engine_greedy_matches_transformers(tiny_cuda, overrides):
     engine = make_engine(tiny_cuda, device="cuda", max_num_seqs=32, **{"num_blocks": 512, **overrides})
     assert engine.runner.backend_name == "triton"
     assert bool(engine.runner.graphs) == overrides.get("cuda_graphs", True)
+    assert engine.runner.compiled == overrides.get("compile", True)
     outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert [o["token_ids"] for o in outs] == refs
     if "num_blocks" in overrides:

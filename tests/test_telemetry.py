@@ -3,8 +3,10 @@
 import asyncio
 import json
 import logging
+import re
 import time
 from collections import Counter
+from pathlib import Path
 
 import httpx
 import pytest
@@ -15,7 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families as parse_pro
 
 from service.engine import SamplingParams
 from service.telemetry.gpu import GPUSampler
-from service.telemetry.metrics import Metrics
+from service.telemetry.hub import BackgroundObserver
+from service.telemetry.metrics import GPUMetrics, Metrics
 from service.telemetry.recorder import EngineRecorder, observe_many
 from tests.conftest import LiveServer, free_port, make_engine
 from tests.otlp import HangingCollector, Receiver
@@ -57,6 +60,18 @@ def phases_total(metrics: Metrics, name: str) -> float:
 def assert_at_rest(metrics: Metrics) -> None:
     for gauge in ("llm_requests_running", "llm_requests_waiting", "llm_kv_cache_usage_ratio"):
         assert value(metrics, gauge) == 0, gauge
+
+
+def test_readme_metric_table_is_the_catalog():
+    readme = Path(__file__).parent.parent / "README.md"
+    rows = dict(re.findall(r"^\| (llm_\w+) \| (\w+) \|", readme.read_text(), re.M))
+    registry = CollectorRegistry()
+    Metrics(MODEL, registry)
+    GPUMetrics(registry)
+    exported = {f.name + ("_total" if f.type == "counter" else ""): f.type
+                for f in registry.collect() if f.name.startswith("llm_")}
+    assert rows == exported
+    assert {name.removesuffix("_total") for name in rows} == set(CATALOG) | set(GPU_GAUGES)
 
 
 # -- the recorder, on the engine alone -------------------------------------------------------------------
@@ -129,6 +144,25 @@ def test_grouped_observations_equal_single_ones():
     for v, n in Counter(values).items():
         observe_many(grouped, v, n)
     assert [s for f in single.collect() for s in f.samples] == [s for f in grouped.collect() for s in f.samples]
+
+
+def test_background_recording_survives_a_failing_step_and_flush_waits_for_it():
+    recorded = []
+
+    def observer(step, outputs):
+        time.sleep(0.01)
+        if step == "bad":
+            raise RuntimeError("a recording bug")
+        recorded.append(step)
+
+    background = BackgroundObserver(observer)
+    background.start()
+    for step in ["a", "bad", "b", "c"]:
+        background(step, [])
+    background.flush()
+    assert recorded == ["a", "b", "c"]
+    background.close()
+    assert not background._thread.is_alive()
 
 
 # -- /metrics over HTTP ----------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ def forward_context(ctx: ForwardContext):
         _context = previous
 
 
+@torch.compiler.disable  # compiled decoder layers call it as it is: the paged kernels are already fused
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                             sliding_window=None, softcap=None, **kwargs):
     """transformers attention interface: query [1, H, T, D], key/value [1, KVH, T, D] -> [1, T, H, D]."""

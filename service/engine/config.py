@@ -18,6 +18,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length (capped by the cache)
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs
+    compile: bool = True  # on CUDA, torch.compile the decoder layers (slower start, faster steps)
     attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere; or torch / triton
     seed: int = 0  # seed of the sampler for requests that bring none
     trust_remote_code: bool = False

@@ -49,6 +49,7 @@ class ModelRunner:
             self.backend = torch_paged_attention
         else:
             raise ValueError(f"unknown attention backend {backend!r}: use auto, torch or triton")
+        self.compiled = device.type == "cuda" and config.compile and self._compile()
         self.num_blocks = config.num_blocks or self._blocks_that_fit()
         self.max_model_len = min(max_model_len, (self.num_blocks - 1) * self.block_size)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
@@ -213,22 +214,49 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens (%.1f GiB)", blocks, self.block_size, blocks * per_block / 2**30)
         return blocks
 
-    @torch.inference_mode()
     def _profile_peak_memory(self) -> int:
-        """Peak memory of a forward pass over max_num_batched_tokens tokens, with a throwaway cache."""
-        tokens = self.config.max_num_batched_tokens
+        """Peak memory of a forward pass over max_num_batched_tokens tokens."""
+        self._dry_run(self.config.max_num_batched_tokens)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        return peak + 2**30  # headroom for sampling over many rows and for CUDA graphs
+
+    @torch.inference_mode()
+    def _dry_run(self, tokens: int) -> None:
+        """One forward pass of a `tokens`-long prompt into a throwaway cache."""
         blocks = -(-tokens // self.block_size) + 1
         caches = [(torch.zeros(blocks, self.block_size, self.kv_heads, self.head_dim, dtype=self.dtype, device=self.device),
                    torch.zeros(blocks, self.block_size, self.kv_heads, self.head_dim, dtype=self.dtype, device=self.device))
                   for _ in range(self.layers)]
-        seq = Sequence("profile", [0] * tokens, params=None)
+        seq = Sequence("dry-run", [0] * tokens, params=None)
         seq.block_table = list(range(1, blocks))
         ids, pos, meta = self._prepare(ScheduledBatch([seq], [tokens], []), decode_only=False)
         with forward_context(ForwardContext(caches, meta, self.backend)):
             logits = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1).logits
             logits.float().softmax(-1)
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated(self.device)
-        del caches, logits
-        torch.cuda.empty_cache()
-        return peak + 2**30  # headroom for sampling over many rows and for CUDA graphs
+
+    # -- torch.compile ------------------------------------------------------------------------------
+    def _compile(self) -> bool:
+        """Compile each decoder layer (fusing norms, rotary embeddings, activations, residual adds).
+
+        Paged attention stays outside the compiled graphs (it is marked so), and the model's own code is
+        untouched. A model that torch.compile cannot handle fails here, at start-up, and runs eager.
+        """
+        layers = max((m for m in self.model.modules() if isinstance(m, torch.nn.ModuleList)), key=len)
+        for layer in layers:
+            layer.compile(dynamic=True)
+        try:
+            self._dry_run(2 * self.block_size)
+        except Exception:
+            log.warning("torch.compile failed for this model; running it eagerly", exc_info=True)
+            self.uncompile()
+            return False
+        log.info("compiled %d decoder layers with torch.compile", len(layers))
+        return True
+
+    def uncompile(self) -> None:
+        """Give the model back as it was loaded (for others that run it, such as the benchmark's peers)."""
+        for module in self.model.modules():
+            module._compiled_call_impl = None
+        self.compiled = False

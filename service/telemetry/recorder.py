@@ -1,8 +1,10 @@
-"""Turns engine steps and their request outputs into the catalog's metrics, on the engine's thread.
+"""Turns engine steps and their request outputs into the catalog's metrics.
 
 The cost per step is one pass over its outputs and a few metric updates: the token gaps of one step
 take few distinct values (every token of a step shares one clock reading), so they are added to the
-histogram grouped by value instead of one observation per token.
+histogram grouped by value instead of one observation per token. It may run after the engine has
+moved on (see hub.BackgroundObserver), so it reads only what later steps cannot change: the output's
+own fields, and token times by index (the list only grows).
 """
 
 from bisect import bisect_left
@@ -42,22 +44,20 @@ class EngineRecorder:
         m.waiting_m.set(step.num_waiting)
         m.kv_usage_m.set(step.kv_usage)
 
-        generated = 0
-        gaps: Counter[float] = Counter()
-        for out in outputs:
-            if out.new_token_ids:
-                generated += len(out.new_token_ids)
-                times = out.timings.token_times
-                if len(times) == 1:
-                    self._first_token(out)
-                else:
-                    gaps[times[-1] - times[-2]] += 1
-            if out.finished:
-                self._finished(out)
-        if generated:
-            m.generation_tokens_m.inc(generated)
+        produced = [out for out in outputs if out.new_token_ids]
+        if produced:
+            m.generation_tokens_m.inc(sum(len(out.new_token_ids) for out in produced))
+        # the gap between each output's newest token and the one before it
+        ends = [(out.timings.token_times, out.num_output_tokens) for out in produced]
+        gaps = Counter([times[n - 1] - times[n - 2] for times, n in ends if n > 1])
         for gap, count in gaps.items():
             observe_many(m.itl_m, gap, count)
+        for out in produced:
+            if out.num_output_tokens == len(out.new_token_ids):
+                self._first_token(out)
+        for out in outputs:
+            if out.finished:
+                self._finished(out)
 
     def _exemplar(self, request_id: str) -> dict[str, str] | None:
         trace_id = self.trace_id(request_id)

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 from opentelemetry import context, trace
@@ -118,24 +119,23 @@ def make_provider(sample_ratio: float):
 class Tracing:
     """One server's spans: a generation span per request, and engine-step spans linked to the requests."""
 
+    RECENT = 16384  # span contexts kept after their request ends: the recorder may look one up a bit later
+
     def __init__(self, provider=None, trace_steps: bool = True, trace_text: bool = False):
         self.provider = provider
         self.tracer = provider.get_tracer("service", __version__) if provider else None
         self.trace_steps = trace_steps and provider is not None
         self.trace_text = trace_text
-        self.active: dict[str, trace.Span] = {}  # request id -> its generation span, while it runs
+        self.contexts: OrderedDict[str, trace.SpanContext] = OrderedDict()  # request id -> its span's context
 
     @property
     def enabled(self) -> bool:
         return self.tracer is not None
 
     def trace_id(self, request_id: str) -> str | None:
-        """The trace id of a running request's span, if it is sampled (its trace will exist)."""
-        span = self.active.get(request_id)
-        if span is None:
-            return None
-        ctx = span.get_span_context()
-        return trace.format_trace_id(ctx.trace_id) if ctx.trace_flags.sampled else None
+        """The trace id of a recent request's span, if it is sampled (its trace will exist)."""
+        ctx = self.contexts.get(request_id)
+        return trace.format_trace_id(ctx.trace_id) if ctx is not None and ctx.trace_flags.sampled else None
 
     async def generation(self, stream: AsyncIterator[RequestOutput], request_id: str, operation: str, model: str,
                          params: SamplingParams, prompt: str | list[int]) -> AsyncIterator[RequestOutput]:
@@ -153,7 +153,9 @@ class Tracing:
         if self.trace_text:
             attributes["gen_ai.prompt"] = prompt if isinstance(prompt, str) else json.dumps(prompt)
         span = self.tracer.start_span(f"{operation} {model}", kind=SpanKind.INTERNAL, attributes=attributes)
-        self.active[request_id] = span
+        self.contexts[request_id] = span.get_span_context()
+        if len(self.contexts) > self.RECENT:
+            self.contexts.popitem(last=False)
         last, text = None, []
         try:
             async for out in stream:
@@ -166,7 +168,6 @@ class Tracing:
             raise
         finally:
             await stream.aclose()  # an early exit must reach the engine stream now: it aborts the request
-            self.active.pop(request_id, None)
             self._finish(span, model, last, "".join(text))
 
     def _finish(self, span, model: str, last: RequestOutput | None, text: str) -> None:
@@ -199,7 +200,7 @@ class Tracing:
         if not self.trace_steps or step.phase is None:
             return
         end = time.time_ns()
-        links = [Link(span.get_span_context()) for rid in step.request_ids if (span := self.active.get(rid))]
+        links = [Link(ctx) for rid in step.request_ids if (ctx := self.contexts.get(rid))]
         self.tracer.start_span("engine.step", start_time=end - int(step.duration * 1e9), links=links, attributes={
             "llm.step.phase": step.phase, "llm.step.tokens": step.num_tokens,
             "llm.step.sequences": len(step.request_ids), "llm.step.preempted": step.num_preempted,
