@@ -212,8 +212,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             raise ValueError("token-id prompts need /v1/completions; use --random-prompt words for chat")
         extra = json.loads(args.extra_body) if args.extra_body else {}
         model = args.model or discover_model(args.base_url, args.api_key)
-    except (ValueError, OSError, httpx.HTTPError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+    except (ValueError, OSError, httpx.HTTPError, KeyError, IndexError) as exc:
+        console.print(f"[red]error:[/red] {exc!r}" if isinstance(exc, LookupError) else f"[red]error:[/red] {exc}")
         sys.exit(2)
     ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset == "random"
     num_requests = args.num_requests if args.num_requests or args.duration else 100
@@ -244,12 +244,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         report.print_summary(console, document["summary"], title, document["crosscheck"])
         documents.append(document)
         per_request.append(("" if value is None else value, results))
+        # written after every point, so that an interrupted sweep keeps the points it finished
+        if args.result_json:
+            report.write_json(args.result_json, documents[0] if not sweep else
+                              {"sweep": {"axis": sweep[0], "values": sweep[1][:len(documents)]}, "runs": documents})
+        if args.result_csv:
+            report.write_csv(args.result_csv, per_request)
 
-    if args.result_json:
-        report.write_json(args.result_json, documents[0] if not sweep else
-                          {"sweep": {"axis": sweep[0], "values": sweep[1]}, "runs": documents})
-    if args.result_csv:
-        report.write_csv(args.result_csv, per_request)
     if sweep and args.plot_dir:
         from service.bench.plots import plot_sweep
         paths = plot_sweep(sweep[0], sweep[1], documents, args.plot_dir, args.label or model)
