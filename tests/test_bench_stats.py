@@ -1,5 +1,6 @@
 """The load generator's statistics, schedules and prompt sources, on synthetic inputs with known answers."""
 
+import json
 import math
 
 import numpy as np
@@ -124,7 +125,7 @@ def test_the_builtin_set_is_visited_whole_in_each_shuffled_pass():
 def test_sharegpt_takes_the_first_exchange_and_filters_as_vllm_does(tmp_path):
     path = tmp_path / "sg.json"
     long_reply = "word " * 400  # 2000 characters: about 500 tokens
-    path.write_text(__import__("json").dumps([
+    path.write_text(json.dumps([
         {"id": "a", "conversations": [{"from": "human", "value": "Explain the water cycle briefly."},
                                       {"from": "gpt", "value": long_reply}, {"from": "human", "value": "more"}]},
         {"id": "too-short", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello!"}]},
