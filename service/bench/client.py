@@ -1,0 +1,157 @@
+"""One streamed request to an OpenAI-compatible server, timed chunk by chunk, every failure kept as a result.
+
+Timing follows vLLM's benchmark: the clock starts just before the request is sent; a token-bearing chunk is any
+chunk with a choice on /v1/completions (its text may be empty for special tokens or a partial character), and a
+chunk with non-empty content (or reasoning) on /v1/chat/completions (the role-only first chunk is no token;
+a reply without any content has its one token at the finish chunk).
+Output tokens come from the final `usage` chunk; without one, the token-bearing chunks are counted instead.
+"""
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from service.bench.datasets import Sample
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+@dataclass
+class RequestResult:
+    index: int
+    scheduled: float  # seconds from the run's start when the schedule said to send it
+    ready: float  # max(scheduled, when a concurrency slot freed up): the earliest it could have been sent
+    sent: float = 0.0  # when it was sent; sent - ready is the generator's own dispatch lag
+    chunk_times: list[float] = field(default_factory=list)  # token-bearing chunks, seconds after sending
+    e2e: float | None = None  # seconds from sending to the end of the stream (successful requests)
+    ended: float = 0.0  # seconds from the run's start when the request finished, whatever the outcome
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    usage_reported: bool = False
+    status: int | None = None  # HTTP status
+    error: str | None = None  # kind: http_503, timeout, connect_error, connection_lost, stream_error, ...
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] if self.chunk_times else None
+
+    @property
+    def itl(self) -> list[float]:
+        t = self.chunk_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+def request_body(endpoint: str, model: str, sample: Sample, ignore_eos: bool, temperature: float,
+                 extra: dict | None = None) -> dict:
+    body = {"model": model, "max_tokens": sample.output_len, "temperature": temperature, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True  # an extension that vLLM, SGLang and this service accept
+    if endpoint == CHAT:
+        body["messages"] = [{"role": "user", "content": sample.prompt}]
+    else:
+        body["prompt"] = sample.prompt
+    return {**body, **(extra or {})}
+
+
+def _error_message(raw: bytes) -> str:
+    """The message of an OpenAI ({'error': {'message'}}), TGI ({'error': str}) or FastAPI ({'detail'}) error."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")[:300]
+    error = body.get("error", body.get("detail", body)) if isinstance(body, dict) else body
+    if isinstance(error, dict):
+        error = error.get("message", error)
+    return str(error)[:300]
+
+
+def _bears_token(chunk: dict, chat: bool, seen: bool) -> bool:
+    choices = chunk.get("choices")
+    if not choices:
+        return False
+    if not chat:
+        return True
+    delta = choices[0].get("delta") or {}
+    if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning"):
+        return True
+    # a reply whose only token decodes to nothing (say, end of sequence at once) arrives with its finish reason
+    return not seen and choices[0].get("finish_reason") is not None
+
+
+async def _read_stream(resp: httpx.Response, result: RequestResult, chat: bool, t0: float) -> dict | None:
+    """Consume the SSE stream; returns the last usage seen; sets e2e at `data: [DONE]`, or an error kind."""
+    usage = None
+    async for line in resp.aiter_lines():
+        if result.e2e is not None:
+            continue  # read past [DONE] to the end of the body, so the connection goes back to the pool
+        if not line.startswith("data:"):
+            continue  # blank separators, comments, `event:` lines
+        now = time.perf_counter()
+        data = line[5:].strip()
+        if data == "[DONE]":
+            result.e2e = now - t0
+            continue
+        chunk = json.loads(data)
+        if not isinstance(chunk, dict):
+            raise ValueError(f"a data line that is not a JSON object: {data[:100]}")
+        if "error" in chunk:
+            result.error, result.message = "stream_error", _error_message(data.encode())
+            return usage
+        if _bears_token(chunk, chat, bool(result.chunk_times)):
+            result.chunk_times.append(now - t0)
+        if isinstance(chunk.get("usage"), dict):
+            usage = chunk["usage"]
+    if result.e2e is None:
+        result.error, result.message = "truncated_stream", "the stream ended without data: [DONE]"
+    return usage
+
+
+async def send(client: httpx.AsyncClient, url: str, body: dict, result: RequestResult, start: float,
+               timeout: float) -> RequestResult:
+    """Stream one request and fill in `result`; never raises for a server or network failure."""
+    t0 = time.perf_counter()
+    result.sent = t0 - start
+    usage = None
+    try:
+        async with asyncio.timeout(timeout):
+            async with client.stream("POST", url, json=body) as resp:
+                result.status = resp.status_code
+                if resp.status_code == 200:
+                    usage = await _read_stream(resp, result, url.endswith(CHAT), t0)
+                else:
+                    result.error, result.message = f"http_{resp.status_code}", _error_message(await resp.aread())
+    except TimeoutError:
+        result.error, result.message = "timeout", f"no complete response within {timeout:g} s"
+    except httpx.TimeoutException as exc:
+        result.error, result.message = "timeout", repr(exc)
+    except httpx.ConnectError as exc:
+        result.error, result.message = "connect_error", str(exc) or repr(exc)
+    except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+        result.error, result.message = "connection_lost", str(exc) or repr(exc)
+    except httpx.HTTPError as exc:
+        result.error, result.message = "http_client_error", repr(exc)
+    except ValueError as exc:  # a data line that is not JSON, or not an object
+        result.error, result.message = "bad_response", str(exc)[:300]
+    except (AttributeError, TypeError, IndexError, KeyError) as exc:  # JSON of an unexpected shape
+        result.error, result.message = "bad_response", repr(exc)[:300]
+    result.ended = time.perf_counter() - start
+    if result.ok and not result.chunk_times:
+        result.error, result.message = "no_tokens", "the stream carried no token"
+    if not result.ok:
+        result.e2e = None
+    if usage:
+        result.prompt_tokens, result.output_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        result.usage_reported = result.output_tokens is not None
+    if not result.usage_reported and result.ok:
+        result.output_tokens = len(result.chunk_times)
+    return result
