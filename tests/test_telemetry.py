@@ -17,7 +17,6 @@ from prometheus_client.parser import text_string_to_metric_families as parse_pro
 
 from service.engine import SamplingParams
 from service.telemetry.gpu import GPUSampler
-from service.telemetry.hub import BackgroundObserver
 from service.telemetry.metrics import GPUMetrics, Metrics
 from service.telemetry.recorder import EngineRecorder, observe_many
 from tests.conftest import LiveServer, free_port, make_engine
@@ -100,8 +99,8 @@ def test_preemptions_are_counted_and_gauges_follow_the_load(tiny_model):
     seen = []
     record = engine.observer
 
-    def spy(step, outputs):
-        record(step, outputs)
+    def spy(step):
+        record(step)
         seen.append((value(m, "llm_requests_running"), value(m, "llm_requests_waiting"),
                      value(m, "llm_kv_cache_usage_ratio")))
 
@@ -144,25 +143,6 @@ def test_grouped_observations_equal_single_ones():
     for v, n in Counter(values).items():
         observe_many(grouped, v, n)
     assert [s for f in single.collect() for s in f.samples] == [s for f in grouped.collect() for s in f.samples]
-
-
-def test_background_recording_survives_a_failing_step_and_flush_waits_for_it():
-    recorded = []
-
-    def observer(step, outputs):
-        time.sleep(0.01)
-        if step == "bad":
-            raise RuntimeError("a recording bug")
-        recorded.append(step)
-
-    background = BackgroundObserver(observer)
-    background.start()
-    for step in ["a", "bad", "b", "c"]:
-        background(step, [])
-    background.flush()
-    assert recorded == ["a", "b", "c"]
-    background.close()
-    assert not background._thread.is_alive()
 
 
 # -- /metrics over HTTP ----------------------------------------------------------------------------------
@@ -268,13 +248,40 @@ def test_request_span_joins_the_callers_trace_with_gen_ai_attributes_events_and_
     assert names == ["queued", "scheduled", "first_token", "finished"]
     assert [e[1] for e in gen.events] == sorted(e[1] for e in gen.events)
     assert gen.resource["service.name"] == "llm-service"
-    steps = [sp for sp in spans if sp.name == "engine.step" and (trace_id, gen.span_id) in sp.links]
-    assert len(steps) == 6 and {sp.attributes["llm.step.phase"] for sp in steps} == {"prefill", "decode"}
+    # the request is linked from the steps that changed its life: the one that admitted it, the one it ended in
+    steps = sorted((sp for sp in spans if sp.name == "engine.step" and (trace_id, gen.span_id) in sp.links),
+                   key=lambda sp: sp.start_ns)
+    assert [(sp.attributes["llm.step.phase"], sp.attributes["llm.step.admitted"], sp.attributes["llm.step.finished"])
+            for sp in steps] == [("prefill", 1, 0), ("decode", 0, 1)]
+    assert steps[0].attributes["llm.step.tokens"] == 3 and steps[0].attributes["llm.step.sequences"] == 1
 
     exemplars = [s.exemplar for s in families["llm_time_to_first_token_seconds"].samples if s.exemplar]
     assert [e.labels["trace_id"] for e in exemplars] == [trace_id]
     exemplars = [s.exemplar for s in families["llm_request_duration_seconds"].samples if s.exemplar]
     assert [e.labels["trace_id"] for e in exemplars] == [trace_id]
+
+
+def test_preempted_requests_carry_preempted_events_and_step_links(tiny_model, monkeypatch):
+    with Receiver("http/protobuf") as receiver:
+        use_collector(monkeypatch, receiver.endpoint)
+        # 7 usable blocks of 16 tokens cannot hold six requests of 30 + 20 tokens: some are preempted
+        with LiveServer(tiny_model, {"num_blocks": 8, "max_num_seqs": 8}) as s:
+            async def load():
+                async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
+                    return await asyncio.gather(*[c.post("/v1/completions", json={
+                        "model": MODEL, "prompt": [9 + i] * 30, "max_tokens": 20, "ignore_eos": True}) for i in range(6)])
+            assert all(r.status_code == 200 for r in asyncio.run(load()))
+            preemptions = s.engine.scheduler.num_preemptions
+            spans = receiver.wait_for(lambda spans: sum(sp.name.startswith("text_completion") for sp in spans) == 6)
+    assert preemptions > 0
+    generations = {sp.span_id: sp for sp in spans if sp.name.startswith("text_completion")}
+    preempted = [sp for sp in generations.values() if any(e[0] == "preempted" for e in sp.events)]
+    assert sum(sum(e[0] == "preempted" for e in sp.events) for sp in preempted) == preemptions
+    steps = receiver.wait_for(lambda spans: sum(sp.attributes.get("llm.step.preempted", 0)
+                                                for sp in spans if sp.name == "engine.step") == preemptions)
+    linked = {span_id for sp in steps if sp.name == "engine.step" and sp.attributes["llm.step.preempted"]
+              for _, span_id in sp.links}
+    assert {sp.span_id for sp in preempted} <= linked
 
 
 def test_prompt_and_output_text_are_traced_only_when_enabled(tiny_model, default_model, monkeypatch):

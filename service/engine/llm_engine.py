@@ -40,20 +40,28 @@ class RequestOutput:
 
 @dataclass
 class StepStats:
-    """One engine step for telemetry: what ran, and the engine's load after it."""
+    """One engine step (or an abort) for telemetry: what it produced and the engine's load after it.
+
+    In a step that ran, every output carries the one token it produced; the lists below are parts of
+    `outputs`, collected where the engine decides them, so an observer need not scan for them.
+    """
 
     phase: str | None  # prefill, decode or mixed; None when no forward pass ran (an abort, a failed step)
-    num_tokens: int
+    num_tokens: int  # tokens computed
+    num_seqs: int  # sequences in the batch
     duration: float
-    request_ids: list[str]  # the batch
-    num_preempted: int
+    outputs: list["RequestOutput"]
+    first_tokens: list["RequestOutput"]  # outputs carrying their request's first token
+    finished: list["RequestOutput"]  # outputs of requests that finished: stop, length, abort, error
+    admitted: list[str]  # requests that entered the running batch (new, or back after preemption)
+    preempted: list[str]
     num_running: int
     num_waiting: int
     kv_usage: float
 
 
-# Called on the engine's thread after every step and abort, with the outputs they produced.
-StepObserver = Callable[[StepStats, list["RequestOutput"]], None]
+# Called on the engine's thread after every step and abort.
+StepObserver = Callable[[StepStats], None]
 
 
 class LLMEngine:
@@ -142,7 +150,7 @@ class LLMEngine:
         self.scheduler.finish(seq, "abort")
         seq.timings.finished = time.perf_counter()
         out = self._output(seq, [], [])
-        self._observe([out])
+        self._observe([out], finished=[out])
         return out
 
     def has_unfinished(self) -> bool:
@@ -161,7 +169,7 @@ class LLMEngine:
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            self._observe([], batch)
+            self._observe([], batch=batch)
             return []
         phase = batch.phase
         for seq in batch.seqs:
@@ -174,18 +182,19 @@ class LLMEngine:
         except Exception:
             log.exception("engine step failed; failing its %d requests", len(batch.seqs))
             outputs = self._fail(batch)
-            self._observe(outputs, batch)
+            self._observe(outputs, finished=outputs, batch=batch)
             return outputs
         now = time.perf_counter()
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.blocks.commit(seq)
-        outputs = []
+        outputs, first_tokens, finished = [], [], []
         for i, seq in enumerate(sampled):
             token = result.token_ids[i]
             seq.token_ids.append(token)
             seq.timings.token_times.append(now)
-            if seq.timings.first_token is None:
+            first = seq.timings.first_token is None
+            if first:
                 seq.timings.first_token = now
             logprobs = [result.logprobs[i]] if result.logprobs[i] is not None else []
             seq.logprobs.extend(logprobs)
@@ -194,19 +203,25 @@ class LLMEngine:
                 self.scheduler.finish(seq, reason)
                 seq.timings.finished = now
                 del self.seqs[seq.request_id]
-            outputs.append(self._output(seq, [token], logprobs))
-        self._observe(outputs, batch, phase, time.perf_counter() - start)
+            out = self._output(seq, [token], logprobs)
+            outputs.append(out)
+            if first:
+                first_tokens.append(out)
+            if reason:
+                finished.append(out)
+        self._observe(outputs, first_tokens, finished, batch, phase, time.perf_counter() - start)
         return outputs
 
-    def _observe(self, outputs: list[RequestOutput], batch: ScheduledBatch | None = None, phase: str | None = None,
+    def _observe(self, outputs: list[RequestOutput], first_tokens: list[RequestOutput] = (),
+                 finished: list[RequestOutput] = (), batch: ScheduledBatch | None = None, phase: str | None = None,
                  duration: float = 0.0) -> None:
         if self.observer is None:
             return
-        ran = phase is not None
-        self.observer(StepStats(phase, batch.num_tokens if ran else 0, duration,
-                                [s.request_id for s in batch.seqs] if ran else [],
-                                len(batch.preempted) if batch else 0,
-                                self.num_running, self.num_waiting, self.blocks.usage), outputs)
+        ids = lambda seqs: [s.request_id for s in seqs]
+        self.observer(StepStats(
+            phase, batch.num_tokens if phase else 0, len(batch.seqs) if phase else 0, duration, outputs, list(first_tokens), list(finished),
+            ids(batch.admitted) if phase else [], ids(batch.preempted) if batch else [],
+            self.num_running, self.num_waiting, self.blocks.usage))
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -6,7 +6,7 @@ admitted sequence is preempted: its blocks are freed and it is recomputed later.
 """
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from service.engine.block_manager import BlockManager
 from service.engine.sequence import Sequence, Status
@@ -17,6 +17,7 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # tokens computed for each sequence in this step
     preempted: list[Sequence]
+    admitted: list[Sequence] = field(default_factory=list)  # taken from the waiting queue in this step
 
     @property
     def num_tokens(self) -> int:
@@ -80,6 +81,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
+            batch.admitted.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n

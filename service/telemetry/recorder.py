@@ -1,10 +1,9 @@
-"""Turns engine steps and their request outputs into the catalog's metrics.
+"""Turns engine steps into the catalog's metrics, on the engine's thread, between steps.
 
-The cost per step is one pass over its outputs and a few metric updates: the token gaps of one step
-take few distinct values (every token of a step shares one clock reading), so they are added to the
-histogram grouped by value instead of one observation per token. It may run after the engine has
-moved on (see hub.BackgroundObserver), so it reads only what later steps cannot change: the output's
-own fields, and token times by index (the list only grows).
+The engine waits for this, so a step costs one counting pass over its outputs and a few metric
+updates: the token gaps of one step take few distinct values (all tokens of a step share one clock
+reading), so they are added to the histogram grouped by value rather than one observation per token;
+first tokens and finished requests come to it in lists of their own.
 """
 
 from bisect import bisect_left
@@ -22,7 +21,7 @@ def observe_many(histogram, value: float, count: int) -> None:
 
 
 class EngineRecorder:
-    """A StepObserver: request latencies and token counts from outputs, step time and load from the step.
+    """A StepObserver: request latencies and token counts from a step's outputs, step time and load.
 
     Per request: TTFT, queue and prefill time and prompt tokens at its first token; every gap between
     output tokens; end-to-end and decode time and the finish reason when it finishes.
@@ -32,32 +31,27 @@ class EngineRecorder:
         self.m = metrics
         self.trace_id = trace_id  # request id -> trace id of its sampled span, for exemplars
 
-    def __call__(self, step: StepStats, outputs: list[RequestOutput]) -> None:
+    def __call__(self, step: StepStats) -> None:
         m = self.m
         if step.phase is not None:
             seconds, tokens = m.step_m[step.phase]
             seconds.observe(step.duration)
             tokens.observe(step.num_tokens)
-        if step.num_preempted:
-            m.preemptions_m.inc(step.num_preempted)
+            if step.outputs:  # every output of a step that ran carries one new token
+                m.generation_tokens_m.inc(len(step.outputs))
+                gaps = Counter([t[-1] - t[-2] for t in [out.timings.token_times for out in step.outputs]
+                                if len(t) > 1])
+                for gap, count in gaps.items():
+                    observe_many(m.itl_m, gap, count)
+        if step.preempted:
+            m.preemptions_m.inc(len(step.preempted))
+        for out in step.first_tokens:
+            self._first_token(out)
+        for out in step.finished:
+            self._finished(out)
         m.running_m.set(step.num_running)
         m.waiting_m.set(step.num_waiting)
         m.kv_usage_m.set(step.kv_usage)
-
-        produced = [out for out in outputs if out.new_token_ids]
-        if produced:
-            m.generation_tokens_m.inc(sum(len(out.new_token_ids) for out in produced))
-        # the gap between each output's newest token and the one before it
-        ends = [(out.timings.token_times, out.num_output_tokens) for out in produced]
-        gaps = Counter([times[n - 1] - times[n - 2] for times, n in ends if n > 1])
-        for gap, count in gaps.items():
-            observe_many(m.itl_m, gap, count)
-        for out in produced:
-            if out.num_output_tokens == len(out.new_token_ids):
-                self._first_token(out)
-        for out in outputs:
-            if out.finished:
-                self._finished(out)
 
     def _exemplar(self, request_id: str) -> dict[str, str] | None:
         trace_id = self.trace_id(request_id)
