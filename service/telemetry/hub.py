@@ -20,7 +20,8 @@ class Telemetry:
         self.metrics = Metrics(model)
         self.tracing = Tracing(make_provider(settings.trace_sample_ratio), settings.trace_engine_steps,
                                settings.trace_text)
-        self.recorder = EngineRecorder(self.metrics, self.tracing.trace_id) if settings.metrics else None
+        exemplars = {"trace_id": self.tracing.trace_id} if self.tracing.enabled else {}
+        self.recorder = EngineRecorder(self.metrics, **exemplars) if settings.metrics else None
         # what the engine calls after each step; None when nothing is recorded (no cost at all)
         self.observer: StepObserver | None = self._observe_both if self.recorder and self.tracing.trace_steps \
             else self.recorder or (self.tracing.step if self.tracing.trace_steps else None)
