@@ -20,7 +20,6 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent import futures
 from pathlib import Path
 
 import httpx
@@ -28,6 +27,7 @@ import pytest
 import yaml
 
 from tests.conftest import free_port
+from tests.otlp import Receiver
 from tests.test_deploy_config import COMPOSE, DEPLOY, compose_config, promql_expressions
 
 pytestmark = pytest.mark.skipif(
@@ -38,34 +38,6 @@ LOWERED_ALERT = "LLMHighTimeToFirstToken"  # its threshold goes down to 1 µs: a
 GRAFANA_BUILTINS = {"$__rate_interval": "1m", "$__range_s": "600", "$__range": "10m", "$__interval": "15s"}
 # no data here, and why: no NVIDIA GPU on this machine; ALERTS has series only while alerts are active
 NO_DATA_EXPECTED = ("llm_gpu_", "ALERTS")
-
-
-class OTLPReceiver:
-    """A stand-in for Tempo's OTLP/gRPC receiver: it keeps the trace id and service of every span."""
-
-    def __init__(self):
-        import grpc
-        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-
-        receiver = self
-
-        class Servicer(trace_service_pb2_grpc.TraceServiceServicer):
-            def Export(self, request, context):
-                for rs in request.resource_spans:
-                    attrs = {a.key: a.value.string_value for a in rs.resource.attributes}
-                    for ss in rs.scope_spans:
-                        for span in ss.spans:
-                            receiver.spans.append((span.trace_id.hex(), span.name, attrs.get("service.name")))
-                return trace_service_pb2.ExportTraceServiceResponse()
-
-        self.spans: list[tuple[str, str, str]] = []
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Servicer(), self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
-
-    def stop(self):
-        self.server.stop(grace=None)
 
 
 class Stack:
@@ -216,9 +188,7 @@ def stack():
         tmp = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="llm-deploy-")))
         s = Stack(tmp)
         cleanup.callback(s.stop)
-        otlp = OTLPReceiver()
-        cleanup.callback(otlp.stop)
-        s.otlp = otlp
+        s.otlp = otlp = cleanup.enter_context(Receiver("grpc"))
 
         # the webhook receiver the compose stack uses by default
         s.start("alert-sink", [sys.executable, str(DEPLOY / "alert_sink.py"), "--host", "127.0.0.1",
@@ -243,7 +213,7 @@ def stack():
         env.update({k: str(v) for k, v in compose["services"]["service"]["environment"].items()})
         env.update(LLM_MODEL="random:tiny", LLM_DEVICE="cpu", LLM_HOST="127.0.0.1", LLM_PORT=str(s.ports["service"]),
                    LLM_NUM_BLOCKS="256", LLM_GPU_SAMPLE_INTERVAL="0",
-                   OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{otlp.port}",  # was http://tempo:4317
+                   OTEL_EXPORTER_OTLP_ENDPOINT=otlp.endpoint,  # was http://tempo:4317
                    OTEL_BSP_SCHEDULE_DELAY="500", PYTHONPATH=str(DEPLOY.parent))
         s.start("service", dockerfile_command(), env=env)
 
@@ -329,9 +299,9 @@ def test_latency_exemplars_carry_trace_ids_of_traces_the_service_exported(stack)
         assert body["status"] == "success", body
         trace_ids = {e["labels"]["trace_id"] for series in body["data"] for e in series["exemplars"]}
         assert trace_ids, f"no exemplars for {expr}"
-        exported = lambda: trace_ids <= {t for t, _, _ in stack.otlp.spans}
+        exported = lambda: trace_ids <= {sp.trace_id for sp in stack.otlp.spans}
         wait_for("the exemplars' traces at the OTLP receiver", exported, 20, stack)
-    services = {svc for _, _, svc in stack.otlp.spans}
+    services = {sp.resource.get("service.name") for sp in stack.otlp.spans}
     assert services == {compose_config(COMPOSE)["services"]["service"]["environment"]["OTEL_SERVICE_NAME"]}
 
 
