@@ -38,6 +38,25 @@ def reference_greedy(loaded, prompt: list[int], max_new_tokens: int) -> list[int
     return out[0, len(prompt):].tolist()
 
 
+def needs_tools(*tools: str):
+    """Mark a test that runs these Debian tools for real. `make test` installs them (deploy/install-tools.sh);
+    a missing one fails the test with that advice, never skips it: a skip would hide a required behaviour."""
+    import functools
+    import shutil
+
+    missing = [t for t in tools if shutil.which(t) is None]
+
+    def decorate(test):
+        if not missing:
+            return test
+
+        @functools.wraps(test)
+        def fail(*args, **kwargs):
+            pytest.fail(f"{', '.join(missing)} missing: run deploy/install-tools.sh (make test does)")
+        return fail
+    return decorate
+
+
 def free_port() -> int:
     import socket
     with socket.socket() as s:

@@ -8,7 +8,6 @@ promtool and amtool. Tempo and Grafana have no binary here: their files are pars
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,8 @@ import pytest
 import yaml
 
 from service.telemetry.metrics import GPUMetrics, Metrics
+
+from tests.conftest import needs_tools
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -27,7 +28,6 @@ LOAD_COMMAND = ("python -m service bench serve --base-url http://service:8000 --
                 "--request-rate 2 --burstiness 1.0 --max-concurrency 16 --duration 600 --dataset builtin "
                 "--no-progress")
 
-needs = lambda tool: pytest.mark.skipif(shutil.which(tool) is None, reason=f"{tool} missing: deploy/install-tools.sh")
 
 
 # ---------------------------------------------------------------- helpers (the live test uses them too)
@@ -113,7 +113,7 @@ def recorded_names() -> set[str]:
 
 # ---------------------------------------------------------------- compose
 
-@needs("docker-compose")
+@needs_tools("docker-compose")
 def test_compose_file_validates_with_and_without_the_gpu_override_and_load_profile():
     base = compose_config(COMPOSE)
     assert set(active(base)) == {"service", "prometheus", "alertmanager", "alert-sink", "tempo", "grafana"}
@@ -127,7 +127,7 @@ def test_compose_file_validates_with_and_without_the_gpu_override_and_load_profi
     assert gpu["services"]["load"]["image"] == service["image"]  # one CUDA image, built once
 
 
-@needs("docker-compose")
+@needs_tools("docker-compose")
 def test_docker_compose_config_rejects_an_invalid_file(tmp_path):
     """The validator used above really validates: a misspelt key fails."""
     broken = tmp_path / "docker-compose.yml"
@@ -137,7 +137,7 @@ def test_docker_compose_config_rejects_an_invalid_file(tmp_path):
     assert done.returncode != 0 and "healthchek" in done.stderr
 
 
-@needs("docker-compose")
+@needs_tools("docker-compose")
 def test_every_service_is_pinned_healthchecked_and_restarted():
     services = compose_config(COMPOSE, profiles=("load",))["services"]
     for name, s in services.items():
@@ -157,7 +157,7 @@ def test_every_service_is_pinned_healthchecked_and_restarted():
                           ("grafana", "prometheus"): "service_healthy", ("grafana", "tempo"): "service_started"}
 
 
-@needs("docker-compose")
+@needs_tools("docker-compose")
 def test_state_lives_in_named_volumes():
     config = compose_config(COMPOSE)
     want = {"service": "/home/app/.cache/llm-service", "prometheus": "/prometheus", "alertmanager": "/alertmanager",
@@ -168,7 +168,7 @@ def test_state_lives_in_named_volumes():
         assert named[target] in config["volumes"]
 
 
-@needs("docker-compose")
+@needs_tools("docker-compose")
 def test_load_profile_runs_the_project_load_generator_with_the_documented_arguments():
     load = compose_config(COMPOSE, profiles=("load",))["services"]["load"]
     assert load["profiles"] == ["load"]
@@ -176,7 +176,7 @@ def test_load_profile_runs_the_project_load_generator_with_the_documented_argume
     assert load["image"] == compose_config(COMPOSE)["services"]["service"]["image"]
 
 
-@needs("docker-compose")
+@needs_tools("docker-compose")
 def test_service_exports_traces_to_the_tempo_receiver_that_listens_on_that_port_and_protocol():
     config = compose_config(COMPOSE)
     env = config["services"]["service"]["environment"]
@@ -201,7 +201,7 @@ def test_service_exports_traces_to_the_tempo_receiver_that_listens_on_that_port_
     assert tempo["compactor"]["compaction"]["block_retention"] and tempo["storage"]["trace"]["backend"] == "local"
 
 
-@needs("docker-compose")
+@needs_tools("docker-compose")
 def test_grafana_provisioning_paths_match_the_mounted_volumes():
     grafana = compose_config(COMPOSE)["services"]["grafana"]
     bind = mounts(grafana)
@@ -219,7 +219,7 @@ def test_grafana_provisioning_paths_match_the_mounted_volumes():
     assert urls == {"prometheus": "http://prometheus:9090", "tempo": "http://tempo:3200"}
 
 
-@needs("docker-compose")
+@needs_tools("docker-compose")
 def test_prometheus_and_alertmanager_containers_read_the_files_of_this_folder():
     services = compose_config(COMPOSE)["services"]
     prom = mounts(services["prometheus"])
@@ -239,7 +239,7 @@ def test_prometheus_and_alertmanager_containers_read_the_files_of_this_folder():
 
 # ---------------------------------------------------------------- Prometheus and Alertmanager configs
 
-@needs("promtool")
+@needs_tools("promtool")
 def test_prometheus_config_passes_promtool_and_scrapes_every_15s():
     done = subprocess.run(["promtool", "check", "config", str(DEPLOY / "prometheus.yml")], capture_output=True,
                           text=True, timeout=60)
@@ -266,7 +266,7 @@ def render_alertmanager_config(tmp_path: Path, url: str, template: Path = DEPLOY
     return out
 
 
-@needs("amtool")
+@needs_tools("amtool")
 def test_alertmanager_config_routes_every_alert_to_the_webhook_from_the_environment(tmp_path):
     url = "https://hooks.example.com/alert?team=llm&route=a|b"  # & and | mean something to sed
     rendered = render_alertmanager_config(tmp_path, url)

@@ -26,13 +26,9 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import free_port
+from tests.conftest import free_port, needs_tools
 from tests.otlp import Receiver
 from tests.test_deploy_config import COMPOSE, DEPLOY, compose_config, promql_expressions
-
-pytestmark = pytest.mark.skipif(
-    not all(shutil.which(t) for t in ("prometheus", "prometheus-alertmanager", "docker-compose")),
-    reason="needs prometheus, prometheus-alertmanager and docker-compose: run deploy/install-tools.sh")
 
 LOWERED_ALERT = "LLMHighTimeToFirstToken"  # its threshold goes down to 1 µs: any request breaks it
 GRAFANA_BUILTINS = {"$__rate_interval": "1m", "$__range_s": "600", "$__range": "10m", "$__interval": "15s"}
@@ -183,6 +179,7 @@ def send_load(base: str, seconds: float = 8.0, min_requests: int = 40, max_reque
 # ---------------------------------------------------------------- the stack
 
 @pytest.fixture(scope="module")
+@needs_tools("prometheus", "prometheus-alertmanager", "docker-compose")
 def stack():
     with contextlib.ExitStack() as cleanup:
         tmp = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="llm-deploy-")))

@@ -13,13 +13,15 @@ import yaml
 
 from service.telemetry.metrics import TTFT_BUCKETS
 
+from tests.conftest import needs_tools
+
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 RULES = DEPLOY / "rules"
 RULE_FILES = sorted(RULES.glob("*.yml"))
 UNIT_TESTS = sorted((RULES / "tests").glob("*_test.yml"))
 SLO_WINDOWS = ["5m", "30m", "1h", "2h", "6h", "1d", "3d"]
 
-promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool missing: run deploy/install-tools.sh")
+promtool = needs_tools("promtool")
 
 
 def rules(path: Path | None = None) -> list[dict]:
