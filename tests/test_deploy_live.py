@@ -218,6 +218,8 @@ def stack():
         wait_for("alertmanager", lambda: httpx.get(s.alertmanager + "/-/ready").status_code == 200, 30, s)
         wait_for("prometheus", lambda: httpx.get(s.prometheus + "/-/ready").status_code == 200, 30, s)
         wait_for("service", lambda: httpx.get(s.service + "/ready").status_code == 200, 120, s)
+        # Prometheus's first scrape comes seconds after it starts: load sent before it would show no increase
+        wait_for("the first scrape", lambda: query(s, 'up{job="llm-service"} == 1')["result"], 30, s)
         s.statuses = send_load(s.service)
         # every rule group has evaluated over the load: the slowest windows and the per-instance quantiles exist
         for q in ("model:llm_slo_ttft_errors:burn_rate3d", "instance_model:llm_request_duration_seconds:quantile_rate5m",
