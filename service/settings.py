@@ -29,7 +29,7 @@ class TelemetrySettings:
 
     metrics: bool = True  # record request and engine metrics (off: /metrics has process metrics only)
     trace_sample_ratio: float = 1.0  # share of new traces kept; a sampled incoming traceparent is always kept
-    trace_engine_steps: bool = True  # a span per engine step, linked to the requests in its batch
+    trace_engine_steps: bool = True  # a span for each step that changes the batch, linked to those requests
     trace_text: bool = False  # put prompt and output text in request spans
     gpu_sample_interval: float = 5.0  # seconds between NVML readings; 0: no GPU metrics
 
@@ -41,7 +41,7 @@ class Settings:
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
 
 
-SECTIONS = {"server": ServerSettings, "telemetry": TelemetrySettings, "engine": EngineConfig}
+SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Settings)}  # name -> its dataclass
 ENV_PREFIX = "LLM_"
 
 

@@ -38,6 +38,25 @@ def reference_greedy(loaded, prompt: list[int], max_new_tokens: int) -> list[int
     return out[0, len(prompt):].tolist()
 
 
+def wait_until(check, timeout: float, what: str, interval: float = 0.1):
+    """Poll `check` until it returns something true and return that; connection errors and unparsable answers
+    count as 'not yet'. After `timeout` seconds, fail saying what never happened."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            result = check()
+            if result:
+                return result
+        except (httpx.HTTPError, OSError, ValueError, KeyError):
+            pass
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
 def needs_tools(*tools: str):
     """Mark a test that runs these Debian tools for real. `make test` installs them (deploy/install-tools.sh);
     a missing one fails the test with that advice, never skips it: a skip would hide a required behaviour."""
@@ -90,19 +109,11 @@ class LiveServer:
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> "LiveServer":
-        import time
-
         import httpx
+
         self.thread.start()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError("server did not become ready")
+        wait_until(lambda: httpx.get(self.url + "/ready", timeout=1).status_code == 200, 60, "the server to be ready")
+        return self
 
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True

@@ -3,13 +3,12 @@
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 import yaml
 
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_until
 
 
 class Prometheus:
@@ -30,18 +29,17 @@ class Prometheus:
             ["prometheus", f"--config.file={self.dir / 'prometheus.yml'}", f"--storage.tsdb.path={self.dir / 'data'}",
              f"--web.listen-address=127.0.0.1:{self.port}", "--enable-feature=exemplar-storage"],
             stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"prometheus exited: {(self.dir / 'log').read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/-/ready", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.__exit__()
-        raise RuntimeError("prometheus did not become ready")
+            return httpx.get(self.url + "/-/ready", timeout=1).status_code == 200
+
+        try:
+            wait_until(ready, 30, "prometheus to be ready")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
 
     def __exit__(self, *exc) -> None:
         self.proc.terminate()
@@ -60,10 +58,4 @@ class Prometheus:
 
     def wait_for_data(self, expr: str, timeout: float = 30.0) -> list[dict]:
         """Poll a query until it returns at least one series."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            result = self.query(expr)
-            if result:
-                return result
-            time.sleep(0.5)
-        raise AssertionError(f"no data for {expr!r} after {timeout} s")
+        return wait_until(lambda: self.query(expr), timeout, f"data for {expr!r}", interval=0.5)

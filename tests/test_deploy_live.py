@@ -26,7 +26,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import free_port, needs_tools
+from tests.conftest import free_port, needs_tools, wait_until
 from tests.otlp import Receiver
 from tests.test_deploy_config import COMPOSE, DEPLOY, compose_config, promql_expressions
 
@@ -70,16 +70,11 @@ class Stack:
 
 
 def wait_for(what: str, check, timeout: float, stack: Stack | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            result = check()
-            if result:
-                return result
-        except (httpx.HTTPError, OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}\n{stack.logs() if stack else ''}")
+    """wait_until, with the stack's logs in the failure."""
+    try:
+        return wait_until(check, timeout, what, interval=0.5)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{stack.logs() if stack else ''}") from None
 
 
 # ---------------------------------------------------------------- configs derived from deploy/

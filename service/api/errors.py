@@ -22,6 +22,13 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+def checked(out):
+    """A request's output, or the 500 of a generation that failed inside the engine."""
+    if out.finish_reason == "error":
+        raise APIError(500, "generation failed inside the engine", type="internal_error")
+    return out
+
+
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 

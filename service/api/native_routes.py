@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from service.api.app import ServerState, collect, get_state
-from service.api.errors import APIError
+from service.api.errors import checked
 from service.api.schemas import GenerateRequest
 from service.api.streaming import sse, timings, usage
 
@@ -49,15 +49,12 @@ async def generate(body: GenerateRequest, request: Request, state: ServerState =
     if body.stream:
         async def events():
             async for out in stream:
-                if out.finish_reason == "error":
-                    raise APIError(500, "generation failed inside the engine", type="internal_error")
+                checked(out)
                 event = {"text": out.text_delta, "token_ids": out.new_token_ids}
                 yield {**event, **final(out)} if out.finished else event
         return sse(events())
 
     outs = await collect(request, stream)
-    last = outs[-1]
-    if last.finish_reason == "error":
-        raise APIError(500, "generation failed inside the engine", type="internal_error")
+    last = checked(outs[-1])
     return {"text": "".join(o.text_delta for o in outs), "token_ids": [t for o in outs for t in o.new_token_ids],
             **final(last)}

@@ -7,19 +7,11 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 
 from service.api.app import ServerState, collect, get_state
-from service.api.errors import APIError, bad_request
+from service.api.errors import bad_request, checked
 from service.api.schemas import ChatCompletionRequest, CompletionRequest
 from service.api.streaming import chat_logprobs, completion_logprobs, sse, usage
-from service.engine import RequestOutput
 
 router = APIRouter()
-
-
-def _final(outs: list[RequestOutput]) -> RequestOutput:
-    last = outs[-1]
-    if last.finish_reason == "error":
-        raise APIError(500, "generation failed inside the engine", type="internal_error")
-    return last
 
 
 @router.get("/v1/models")
@@ -43,11 +35,9 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
         async def chunks() -> AsyncIterator[dict]:
             offset, last = 0, None
             async for out in stream:
-                last = out
+                last = checked(out)
                 logprobs = completion_logprobs(tokenizer, [out], offset) if body.logprobs is not None else None
                 offset += sum(len(t) for t in (logprobs or {}).get("tokens", []))
-                if out.finish_reason == "error":
-                    raise APIError(500, "generation failed inside the engine", type="internal_error")
                 yield {**head, "choices": [{"index": 0, "text": out.text_delta, "logprobs": logprobs,
                                             "finish_reason": out.finish_reason}]}
             if body.include_usage and last is not None:
@@ -55,7 +45,7 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
         return sse(chunks())
 
     outs = await collect(request, stream)
-    last = _final(outs)
+    last = checked(outs[-1])
     return {**head, "choices": [{
         "index": 0, "text": "".join(o.text_delta for o in outs), "finish_reason": last.finish_reason,
         "logprobs": completion_logprobs(tokenizer, outs) if body.logprobs is not None else None}],
@@ -85,9 +75,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
                                         "logprobs": None, "finish_reason": None}]}
             last = None
             async for out in stream:
-                last = out
-                if out.finish_reason == "error":
-                    raise APIError(500, "generation failed inside the engine", type="internal_error")
+                last = checked(out)
                 delta = {"content": out.text_delta} if out.text_delta else {}
                 logprobs = chat_logprobs(tokenizer, [out]) if body.logprobs else None
                 yield {**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
@@ -97,7 +85,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         return sse(chunks())
 
     outs = await collect(request, stream)
-    last = _final(outs)
+    last = checked(outs[-1])
     return {**head, "object": "chat.completion", "choices": [{
         "index": 0, "message": {"role": "assistant", "content": "".join(o.text_delta for o in outs)},
         "logprobs": chat_logprobs(tokenizer, outs) if body.logprobs else None,

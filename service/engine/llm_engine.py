@@ -65,8 +65,7 @@ StepObserver = Callable[[StepStats], None]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
-                 observer: StepObserver | None = None):
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         self.config = config = config or EngineConfig()
         if config.device == "auto":
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -85,7 +84,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
-        self.observer = observer
+        self.observer: StepObserver | None = None  # telemetry sets it; called after every step and abort
         self._ids = itertools.count()
 
     # -- requests -------------------------------------------------------------------------------------
