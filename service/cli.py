@@ -5,10 +5,10 @@ import importlib
 import logging
 import sys
 
-# bench subcommands: each is a module of service.bench with a main(argv)
-BENCHES = {"offline": "offline throughput against transformers on the same weights",
-           "serve": "load generator against any OpenAI-compatible server",
-           "compare": "compare two bench serve results; non-zero exit on a regression"}
+# bench subcommands: name -> (module with a main(argv), what it does)
+BENCHES = {"offline": ("service.bench.offline.offline", "offline throughput against transformers on the same weights"),
+           "serve": ("service.bench.loadgen.serve", "load generator against any OpenAI-compatible server"),
+           "compare": ("service.bench.loadgen.compare", "compare two bench serve results; non-zero exit on a regression")}
 
 
 def _generate(argv: list[str]) -> None:
@@ -41,9 +41,9 @@ def _serve(argv: list[str]) -> None:
 def _bench(argv: list[str]) -> None:
     if not argv or argv[0] not in BENCHES:
         print("usage: python -m service bench {%s} [options]\n%s" % (
-            ",".join(BENCHES), "\n".join(f"  {k:8} {v}" for k, v in BENCHES.items())), file=sys.stderr)
+            ",".join(BENCHES), "\n".join(f"  {k:8} {what}" for k, (_, what) in BENCHES.items())), file=sys.stderr)
         sys.exit(2)
-    importlib.import_module(f"service.bench.{argv[0]}").main(argv[1:])
+    importlib.import_module(BENCHES[argv[0]][0]).main(argv[1:])
 
 
 def main(argv: list[str] | None = None) -> None:

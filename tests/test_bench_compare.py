@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from service.bench import compare, serve
+from service.bench.loadgen import compare, serve
 from tests.conftest import LiveServer
 
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from service.bench import datasets, serve
-from service.bench.client import CHAT
-from service.bench.loadgen import LoadSpec, run_load
-from service.bench.summary import max_in_flight, summarize
+from service.bench.loadgen import datasets, serve
+from service.bench.loadgen.client import CHAT
+from service.bench.loadgen.runner import LoadSpec, run_load
+from service.bench.loadgen.summary import max_in_flight, summarize
 from tests.conftest import LiveServer
 
 TINY = "random:tiny"  # vocabulary of 512 ids, no tokenizer: prompts are token ids, streamed text is empty

@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from service.bench import arrivals, datasets, stats
-from service.bench.client import RequestResult
-from service.bench.summary import max_in_flight, summarize
+from service.bench.loadgen import arrivals, datasets, stats
+from service.bench.loadgen.client import RequestResult
+from service.bench.loadgen.summary import max_in_flight, summarize
 
 
 def test_percentiles_are_numpy_linear_with_known_values():

@@ -9,8 +9,8 @@ from collections import Counter
 
 import numpy as np
 
-from service.bench import stats
-from service.bench.client import RequestResult
+from service.bench.loadgen import stats
+from service.bench.loadgen.client import RequestResult
 
 
 def _ms(values) -> np.ndarray:

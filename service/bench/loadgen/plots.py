@@ -7,7 +7,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from service.bench.report import LATENCIES  # noqa: E402
+from service.bench.loadgen.report import LATENCIES  # noqa: E402
 
 AXIS_LABELS = {"rate": "offered request rate (req/s)", "concurrency": "max concurrency (requests)"}
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from service.bench.arrivals import arrival_offsets
-from service.bench.client import RequestResult, request_body, send
+from service.bench.loadgen.arrivals import arrival_offsets
+from service.bench.loadgen.client import RequestResult, request_body, send
 
 
 @dataclass

@@ -20,10 +20,10 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from service.bench import crosscheck, datasets, report, stats
-from service.bench.client import CHAT, COMPLETIONS
-from service.bench.loadgen import LoadSpec, run_load
-from service.bench.summary import summarize
+from service.bench.loadgen import crosscheck, datasets, report, stats
+from service.bench.loadgen.client import CHAT, COMPLETIONS
+from service.bench.loadgen.runner import LoadSpec, run_load
+from service.bench.loadgen.summary import summarize
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -180,7 +180,7 @@ def run_once(args: argparse.Namespace, spec: LoadSpec, workload, prompt_kind: st
 
 
 def replot(args: argparse.Namespace, console: Console) -> list[dict]:
-    from service.bench.plots import plot_sweep
+    from service.bench.loadgen.plots import plot_sweep
     try:
         with open(args.replot) as f:
             document = json.load(f)
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             report.write_csv(args.result_csv, per_request)
 
     if sweep and args.plot_dir:
-        from service.bench.plots import plot_sweep
+        from service.bench.loadgen.plots import plot_sweep
         paths = plot_sweep(sweep[0], sweep[1], documents, args.plot_dir, args.label or model)
         console.print("plots: " + ", ".join(paths))
     return documents

@@ -7,8 +7,8 @@ import math
 from rich.console import Console
 from rich.table import Table
 
-from service.bench.client import RequestResult
-from service.bench.stats import tpot
+from service.bench.loadgen.client import RequestResult
+from service.bench.loadgen.stats import tpot
 
 # summary key, short name, what it is
 LATENCIES = (("ttft_ms", "TTFT", "time to first token"), ("tpot_ms", "TPOT", "time per output token after the first"),

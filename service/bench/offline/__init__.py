@@ -1,0 +1,1 @@
+"""Offline engine benchmarks: the engine against transformers on the same weights, in one process."""
