@@ -106,6 +106,10 @@ def test_saturation_needs_both_backlog_and_ttft_rising_beyond_noise():
     assert cs.saturated(t, growing, t, 0.1 + 0.2 * t)
     assert not cs.saturated(t, flat, t, 0.1 + 0.2 * t)
     assert not cs.saturated(t, growing, t, 0.1 + rng.normal(0, 0.01, t.size))
+    # a server so far behind that no measured request has a first token: the backlog decides alone
+    assert cs.saturated(t, growing, [], [], backlog_only=True)
+    assert not cs.saturated(t, flat, [], [], backlog_only=True)
+    assert not cs.saturated(t, 5 + 0.02 * t, [], [], backlog_only=True)  # rising, but by less than 4 requests
 
 
 def test_the_limit_is_named_from_the_servers_metrics():
@@ -279,7 +283,8 @@ def test_the_real_service_has_a_capacity_and_says_queueing_limited_it(tiny_model
         common = ["--base-url", server.url, "--by", "concurrency", "--input-len", "16", "--output-len", "24",
                   "--random-token-range", "10:500", "--warmup", "0.5", "--min-requests", "10", "--min-duration", "1",
                   "--max-repeats", "1"]
-        rc, _ = run_cli([*common, "--start", "2", "--max", "2", "--min", "2", "--slo", "ttft:p50<=60s", "--result-json", str(tmp_path / "1.json")])
+        rc, _ = run_cli([*common, "--start", "2", "--max", "2", "--min", "2", "--slo", "ttft:p50<=60s",
+                         "--result-json", str(tmp_path / "1.json")])
         assert rc == 4  # two requests at a time meet a minute
         unloaded = json.loads((tmp_path / "1.json").read_text())["points"][0]["summary"]["ttft_ms.median"]
         rc, doc = run_cli([*common, "--start", "2", "--max", "8", "--slo", f"ttft:p50<={10 * unloaded:.0f}ms",

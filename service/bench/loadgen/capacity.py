@@ -47,13 +47,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a("--start", type=float, default=None, help="first load tried (default: 1)")
     a("--min", type=float, default=None, help="lowest load tried (default: 0.1 req/s or 1)")
     a("--max", type=float, default=None, help="highest load tried (default: 64 req/s or 256)")
-    a("--precision", default="5%", help="stop when first fail - last pass <= this share of the last pass (default %(default)s)")
+    a("--precision", default="5%",
+      help="stop when first fail - last pass <= this share of the last pass (default %(default)s)")
     a("--ramp-factor", type=float, default=2.0, help="each ramp step multiplies the load by this (default %(default)s)")
-    a("--burstiness", type=float, default=1.0, help="rate: gamma shape of arrival gaps; 1 is Poisson (default %(default)s)")
+    a("--burstiness", type=float, default=1.0,
+      help="rate: gamma shape of arrival gaps; 1 is Poisson (default %(default)s)")
     a("--arrival", choices=["gamma", "constant"], default="gamma", help="rate: gamma (default) or evenly spaced")
     a("--max-concurrency", type=int, default=None, help="rate: also cap requests in flight")
     a = ap.add_argument_group("each probe").add_argument
-    a("--warmup", type=float, default=10.0, help="seconds of requests left out of the statistics (default %(default)s)")
+    a("--warmup", type=float, default=10.0,
+      help="seconds of requests left out of the statistics (default %(default)s)")
     a("--min-requests", type=int, default=50, help="measured requests per probe (default %(default)s)")
     a("--min-duration", type=float, default=30.0, help="measured seconds per probe (default %(default)s)")
     a("--max-probe-duration", type=float, default=600.0, help="no request is sent after this (default %(default)s)")
@@ -129,7 +132,8 @@ def judge_point(targets, target_ratio, probes: list[Probe], decide: bool):
     return checks, verdict
 
 
-def measure(args, model, targets, load, seed, steady, read_server, console) -> dict:
+def measure(args, model, targets, load, seed, steady, read_server) -> dict:
+    """Probe one load; a close call is run again with new prompts and judged on the pooled requests."""
     probes, checks, verdict = [], [], "close"
     for repeat in range(args.max_repeats + 1):
         spec = _spec(args, model, load, seed + 1000 * repeat, steady)
@@ -297,8 +301,7 @@ def main(argv: list[str] | None = None) -> dict:
     while (load := search.next_load()) is not None and len(points) < MAX_POINTS:
         if args.by == "concurrency":
             steady.skip_first = int(load)  # the first wave finds the server empty
-        point = measure(args, model, targets, load, args.seed + len(points), steady, not args.no_server_metrics,
-                        console)
+        point = measure(args, model, targets, load, args.seed + len(points), steady, not args.no_server_metrics)
         points.append(point)
         console.print(point_line(len(points), point, UNITS[args.by]))
         if point["unreachable"]:

@@ -138,7 +138,10 @@ async def _probe(spec: LoadSpec, sample_at, steady: Steady, read_server: bool) -
                 in_flight = (np.searchsorted(np.sort([r.sent for r in sent]), grid, side="right")
                              - np.searchsorted(np.sort([r.ended for r in finished]), grid, side="right"))
                 first = [r for r in sent if measured(r) and r.chunk_times]
-                if capacity_search.saturated(grid, in_flight, [r.sent for r in first], [r.ttft for r in first]):
+                # too few first tokens to fit a trend to: the backlog alone decides, after a full measured window
+                blind = len(first) < 8
+                if (not blind or until - steady.warmup_s >= steady.min_duration_s) and capacity_search.saturated(
+                        grid, in_flight, [r.sent for r in first], [r.ttft for r in first], backlog_only=blind):
                     end("saturated", abort=True)
                     return
             if stop.draining.is_set():

@@ -151,12 +151,14 @@ def rising(t, y, z: float = 3.0) -> tuple[float, bool]:
     return slope, slope - z * se > 0
 
 
-def saturated(times, in_flight, sent_at, ttft, min_rise: float = 4.0) -> bool:
+def saturated(times, in_flight, sent_at, ttft, min_rise: float = 4.0, backlog_only: bool = False) -> bool:
     """Requests in flight and time to first token both rising (beyond noise), and the backlog grown by at least
-    `min_rise` requests over the window: the server takes in less than it is offered (guidellm's idea, own test)."""
+    `min_rise` requests over the window: the server takes in less than it is offered (guidellm's idea, own test).
+    `backlog_only`: judge by requests in flight alone, for a server so far behind that too few measured requests
+    have a first token to fit a trend to."""
     flight_slope, flight_up = rising(times, in_flight)
-    _, ttft_up = rising(sent_at, ttft)
     span = float(np.ptp(times)) if len(times) else 0.0
+    ttft_up = backlog_only or rising(sent_at, ttft)[1]
     return flight_up and ttft_up and flight_slope * span >= min_rise
 
 
