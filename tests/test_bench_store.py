@@ -1,4 +1,4 @@
-"""The results store on SQLite (and on a real PostgreSQL: tests/test_bench_postgres.py runs this file's tests there)."""
+"""The results store, each test on SQLite and on a real PostgreSQL (tests/bench_db.py)."""
 
 import subprocess
 import threading
@@ -9,11 +9,7 @@ import sqlalchemy as sa
 from service.bench.store import StoreError, open_store
 from service.bench.store import schema
 from service.bench.store.provenance import SOURCE_TREE, stable_hash
-
-
-@pytest.fixture
-def store_url(tmp_path):
-    return f"sqlite:///{tmp_path / 'bench.db'}"
+from tests.bench_db import postgres_server, postgres_url, store_url  # noqa: F401  (fixtures)
 
 
 def rows(url, table, **where):

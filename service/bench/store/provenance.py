@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -75,6 +76,15 @@ def _gpus() -> list[dict]:
 def machine_info() -> dict:
     return {"host": platform.node(), "os": platform.platform(), "cpu": _cpu_model(), "cpu_count": os.cpu_count(),
             "memory_bytes": psutil.virtual_memory().total, "gpus": _gpus()}
+
+
+def runtime() -> dict:
+    """Settings of this process that change speed without being part of a configuration (recorded, not hashed)."""
+    found = {"omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    torch = sys.modules.get("torch")  # only when the benchmark imported it: recording never imports torch
+    if torch is not None:
+        found["torch_threads"] = torch.get_num_threads()
+    return found
 
 
 def machine_id(machine: dict) -> str:

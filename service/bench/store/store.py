@@ -119,7 +119,7 @@ class Store:
     def run(self, kind: str, config: dict, label: str | None = None, name: str | None = None):
         """Record one run: yields a Run; ok when the block ends, failed (with the error) when it raises."""
         git = provenance.git_info(self.git)
-        machine = provenance.machine_info()
+        machine = provenance.machine_info() | provenance.runtime()
         config_hash = provenance.stable_hash(config)
         row = {"kind": kind, "name": name or f"{kind}-{config_hash[:8]}", "config": config,
                "config_hash": config_hash, "label": label, "status": "running", "started_at": _now(),
