@@ -11,6 +11,8 @@ import pytest
 
 from service.bench.loadgen import capacity
 from service.bench.loadgen import capacity_search as cs
+from service.bench.regress.queries import history, values
+from service.bench.store import open_store
 from tests.conftest import LiveServer, free_port
 
 # --- the search, against oracles with a known threshold -------------------------------------------------------
@@ -224,7 +226,7 @@ def test_capacity_of_the_slow_stub_matches_its_formula(stub, tmp_path):
     out = tmp_path / "cap.json"
     rc, doc = run_cli(["--base-url", stub.url, "--by", "concurrency", "--slo", "ttft:p90<=510ms",
                        "--slo", "tpot:p90<=50ms", "--result-json", str(out), "--result-csv", str(tmp_path / "c.csv"),
-                       "--plot", str(tmp_path / "cap.png"), *QUICK])
+                       "--plot", str(tmp_path / "cap.png"), "--db", str(tmp_path / "store.db"), *QUICK])
     assert rc == 0
     result = doc["result"]
     assert (result["outcome"], result["capacity"], result["last_pass"], result["first_fail"]) == ("found", 8, 8, 9)
@@ -238,14 +240,24 @@ def test_capacity_of_the_slow_stub_matches_its_formula(stub, tmp_path):
         assert p["verdict"] == ("pass" if load <= 8 else "fail")
     assert "GET /metrics answered 404" in by_load[8]["server_note"] and by_load[8]["server"] is None
     assert result["limited_by"]["kind"] == "unknown"  # TTFT failed and there are no server metrics to say why
+    store = open_store(str(tmp_path / "store.db"))
+    run = history(store, kind="capacity")[0]
+    assert run["status"] == "ok" and run["id"] == doc["stored_run"]
+    stored = values(store, [run["id"]])[run["id"]]
+    assert stored["capacity_concurrent_requests"] == ("concurrent", [8.0])
+    assert stored["first_fail_concurrent_requests"] == ("concurrent", [9.0])
+    assert len(stored["ttft_seconds"][1]) == by_load[8]["measured"]  # the requests measured at the capacity
     rows = list(csv.DictReader(open(tmp_path / "c.csv")))
     assert [float(r["load"]) for r in rows] == [1, 2, 4, 8, 9, 10, 12, 16]
     assert (tmp_path / "cap.png").stat().st_size > 10_000
 
 
 def test_no_load_meets_an_impossible_slo_and_a_loose_slo_meets_even_the_maximum(stub, tmp_path):
-    rc, _ = run_cli(["--base-url", stub.url, "--by", "concurrency", "--slo", "ttft:p90<=20ms", *QUICK])
+    db = str(tmp_path / "store.db")
+    rc, _ = run_cli(["--base-url", stub.url, "--by", "concurrency", "--slo", "ttft:p90<=20ms", "--db", db, *QUICK])
     assert rc == capacity.EXIT["none_meets"] == 3
+    failed = history(open_store(db), kind="capacity")[0]
+    assert failed["status"] == "failed" and "none_meets" in failed["error"]
     rc, _ = run_cli(["--base-url", stub.url, "--by", "concurrency", "--max", "3", "--slo", "e2e:p90<=5s",
                      "--result-json", str(tmp_path / "all.json"), *QUICK])
     assert rc == capacity.EXIT["all_meet"] == 4

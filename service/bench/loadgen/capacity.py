@@ -24,9 +24,11 @@ from service.bench.loadgen import capacity_search as cs
 from service.bench.loadgen import report, stats
 from service.bench.loadgen.capacity_probe import Probe, Steady, run_probe
 from service.bench.loadgen.client import CHAT
+from service.bench.loadgen.record import record_requests
 from service.bench.loadgen.runner import LoadSpec
 from service.bench.loadgen.serve import add_prompt_arguments, add_server_arguments, discover_model, make_workload
 from service.bench.loadgen.summary import summarize
+from service.bench.store import StoreError, add_db_argument, open_store
 
 EXIT = {"found": 0, "unmeasurable": 1, "usage": 2, "none_meets": 3, "all_meet": 4}
 UNITS = {"rate": "req/s", "concurrency": "concurrent"}
@@ -70,6 +72,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a("--result-csv", default=None, help="one row per load tried")
     a("--plot", default=None, metavar="PNG", help="SLO metrics against load, SLO lines and the capacity marked")
     a("--label", default=None)
+    add_db_argument(ap)
     return ap.parse_args(argv)
 
 
@@ -132,8 +135,9 @@ def judge_point(targets, target_ratio, probes: list[Probe], decide: bool):
     return checks, verdict
 
 
-def measure(args, model, targets, load, seed, steady, read_server) -> dict:
-    """Probe one load; a close call is run again with new prompts and judged on the pooled requests."""
+def measure(args, model, targets, load, seed, steady, read_server) -> tuple[dict, list]:
+    """Probe one load; a close call is run again with new prompts and judged on the pooled requests.
+    Returns the point's report and its measured requests."""
     probes, checks, verdict = [], [], "close"
     for repeat in range(args.max_repeats + 1):
         spec = _spec(args, model, load, seed + 1000 * repeat, steady)
@@ -154,7 +158,7 @@ def measure(args, model, targets, load, seed, steady, read_server) -> dict:
             "checks": [vars(c) for c in checks], "summary": summary,
             "server": probes[-1].server, "server_note": probes[-1].server_note,
             "unreachable": all(r.error == "connect_error" for p in probes for r in p.results)
-            and any(p.results for p in probes)}
+            and any(p.results for p in probes)}, measured
 
 
 def _ms(x) -> str:
@@ -258,6 +262,32 @@ def write_csv(path: str, points: list[dict]) -> None:
                        + [c[k] for c in p["checks"] for k in ("value", "low", "high", "limit")])
 
 
+class NoCapacity(Exception):
+    """Stored as the run's error when the search found no capacity."""
+
+
+def record(store, document: dict, at_capacity: list) -> int:
+    """Into the results store: the capacity (and first failing load), and the requests measured at the capacity
+    as iterations (TTFT, TPOT, end to end), so `bench regress` can compare latency at that load across commits.
+    A search that found no capacity is stored as a failed run saying why."""
+    settings, result = document["settings"], document["result"]
+    config = {k: v for k, v in settings.items() if k not in ("label", "command", "client", "base_url", "finished_at")}
+    unit = "requests_per_second" if result["by"] == "rate" else "concurrent_requests"
+    run_id = None
+    try:
+        with store.run(kind="capacity", config=config, label=settings.get("label"),
+                       name=f"capacity-{settings['model']}-{result['by']}") as run:
+            run_id = run.id
+            if result["outcome"] != "found":
+                raise NoCapacity(f"{result['outcome']}: last pass {result['last_pass']}, first fail {result['first_fail']}")
+            run.measure(f"capacity_{unit}", result["capacity"], unit=UNITS[result["by"]])
+            run.measure(f"first_fail_{unit}", result["first_fail"], unit=UNITS[result["by"]])
+            record_requests(run, at_capacity)
+    except NoCapacity:
+        pass
+    return run_id
+
+
 def settings(args, model: str, targets) -> dict:
     keep = ("by", "start", "min", "max", "precision", "ramp_factor", "burstiness", "arrival", "max_concurrency",
             "warmup", "min_requests", "min_duration", "max_probe_duration", "max_repeats", "max_error_rate", "seed",
@@ -284,6 +314,11 @@ def main(argv: list[str] | None = None) -> dict:
         console.print(f"[red]error:[/red] {exc}")
         sys.exit(EXIT["usage"])
     try:
+        store = open_store(args.db)
+    except StoreError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        sys.exit(EXIT["usage"])
+    try:
         model = args.model or discover_model(args.base_url, args.api_key)
     except (httpx.HTTPError, OSError, KeyError, IndexError, ValueError) as exc:
         console.print(f"[red]error:[/red] cannot reach an OpenAI-compatible server at {args.base_url}: {exc!r}")
@@ -297,11 +332,12 @@ def main(argv: list[str] | None = None) -> dict:
         console.print("note: with --target each SLO holds per request; the percentiles given are not used")
     document = {"settings": settings(args, model, targets), "points": [], "result": None}
     load_before = os.getloadavg()[0]
-    points = document["points"]
+    points, requests = document["points"], {}
     while (load := search.next_load()) is not None and len(points) < MAX_POINTS:
         if args.by == "concurrency":
             steady.skip_first = int(load)  # the first wave finds the server empty
-        point = measure(args, model, targets, load, args.seed + len(points), steady, not args.no_server_metrics)
+        point, requests[load] = measure(args, model, targets, load, args.seed + len(points), steady,
+                                        not args.no_server_metrics)
         points.append(point)
         console.print(point_line(len(points), point, UNITS[args.by]))
         if point["unreachable"]:
@@ -323,6 +359,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.plot and points:
         from service.bench.loadgen.plots import plot_capacity
         console.print("plot: " + plot_capacity(document, args.plot, args.label or model))
+    run_id = document["stored_run"] = record(store, document, requests.get(result["last_pass"], []))
+    console.print(f"stored as run {run_id} in {store.url}", highlight=False)
     if result["outcome"] != "found":
         sys.exit(EXIT[result["outcome"]])
     return document
