@@ -254,8 +254,11 @@ def test_capacity_of_the_slow_stub_matches_its_formula(stub, tmp_path):
 
 def test_no_load_meets_an_impossible_slo_and_a_loose_slo_meets_even_the_maximum(stub, tmp_path):
     db = str(tmp_path / "store.db")
-    rc, _ = run_cli(["--base-url", stub.url, "--by", "concurrency", "--slo", "ttft:p90<=20ms", "--db", db, *QUICK])
+    rc, _ = run_cli(["--base-url", stub.url, "--by", "concurrency", "--slo", "ttft:p90<=20ms", "--db", db,
+                     "--result-json", str(tmp_path / "none.json"), *QUICK])
     assert rc == capacity.EXIT["none_meets"] == 3
+    none = json.loads((tmp_path / "none.json").read_text())
+    assert [p["load"] for p in none["points"]] == [1] and none["result"]["limited_by"]["kind"] == "unloaded_speed"
     failed = history(open_store(db), kind="capacity")[0]
     assert failed["status"] == "failed" and "none_meets" in failed["error"]
     rc, _ = run_cli(["--base-url", stub.url, "--by", "concurrency", "--max", "3", "--slo", "e2e:p90<=5s",

@@ -198,6 +198,11 @@ def conclude(search: cs.Search, points: list[dict], targets, by: str) -> dict:
     first_fail = next((p for p in points if p["load"] == search.first_fail), None)
     limit = ({"kind": "none", "explanation": "no load up to --max failed"} if first_fail is None else
              dict(zip(("kind", "explanation"), cs.diagnose(_failing(first_fail, targets), first_fail["server"]))))
+    if outcome == "none_meets" and first_fail is not None and limit["kind"] != "kv_cache" and not (
+            first_fail["server"] and first_fail["server"]["waiting_mean"] >= 1):
+        limit = {"kind": "unloaded_speed", "explanation": (
+            f"the server is too slow for these SLOs even at the lowest load ({first_fail['load']:g} "
+            f"{UNITS[by]}): " + "; ".join(_check_text(c) for c in first_fail["checks"]))}
     if first_fail is not None and first_fail["stopped"] == "saturated":
         limit["explanation"] += "; the probe saw requests in flight and TTFT grow without bound (saturated)"
     return {"outcome": outcome, "by": by, "unit": UNITS[by], "capacity": search.last_pass,

@@ -3,6 +3,7 @@
 import os
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
@@ -89,8 +90,10 @@ def plot_capacity(document: dict, path: str, title: str = "") -> str:
             ax.axvline(result["last_pass"], color="tab:blue", label=f"capacity {result['last_pass']:g} {result['unit']}")
         if result and result.get("last_pass") is not None and result.get("first_fail") is not None:
             ax.axvspan(result["last_pass"], result["first_fail"], color="tab:blue", alpha=0.12, label="uncertainty")
-        if max(loads) / min(loads) >= 8:
+        if max(loads) / min(loads) >= 8:  # a ramp doubles the load: log spacing, labelled with the loads tried
             ax.set_xscale("log")
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_xticks(loads, [f"{v:g}" for v in loads], fontsize=8)
         ax.set_xlabel(AXIS_LABELS[result["by"]] if result else "load")
         ax.set_ylabel("% of requests within every SLO" if ratio else f"{name.split('<=')[0]} (ms)")
         ax.set_title(name, fontsize=10)
