@@ -292,22 +292,23 @@ def test_bad_input_gets_a_clear_message_and_exit_status(capsys):
 # --- the real service on CPU --------------------------------------------------------------------------------
 
 def test_the_real_service_has_a_capacity_and_says_queueing_limited_it(tiny_model, tmp_path):
-    """2 sequences per batch and 24-token replies: from 3 concurrent requests on, each new one waits for a reply
-    to finish, so TTFT jumps; an SLO of 10x the unloaded TTFT holds at 2 and fails long before 8."""
+    """2 sequences per batch and 32-token replies: from 3 concurrent requests on, each new one waits for a reply
+    to finish, so TTFT jumps; at 16 it waits for 7 replies (about 200 steps, against 1 or 2 for a first token
+    unloaded), so an SLO of 10x the unloaded TTFT holds at 2 and fails before 16 even on a noisy machine."""
     with LiveServer(tiny_model, {"max_num_seqs": 2}) as server:
-        common = ["--base-url", server.url, "--by", "concurrency", "--input-len", "16", "--output-len", "24",
+        common = ["--base-url", server.url, "--by", "concurrency", "--input-len", "16", "--output-len", "32",
                   "--random-token-range", "10:500", "--warmup", "0.5", "--min-requests", "10", "--min-duration", "1",
                   "--max-repeats", "1"]
         rc, _ = run_cli([*common, "--start", "2", "--max", "2", "--min", "2", "--slo", "ttft:p50<=60s",
                          "--result-json", str(tmp_path / "1.json")])
         assert rc == 4  # two requests at a time meet a minute
         unloaded = json.loads((tmp_path / "1.json").read_text())["points"][0]["summary"]["ttft_ms.median"]
-        rc, doc = run_cli([*common, "--start", "2", "--max", "8", "--slo", f"ttft:p50<={10 * unloaded:.0f}ms",
+        rc, doc = run_cli([*common, "--start", "2", "--max", "16", "--slo", f"ttft:p50<={10 * unloaded:.0f}ms",
                            "--plot", str(tmp_path / "real.png")])
         assert server.wait_idle()
     assert rc == 0
     result = doc["result"]
-    assert 2 <= result["capacity"] < result["first_fail"] <= 8
+    assert 2 <= result["capacity"] < result["first_fail"] <= 16
     fail = next(p for p in doc["points"] if p["load"] == result["first_fail"])
     assert fail["server"]["kind"] == "llm-service" and fail["server"]["running_max"] <= 2
     assert fail["server"]["waiting_max"] >= 1 and fail["server"]["preemptions"] == 0
