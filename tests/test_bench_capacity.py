@@ -159,6 +159,10 @@ class SlowStub:
             payload = b'{"object": "list", "data": [{"id": "shared", "object": "model"}]}'
             writer.write(f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(payload)}\r\n"
                          "connection: close\r\n\r\n".encode() + payload)
+        elif body.get("model") == "broken":
+            payload = b'{"error": {"message": "engine died", "type": "internal_error"}}'
+            writer.write(f"HTTP/1.1 500 Internal Server Error\r\ncontent-length: {len(payload)}\r\n"
+                         "connection: close\r\n\r\n".encode() + payload)
         elif path != "/v1/completions":
             writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
         else:
@@ -277,6 +281,16 @@ def test_an_open_loop_beyond_the_servers_rate_is_stopped_early_as_saturated(stub
     point = json.loads((tmp_path / "sat.json").read_text())["points"][0]
     assert point["stopped"] == "saturated" and point["verdict"] == "fail"
     assert point["sent"] > point["measured"] + 20  # the backlog was cancelled, not waited for
+
+
+def test_a_probe_whose_requests_fail_is_stopped_and_counts_as_a_failure(stub, tmp_path):
+    rc, _ = run_cli(["--base-url", stub.url, "--model", "broken", "--by", "concurrency", "--max", "4",
+                     "--slo", "ttft:p90<=5s", "--min-duration", "30", "--result-json", str(tmp_path / "e.json"),
+                     *QUICK[:2], *QUICK[6:]])
+    assert rc == 3
+    point = json.loads((tmp_path / "e.json").read_text())["points"][0]
+    assert point["stopped"] == "errors" and point["verdict"] == "fail"
+    assert point["sent"] >= 10 and point["measured"] < 15  # stopped after 10 failures, long before its minimum
 
 
 def test_bad_input_gets_a_clear_message_and_exit_status(capsys):
