@@ -8,7 +8,9 @@ import sys
 # bench subcommands: name -> (module with a main(argv), what it does)
 BENCHES = {"offline": ("service.bench.offline.offline", "offline throughput against transformers on the same weights"),
            "serve": ("service.bench.loadgen.serve", "load generator against any OpenAI-compatible server"),
-           "compare": ("service.bench.loadgen.compare", "compare two bench serve results; non-zero exit on a regression")}
+           "compare": ("service.bench.loadgen.compare", "compare two bench serve results; non-zero exit on a regression"),
+           "model": ("service.bench.model.runner", "forward/backward time across model sizes, with a memory calculator"),
+           "kernel": ("service.bench.kernel.runner", "attention-kernel microbenchmark with a float64 correctness gate")}
 
 
 def _generate(argv: list[str]) -> None:
