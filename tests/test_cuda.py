@@ -89,3 +89,6 @@ def test_cuda_sampling_is_seeded(tiny_cuda):
     a = engine.generate([[1, 2, 3]], params)[0]["token_ids"]
     b = engine.generate([[7, 8]] * 4 + [[1, 2, 3]], [SamplingParams(max_tokens=10)] * 4 + [params])[4]["token_ids"]
     assert a == b
+
+
+from tests.cuda_bench import *  # noqa: E402,F401,F403  (bench model / bench kernel on CUDA)
