@@ -67,7 +67,7 @@ def test_calc_only_prints_the_breakdown_of_the_largest_size_without_allocating(c
     out = capsys.readouterr().out
     assert "parameters: 3,406,809,600 = 12.69 GiB (fp32)" in out
     assert "AdamW state (exp_avg + exp_avg_sq = 2 x parameters): 25.38 GiB" in out
-    assert "| 2.7b | 3,406,809,600 | 256 | train | fp32 | 12.69 | 12.69 | 25.38 | 8.20 | 50.86 |" in out
+    assert "| 2.7b | 3,406,809,600 | 256 | train | fp32 | 12.69 | 12.69 | 25.38 | 8.20 | 50.86 | optimizer step |" in out
 
 
 def _rows(url, table):

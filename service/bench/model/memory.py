@@ -55,6 +55,7 @@ class Estimate:
     bytes: dict[str, int]  # component -> bytes held at the peak
     per_layer: dict[str, int] = field(default_factory=dict)  # activation bytes of one layer, by part
     head: dict[str, int] = field(default_factory=dict)  # activation bytes outside the layers
+    peak_at: str = ""  # forward, start of backward, end of backward, optimizer step
 
     @property
     def peak(self) -> int:
@@ -93,9 +94,10 @@ def estimate(s: Shape, batch: int, context: int, precision: str = "fp32", mode: 
              attention: str = "sdpa", foreach_adamw: bool = True) -> Estimate:
     """Bytes held at the peak of one step of `mode` (fwd runs without grad; fwd+bwd and train from scratch grads).
 
-    The peak of a backward pass is at its start (every saved activation, the logits and their gradients) or
-    at its end (every gradient); train adds AdamW's two states and, in the optimizer step, the foreach
-    implementation's temporary of one parameter size (the for-loop one needs only the largest tensor's).
+    Candidates for the peak: the forward's working set; the start of backward (every saved activation, bf16
+    weight copies, the logits and their gradients); its end (every gradient; the graph and its copies are
+    gone); and, in train, the optimizer step (gradients plus the foreach implementation's temporary of one
+    parameter size, or the for-loop one's largest tensor). AdamW's two states are held throughout.
     """
     if precision not in PRECISIONS or mode not in MODES or attention not in ATTENTIONS:
         raise ValueError(f"precision in {PRECISIONS}, mode in {MODES}, attention in {ATTENTIONS}")
@@ -103,37 +105,32 @@ def estimate(s: Shape, batch: int, context: int, precision: str = "fp32", mode: 
     counts = parameter_counts(s)
     n, tokens = counts["total"], batch * context
     linear = counts["attention"] + counts["ffn"] + (counts["lm_head"] or counts["embedding"])
+    copies = {"bf16 weight copies (autocast)": 2 * linear} if bf16 else {}
     logits_bytes = tokens * s.vocab * 4
     held = {"parameters": 4 * n}
-    if bf16:
-        held["bf16 weight copies (autocast)"] = 2 * linear
     per_layer = _layer_activations(s, tokens, context, bf16, attention)
     rope = 2 * context * s.head_dim * 4  # cos and sin, shared by all layers
     head = {"token ids, rotary cos/sin": tokens * 8 + rope,
             "final RMSNorm": tokens * ((2 * s.hidden + 1) * 4 + (s.hidden * 2 if bf16 else s.hidden * 4)),
             "logits (log-softmax) and loss": logits_bytes + 4}
     if mode == "fwd":
-        # no graph: only the working set of the largest step is alive (logits, their fp32 copy, log-softmax)
-        held["working set (logits, log-softmax)"] = logits_bytes * 2 + tokens * s.vocab * (2 if bf16 else 0)
-        return Estimate(s, batch, context, precision, mode, attention, n, held)
+        # no graph: only the largest working set is alive (logits, their fp32 copy, log-softmax)
+        held |= copies | {"working set (logits, log-softmax)": logits_bytes * 2 + tokens * s.vocab * (2 if bf16 else 0)}
+        return Estimate(s, batch, context, precision, mode, attention, n, held, peak_at="forward")
     activations = s.layers * sum(per_layer.values()) + sum(head.values())
-    start = activations + tokens * s.vocab * (2 if bf16 else 4) + 2 * logits_bytes + 4 * s.vocab * s.hidden
-    end = 4 * n
-    if start >= end:
-        held["activations"] = activations
-        held["logits and their gradients"] = start - activations
-    else:
-        held["gradients"] = end
+    # held logits (bf16 or fp32), the log-softmax's and the logits' gradients, lm_head's weight gradient
+    grads_of_logits = tokens * s.vocab * (2 if bf16 else 4) + 2 * logits_bytes + 4 * s.vocab * s.hidden
+    candidates = {"start of backward": copies | {"activations": activations,
+                                                 "logits and their gradients": grads_of_logits},
+                  "end of backward": {"gradients": 4 * n}}
     if mode == "train":
         held["AdamW state (exp_avg, exp_avg_sq)"] = 8 * n
-        largest = 4 * max(s.vocab * s.hidden, s.hidden * s.intermediate)
-        step = 4 * n + (4 * n if foreach_adamw else largest)  # gradients + the step's temporaries
-        if step > max(start, end):
-            for k in ("activations", "logits and their gradients", "gradients"):
-                held.pop(k, None)
-            held["gradients"] = 4 * n
-            held["optimizer step temporaries"] = step - 4 * n
-    return Estimate(s, batch, context, precision, mode, attention, n, held, per_layer, head)
+        largest = 4 * max(s.vocab * s.hidden, s.hidden * s.intermediate, s.hidden * s.heads * s.head_dim)
+        candidates["optimizer step"] = {"gradients": 4 * n, "optimizer step temporaries": 4 * n if foreach_adamw
+                                        else largest}
+    peak_at = max(candidates, key=lambda k: sum(candidates[k].values()))
+    return Estimate(s, batch, context, precision, mode, attention, n, held | candidates[peak_at], per_layer, head,
+                    peak_at)
 
 
 def activation_bytes(e: Estimate) -> int:
@@ -161,5 +158,5 @@ def format_breakdown(e: Estimate, name: str = "") -> str:
         lines.append(f"    per layer (x {s.layers}): {_gib(sum(e.per_layer.values()))}")
         lines += [f"      {k}: {_gib(v)}" for k, v in e.per_layer.items()]
         lines += [f"    {k}: {_gib(v)}" for k, v in e.head.items()]
-    lines.append(f"  peak: {_gib(e.peak)} = " + " + ".join(f"{k} {_gib(v)}" for k, v in e.bytes.items()))
+    lines.append(f"  peak ({e.peak_at}): {_gib(e.peak)} = " + " + ".join(f"{k} {_gib(v)}" for k, v in e.bytes.items()))
     return "\n".join(lines)

@@ -40,7 +40,8 @@ def parse_args(argv):
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's own choice; "
                     "on a busy machine 1 is steadier)")
-    ap.add_argument("--calc-only", action="store_true", help="print the calculator's table; allocate nothing")
+    ap.add_argument("--calc-only", action="store_true", help="print the calculator's table; allocate nothing "
+                    "(--device cuda without a GPU predicts for one: AdamW's foreach step there)")
     ap.add_argument("--breakdown", action="store_true", help="print the calculator's full breakdown of each case")
     ap.add_argument("--memory-snapshot", metavar="DIR", help="CUDA: PyTorch memory history of the measured steps, "
                     "a pickle per case for https://pytorch.org/memory_viz")
@@ -65,18 +66,18 @@ def parse_args(argv):
     return args
 
 
-def _device(name: str) -> torch.device:
+def _device(name: str, calc_only: bool = False) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type == "cuda" and not torch.cuda.is_available() and not calc_only:
         raise ValueError("--device cuda: no CUDA device here")
     return device
 
 
 def calculator_table(rows: list[dict]) -> str:
     out = ["| size | parameters | context | mode | precision | parameters GiB | gradients GiB | AdamW GiB "
-           "| activations GiB | peak GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "| activations GiB | peak GiB | peak at |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         e = r["estimate"]
         acts = memory.activation_bytes(e) if e.mode != "fwd" else 0
@@ -84,7 +85,7 @@ def calculator_table(rows: list[dict]) -> str:
         adam = 8 * e.parameters if e.mode == "train" else 0
         out.append(f"| {r['case'].size} | {e.parameters:,} | {e.context} | {e.mode} | {e.precision} "
                    f"| {4 * e.parameters / memory.GIB:.2f} | {grads / memory.GIB:.2f} | {adam / memory.GIB:.2f} "
-                   f"| {acts / memory.GIB:.2f} | {e.peak / memory.GIB:.2f} |")
+                   f"| {acts / memory.GIB:.2f} | {e.peak / memory.GIB:.2f} | {e.peak_at} |")
     return "\n".join(out)
 
 
@@ -131,7 +132,7 @@ def _record(store, row: dict, args, device: torch.device) -> None:
 
 def run(args, record=lambda row: None) -> list[dict]:
     """Every case of every size; `record(row)` is called as each case ends (run or not)."""
-    device = _device(args.device)
+    device = _device(args.device, args.calc_only)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.memory_snapshot and device.type != "cuda":
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     from service.bench.store import StoreError, open_store
     try:
-        device = _device(args.device)
+        device = _device(args.device, args.calc_only)
         store = None if args.calc_only else open_store(args.db)
         rows = run(args, record=lambda row: store and _record(store, row, args, device))
     except (ValueError, StoreError) as exc:
