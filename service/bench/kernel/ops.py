@@ -69,7 +69,9 @@ def reference(q, k, v, causal: bool) -> torch.Tensor:
 
 
 def oracle(q, k, v, causal: bool) -> torch.Tensor:
-    return reference(q.double(), k.double(), v.double(), causal)
+    """float64 attention, one sequence at a time (a long context's float64 scores are large)."""
+    return torch.cat([reference(q[i:i + 1].double(), k[i:i + 1].double(), v[i:i + 1].double(), causal)
+                      for i in range(q.shape[0])])
 
 
 def _sdpa(backend_name: str):
@@ -98,7 +100,7 @@ def _flex(shape: Shape, q, k, v) -> Callable:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     if q.device.type != "cuda" and not FLEX_ON_CPU:
         raise Unsupported("compiling flex_attention on CPU takes minutes per shape; ask for it with --ops flex")
-    _flex_compiled = _flex_compiled or torch.compile(flex_attention, dynamic=False)
+    _flex_compiled = _flex_compiled or torch.compile(flex_attention)  # as PyTorch's docs use it
     offset = shape.context - shape.queries
     block_mask = create_block_mask(lambda b, h, qi, ki: qi + offset >= ki, B=None, H=None, Q_LEN=shape.queries,
                                    KV_LEN=shape.context, device=q.device.type)

@@ -71,16 +71,23 @@ def parse_args(argv):
     return args
 
 
-def measure(name: str, shape: ops.Shape, device: torch.device, warmup: int, repeats: int, flush: bool) -> dict:
+def prepare(shape: ops.Shape, device: torch.device):
+    """Inputs and the float64 answer of a shape, once for all operations; ValueError / Unsupported when it cannot be."""
+    shape.check()
+    if _dtype_missing(shape, device):
+        raise ops.Unsupported(f"{shape.dtype} is not supported on this {device.type}")
+    q, k, v = ops.make_inputs(shape, device)
+    return q, k, v, ops.oracle(q, k, v, shape.phase == "prefill")
+
+
+def measure(name: str, shape: ops.Shape, device: torch.device, warmup: int, repeats: int, flush: bool,
+            prepared=None) -> dict:
     """One row: the correctness gate, then (only if it passes) the timings. Status ok, wrong or skipped."""
     row = {"op": name, **shape.__dict__, "status": "ok"}
     try:
-        shape.check()
-        if _dtype_missing(shape, device):
-            raise ops.Unsupported(f"{shape.dtype} is not supported on this {device.type}")
-        q, k, v = ops.make_inputs(shape, device)
+        q, k, v, expected = prepared or prepare(shape, device)
         fn = ops.OPS[name](shape, q, k, v)
-        error = (fn().double() - ops.oracle(q, k, v, shape.phase == "prefill")).abs().max().item()
+        error = (fn().double() - expected).abs().max().item()
     except (ops.Unsupported, ValueError) as exc:
         return {**row, "status": f"skipped: {exc}"}
     except torch.OutOfMemoryError:
@@ -203,8 +210,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for shape in args.shapes:
         group = []
+        try:
+            prepared = prepare(shape, device)
+        except (ops.Unsupported, ValueError, torch.OutOfMemoryError):
+            prepared = None  # each row then says why
         for op in args.ops:
-            group.append(measure(op, shape, device, args.warmup, args.repeats, not args.no_flush))
+            group.append(measure(op, shape, device, args.warmup, args.repeats, not args.no_flush, prepared))
             print(f"{op} {shape}: {group[-1]['status']}", file=sys.stderr, flush=True)
         add_relative(group, args.baseline, name)
         for r in group:  # stored shape by shape, so an interrupted sweep keeps what it measured
