@@ -49,7 +49,9 @@ class Case:
 
     @property
     def key(self) -> str:
-        return f"{self.size}-c{self.context}-b{self.batch}-{self.mode}-{self.precision}" + ("-compiled" if self.compile else "")
+        """A file name: a model folder's own name, not its path."""
+        name = os.path.basename(self.size.rstrip("/"))
+        return f"{name}-c{self.context}-b{self.batch}-{self.mode}-{self.precision}" + ("-compiled" * self.compile)
 
 
 @dataclass
