@@ -158,18 +158,24 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
     ok = [r for r in rows if r["status"] == "ok"]
     phases = sorted({r["phase"] for r in ok}, reverse=True)
-    fig, axes = plt.subplots(1, max(1, len(phases)), figsize=(6 * max(1, len(phases)), 4.5), squeeze=False)
+    op_names = sorted({r["op"] for r in ok})
+    combos = sorted({(r["heads"], r["kv_heads"], r["head_dim"], r["batch"], r["dtype"]) for r in ok})
+    styles = ["-", "--", ":", "-."]
+    fig, axes = plt.subplots(1, max(1, len(phases)), figsize=(6.5 * max(1, len(phases)), 4.8), squeeze=False)
     for ax, phase in zip(axes[0], phases):
-        lines = {}
-        for r in ok:
-            if r["phase"] == phase:
-                label = f"{r['op']} ({r['heads']}/{r['kv_heads']}x{r['head_dim']}, b{r['batch']}, {r['dtype']})"
-                lines.setdefault(label, []).append((r["context"], r["median"] * 1e3))
-        for label, pts in sorted(lines.items()):
-            ax.plot(*zip(*sorted(pts)), marker="o", label=label)
+        for r_op, combo in itertools.product(op_names, combos):
+            pts = sorted((r["context"], r["median"] * 1e3) for r in ok if r["phase"] == phase and r["op"] == r_op
+                         and (r["heads"], r["kv_heads"], r["head_dim"], r["batch"], r["dtype"]) == combo)
+            if pts:  # colour: the operation; line style: the head layout, batch and dtype
+                h, kvh, d, b, dt = combo
+                ax.plot(*zip(*pts), marker="o", color=f"C{op_names.index(r_op)}",
+                        linestyle=styles[combos.index(combo) % len(styles)], label=f"{r_op} {h}/{kvh}x{d} b{b} {dt}")
+        contexts = sorted({r["context"] for r in ok})
         ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="median ms per call", title=phase)
+        ax.set_xticks(contexts, [str(c) for c in contexts])
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=6, ncol=2)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
