@@ -161,7 +161,14 @@ def run(args, record=lambda row: None) -> list[dict]:
         if not todo:
             continue
         baseline = rss_bytes()
-        model = build_model(config, device, args.attention)
+        try:
+            model = build_model(config, device, args.attention)
+        except torch.OutOfMemoryError:  # the calculator's margin was not enough for the weights themselves
+            for r in todo:
+                r["status"] = "out of memory"
+                record(r)
+            release_free_memory(device)
+            continue
         try:
             for r in todo:
                 _run_one(model, r, device, args, PeakMemory(device, baseline))
