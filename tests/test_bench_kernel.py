@@ -9,7 +9,8 @@ import torch
 
 from service.bench.kernel import ops
 from service.bench.kernel.runner import CSV_FIELDS, main
-from service.bench.kernel.stats import attended_pairs, attention_bytes, attention_flops, device_peak, statistics, throughput
+from service.bench.kernel.stats import (attended_pairs, attention_bytes, attention_flops, device_peak, statistics,
+                                        throughput)
 from service.bench.store import schema
 
 SMALL = ["--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--context", "24", "--batch", "2", "--threads", "1"]

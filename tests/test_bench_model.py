@@ -19,7 +19,8 @@ from service.engine.models import PRESETS
 def test_parameter_count_equals_the_instantiated_models_for_every_preset(preset):
     config = model_config(preset)
     model = build_model(config, torch.device("meta"), "sdpa")  # meta: shapes only, even llama-8b costs nothing
-    assert memory.parameter_counts(memory.Shape.from_config(config))["total"] == sum(p.numel() for p in model.parameters())
+    counted = memory.parameter_counts(memory.Shape.from_config(config))["total"]
+    assert counted == sum(p.numel() for p in model.parameters())
 
 
 def test_the_references_2_7b_count_and_fp32_state():
@@ -67,7 +68,8 @@ def test_calc_only_prints_the_breakdown_of_the_largest_size_without_allocating(c
     out = capsys.readouterr().out
     assert "parameters: 3,406,809,600 = 12.69 GiB (fp32)" in out
     assert "AdamW state (exp_avg + exp_avg_sq = 2 x parameters): 25.38 GiB" in out
-    assert "| 2.7b | 3,406,809,600 | 256 | train | fp32 | 12.69 | 12.69 | 25.38 | 8.20 | 50.86 | optimizer step |" in out
+    row = "| 2.7b | 3,406,809,600 | 256 | train | fp32 | 12.69 | 12.69 | 25.38 | 8.20 | 50.86 | optimizer step |"
+    assert row in out  # on CPU AdamW's for-loop step needs only the largest tensor as a temporary
 
 
 def _rows(url, table):
