@@ -88,20 +88,20 @@ def wide_model(tmp_path_factory):
 
 
 def test_measured_cpu_peak_is_within_tolerance_and_every_step_is_stored(wide_model, tmp_path, capsys):
-    """RSS growth must be within -5% / +25% of the prediction: the calculator counts tensors, RSS also holds the
+    """RSS growth must be within -5% / +20% of the prediction: the calculator counts tensors, RSS also holds the
     allocator's slack, oneDNN's scratch buffers and Python objects (tens of MB), so it reads high, never low."""
     db = f"sqlite:///{tmp_path / 'bench.db'}"
-    rows = main(["--sizes", wide_model, "--context", "32", "--batch", "2", "--modes", "fwd+bwd,train",
+    rows = main(["--sizes", wide_model, "--context", "32", "--batch", "2", "--modes", "fwd,fwd+bwd,train",
                  "--warmup", "1", "--steps", "2", "--threads", "1", "--db", db, "--label", "t"])
-    assert [r["status"] for r in rows] == ["ok", "ok"]
+    assert [r["status"] for r in rows] == ["ok", "ok", "ok"]
     for r in rows:
         ratio = r["peak_bytes"] / r["estimate"].peak
         print(f"{r['case'].mode}: measured / predicted = {ratio:.3f}")
-        assert 0.95 < ratio < 1.25, (r["case"].mode, r["peak_bytes"], r["estimate"].peak)
+        assert 0.95 < ratio < 1.2, (r["case"].mode, r["peak_bytes"], r["estimate"].peak)
     assert "| 32 | train | fp32 | off |" in capsys.readouterr().out
     runs = _rows(db, schema.runs)
-    assert [(r["kind"], r["status"], r["label"]) for r in runs] == [("model", "ok", "t")] * 2
-    assert runs[1]["config"] == {"size": wide_model, "context": 32, "batch": 2, "mode": "train", "precision": "fp32",
+    assert [(r["kind"], r["status"], r["label"]) for r in runs] == [("model", "ok", "t")] * 3
+    assert runs[2]["config"] == {"size": wide_model, "context": 32, "batch": 2, "mode": "train", "precision": "fp32",
                                  "compile": False, "attention": "sdpa", "device": "cpu", "warmup": 1, "steps": 2}
     stored = [(m["run_id"], m["metric"], m["unit"], m["iteration"], m["value"]) for m in _rows(db, schema.measurements)]
     expected = []
@@ -111,7 +111,8 @@ def test_measured_cpu_peak_is_within_tolerance_and_every_step_is_stored(wide_mod
             expected += [(r["run_id"], f"{phase}_seconds", "s", i, v) for i, v in enumerate(values)]
         expected.append((r["run_id"], "peak_memory_bytes", "bytes", 0, float(r["peak_bytes"])))
     assert stored == expected
-    assert [len(r["times"]) for r in rows] == [2, 3]  # forward, backward (+ optimizer)
+    assert [list(r["times"]) for r in rows] == [["forward"], ["forward", "backward"],
+                                                ["forward", "backward", "optimizer"]]
 
 
 def test_a_size_that_cannot_fit_is_reported_and_the_run_goes_on(tmp_path, capsys):

@@ -114,8 +114,16 @@ def estimate(s: Shape, batch: int, context: int, precision: str = "fp32", mode: 
             "final RMSNorm": tokens * ((2 * s.hidden + 1) * 4 + (s.hidden * 2 if bf16 else s.hidden * 4)),
             "logits (log-softmax) and loss": logits_bytes + 4}
     if mode == "fwd":
-        # no graph: only the largest working set is alive (logits, their fp32 copy, log-softmax)
-        held |= copies | {"working set (logits, log-softmax)": logits_bytes * 2 + tokens * s.vocab * (2 if bf16 else 0)}
+        # no graph: only the largest working set is alive; in a layer the residual, the norm's output and three
+        # FFN tensors (SiLU output, up, their product; eager: two score tensors too), at the end the logits,
+        # their fp32 copy and the log-softmax
+        lo = 2 if bf16 else 4
+        layer = tokens * (3 * s.intermediate * lo + 3 * s.hidden * 4)
+        if attention == "eager":
+            layer = max(layer, tokens * (2 * s.heads * context * 4 + 3 * s.hidden * 4))
+        head_ws = logits_bytes * 2 + tokens * s.vocab * (2 if bf16 else 0)
+        held |= copies | ({"working set (logits, log-softmax)": head_ws} if head_ws >= layer else
+                          {"working set (one layer)": layer})
         return Estimate(s, batch, context, precision, mode, attention, n, held, peak_at="forward")
     activations = s.layers * sum(per_layer.values()) + sum(head.values())
     # held logits (bf16 or fp32), the log-softmax's and the logits' gradients, lm_head's weight gradient

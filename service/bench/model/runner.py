@@ -13,7 +13,7 @@ import sys
 import torch
 
 from service.bench.model import memory
-from service.bench.model.measure import PeakMemory, available_bytes, release_free_memory, rss_bytes
+from service.bench.model.measure import PeakMemory, available_bytes, pin_mmap_threshold, release_free_memory, rss_bytes
 from service.bench.model.steps import PHASES, Case, build_model, model_config, run_case, summary
 
 FIT_SHARE = 0.9  # leave a tenth of the memory to the allocator's slack (and, on a shared CPU box, to others)
@@ -137,6 +137,8 @@ def run(args, record=lambda row: None) -> list[dict]:
         torch.set_num_threads(args.threads)
     if args.memory_snapshot and device.type != "cuda":
         raise ValueError("--memory-snapshot needs a CUDA device (it records the CUDA caching allocator)")
+    if device.type == "cpu" and not args.calc_only:
+        pin_mmap_threshold()
     rows = []
     for size in args.sizes:
         config = model_config(size)
