@@ -137,6 +137,14 @@ def test_bad_input_is_a_one_line_error(argv, message, tmp_path):
     assert str(exc.value).startswith(message) and "\n" not in str(exc.value)
 
 
+def test_a_model_folder_the_calculator_cannot_read_is_a_one_line_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(SystemExit) as exc:
+        main(["--sizes", str(tmp_path), "--calc-only"])
+    assert str(exc.value) == ("bench model: the memory calculator needs a Llama-style config; "
+                              "this one lacks intermediate_size")
+
+
 def test_bad_lists_are_usage_errors(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--modes", "fwd,sideways"])

@@ -26,6 +26,10 @@ class Shape:
     def from_config(cls, config) -> "Shape":
         """From a transformers Llama-style config (or the dict of a preset)."""
         get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+        needed = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        missing = [k for k in needed if not get(k)]
+        if missing:
+            raise ValueError(f"the memory calculator needs a Llama-style config; this one lacks {', '.join(missing)}")
         heads = get("num_attention_heads")
         return cls(vocab=get("vocab_size"), hidden=get("hidden_size"), intermediate=get("intermediate_size"),
                    layers=get("num_hidden_layers"), heads=heads, kv_heads=get("num_key_value_heads") or heads,
