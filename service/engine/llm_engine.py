@@ -58,6 +58,7 @@ class StepStats:
     num_running: int
     num_waiting: int
     kv_usage: float
+    rank_seconds: list[float] | None = None  # tensor parallelism: each rank's time in forward passes so far
 
 
 # Called on the engine's thread after every step and abort.
@@ -253,7 +254,8 @@ class LLMEngine:
         self.observer(StepStats(
             phase, batch.num_tokens if phase else 0, len(batch.seqs) if phase else 0, duration, outputs, list(first_tokens), list(finished),
             ids(batch.admitted) if phase else [], ids(batch.preempted) if batch else [],
-            self.num_running, self.num_waiting, self.blocks.usage))
+            self.num_running, self.num_waiting, self.blocks.usage,
+            self.parallel.rank_seconds if self.parallel is not None else None))
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

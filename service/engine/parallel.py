@@ -172,6 +172,7 @@ class TensorParallelGroup:
         self.device = _rank_device(config, 0)
         _init_group(self.world, 0, port, self.device)
         self.failure: str | None = None  # why the group can no longer run, once a rank died
+        self.on_failure = None  # called with that reason, from the watching thread
         self.rank_seconds = [0.0] * self.world  # each rank's time inside forward passes, as last gathered
         self._own_seconds = 0.0
         self._calls = 0
@@ -213,6 +214,8 @@ class TensorParallelGroup:
         dead = sentinels[ready[0]]
         self.failure = f"tensor-parallel rank {dead.name.rsplit('-', 1)[1]} exited with code {dead.exitcode}"
         log.error("%s: the engine stops", self.failure)
+        if self.on_failure is not None:
+            self.on_failure(self.failure)
 
     def close(self) -> None:
         if self._closed:
@@ -227,7 +230,7 @@ class TensorParallelGroup:
             p.join(5)
             if p.is_alive():
                 p.kill()
-        if dist.is_initialized():
+        if dist.is_initialized() and not self.failure:  # with a rank gone, tearing down could wait on it
             dist.destroy_process_group()
 
 
