@@ -9,7 +9,8 @@ import pytest
 from service.bench.regress import cli, export, history
 from service.bench.regress.directions import direction
 from service.bench.regress.stats import find_steps, judge
-from service.bench.store import open_store
+from service.bench.store import open_store, schema
+from tests.test_bench_store import rows
 from tests.bench_db import postgres_server, postgres_url, store_url  # noqa: F401  (fixtures)
 
 LOWER, HIGHER = -1, 1
@@ -93,6 +94,10 @@ def test_regress_exits_1_on_a_slower_candidate_and_0_on_an_unchanged_one(store_u
     assert out.count("regressed") >= 2 and "2 regressed" in out and "steps" not in out
     assert regress(store_url, "--baseline", "base", "--candidate", "same") == 0
     assert "2 unchanged" in capsys.readouterr().out
+    saved = rows(store_url, schema.verdicts)  # every call is kept for the dashboard
+    assert [(v["candidate_ref"], v["metric"], v["verdict"]) for v in saved] == [
+        ("slow", "output_tokens_per_second", "regressed"), ("slow", "wall_seconds", "regressed"),
+        ("same", "output_tokens_per_second", "unchanged"), ("same", "wall_seconds", "unchanged")]
 
 
 def test_regress_matches_by_run_id_and_commit_and_writes_markdown(store_url, capsys):
