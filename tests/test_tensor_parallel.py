@@ -99,3 +99,19 @@ def test_killed_rank_fails_in_flight_requests_and_the_server_exits_non_zero(tmp_
     assert error and "tensor-parallel rank 1 exited with code -9" in error[0]
     log.seek(0)
     assert "exiting: tensor-parallel rank 1 exited with code -9" in log.read()
+
+
+def test_each_ranks_forward_time_is_counted_by_rank():
+    from prometheus_client import CollectorRegistry
+
+    from service.engine.llm_engine import StepStats
+    from service.telemetry.metrics import Metrics
+    from service.telemetry.recorder import EngineRecorder
+
+    registry = CollectorRegistry()
+    recorder = EngineRecorder(Metrics("m", registry))
+    for seconds in ([0.5, 0.25], [0.5, 0.25], [1.5, 2.0]):  # gathered totals; the same totals again add nothing
+        recorder(StepStats("decode", 1, 1, 0.01, [], [], [], [], [], 1, 0, 0.1, seconds))
+    value = lambda rank: registry.get_sample_value("llm_tensor_parallel_forward_seconds_total",
+                                                   {"model": "m", "rank": rank})
+    assert (value("0"), value("1")) == (1.5, 2.0)
