@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         store = None if args.dry_run else open_store(args.db, {"commit": args.commit, "branch": args.branch,
                                                                "subject": args.subject})
     except (ValueError, OSError, StoreError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     for c in configs:
         if c["skip"] is None and store and not args.force:
@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         DeviceSampler(run, args.sample_interval):
                     c["run_id"] = run.id
                     c["values"] = measure(run, c["config"], settings, Models.shared, lambda: bar.advance(task))
+            except StoreError as exc:  # the database went away: nothing more can be kept
+                print(f"error: {exc}", file=sys.stderr)
+                sys.exit(2)
             except Exception as exc:  # stored as failed by the store; the matrix goes on
                 c["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
                 console.print(f"[red]{c['name']} failed:[/red] {c['error']}")
