@@ -9,7 +9,8 @@ import pytest
 from service.bench.regress import cli, export, history
 from service.bench.regress.directions import direction
 from service.bench.regress.stats import find_steps, judge
-from service.bench.store import open_store
+from service.bench.store import open_store, schema
+from tests.test_bench_store import rows
 from tests.bench_db import postgres_server, postgres_url, store_url  # noqa: F401  (fixtures)
 
 LOWER, HIGHER = -1, 1
@@ -93,6 +94,10 @@ def test_regress_exits_1_on_a_slower_candidate_and_0_on_an_unchanged_one(store_u
     assert out.count("regressed") >= 2 and "2 regressed" in out and "steps" not in out
     assert regress(store_url, "--baseline", "base", "--candidate", "same") == 0
     assert "2 unchanged" in capsys.readouterr().out
+    saved = rows(store_url, schema.verdicts)  # every call is kept for the dashboard
+    assert [(v["candidate_ref"], v["metric"], v["verdict"]) for v in saved] == [
+        ("slow", "output_tokens_per_second", "regressed"), ("slow", "wall_seconds", "regressed"),
+        ("same", "output_tokens_per_second", "unchanged"), ("same", "wall_seconds", "unchanged")]
 
 
 def test_regress_matches_by_run_id_and_commit_and_writes_markdown(store_url, capsys):
@@ -113,8 +118,8 @@ def test_unusable_input_is_one_line_and_exit_2(store_url, capsys, argv, message)
     record(store_url, "base", 1.0)
     record(store_url, "other", 1.0, config={"batch_size": 8})
     assert regress(store_url, *argv) == 2
-    err = capsys.readouterr().out.strip()
-    assert message in err and len(err.splitlines()) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1
 
 
 def test_history_names_the_commit_where_a_metric_stepped(store_url, capsys):
@@ -140,3 +145,17 @@ def test_history_and_export_list_what_is_stored(store_url, tmp_path, capsys):
     written = export.main(["--db", store_url, "--out", str(tmp_path / "csv"), "--label", "slow"])
     lines = (tmp_path / "csv" / "measurements.csv").read_text().splitlines()
     assert len(written) == 3 and lines[0] == "id,run_id,metric,unit,iteration,value" and len(lines) == 31
+
+
+@pytest.mark.parametrize("command", [cli.main, history.main, export.main])
+def test_an_unreachable_database_is_one_line_and_exit_2_for_every_reader(command, capsys, tmp_path):
+    from tests.conftest import free_port
+
+    argv = ["--db", f"postgresql://bench:pw@127.0.0.1:{free_port()}/bench"]
+    argv += {cli.main: ["--baseline", "a", "--candidate", "b"], export.main: ["--out", str(tmp_path / "x")]}.get(command, [])
+    with pytest.raises(SystemExit) as exited:
+        command(argv)
+    captured = capsys.readouterr()
+    message = (captured.out + captured.err).strip()
+    assert exited.value.code == 2 and len(message.splitlines()) == 1
+    assert message.startswith("error: cannot open the results database postgresql+psycopg://bench:***@127.0.0.1:")

@@ -119,3 +119,18 @@ def test_a_bare_path_is_a_sqlite_file(tmp_path):
 def unused_port():
     from tests.conftest import free_port
     return free_port()
+
+
+def test_a_version_1_database_is_upgraded_in_place_and_keeps_its_runs(store_url):
+    engine = sa.create_engine(store_url.replace("postgresql://", "postgresql+psycopg://"))
+    with engine.begin() as conn:  # the schema as version 1 made it: no verdicts table
+        for table in (schema.meta, schema.runs, schema.measurements, schema.samples):
+            table.create(conn)
+        conn.execute(schema.meta.insert().values(key="schema_version", value="1"))
+        conn.execute(schema.runs.insert().values(kind="run", name="old", config={}, config_hash="0" * 16,
+                                                 status="ok", started_at=sa.func.now()))
+    open_store(store_url)
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(schema.meta.c.value)).scalar() == str(schema.SCHEMA_VERSION) == "2"
+        assert "bench_verdicts" in sa.inspect(conn).get_table_names()
+    assert [r["name"] for r in rows(store_url, schema.runs)] == ["old"]

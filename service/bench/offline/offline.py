@@ -8,12 +8,14 @@ import argparse
 import gc
 import json
 import platform
+import sys
 import time
 
 import torch
 
 from service.engine import EngineConfig, LLMEngine, SamplingParams
 from service.bench.offline.lengths import Lengths, lengths_arg
+from service.bench.store import StoreError, add_db_argument, open_store
 from service.engine.attention import ATTN_IMPLEMENTATION
 
 
@@ -47,7 +49,7 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], output_lens: list[in
     _sync(engine.device)
     elapsed = time.perf_counter() - start
     engine.observer = None
-    return {"system": "this engine (all at once)", "output_tokens": sum(output_lens),
+    return {"system": "this engine (all at once)", "key": "engine", "output_tokens": sum(output_lens),
             "seconds": elapsed, "steps": steps}
 
 
@@ -80,6 +82,7 @@ def telemetry_overhead(engine: LLMEngine, prompts: list[list[int]], output_lens:
         telemetry.shutdown()
     tracing = "metrics + step traces over OTLP" if telemetry.tracing.enabled else "metrics"
     rows = [{"system": f"this engine, telemetry {label} (median of {repeats})" + (f": {tracing}" if label == "on" else ""),
+             "key": f"telemetry_{label}",
              "output_tokens": sum(output_lens), "seconds": sorted(runs[label])[repeats // 2],
              "runs": runs[label]} for label in ("off", "on")]
     rows[1]["observer_share"] = share = inside[0] / sum(runs["on"])
@@ -102,7 +105,7 @@ def run_static(model, prompts: list[list[int]], output_len: int, batch: int, dev
                              min_new_tokens=output_len, do_sample=False, pad_token_id=0)
         n += (out.shape[1] - x.shape[1]) * out.shape[0]
     _sync(device)
-    return {"system": f"transformers generate, static batch {batch}", "output_tokens": n,
+    return {"system": f"transformers generate, static batch {batch}", "key": f"static_b{batch}", "output_tokens": n,
             "seconds": time.perf_counter() - start}
 
 
@@ -117,7 +120,7 @@ def run_generate_batch(model, prompts: list[list[int]], output_len: int, device:
     results = model.generate_batch(inputs=prompts, generation_config=config)
     _sync(device)
     n = sum(len(r.generated_tokens) for r in results.values())
-    return {"system": "transformers generate_batch (paged|sdpa)", "output_tokens": n,
+    return {"system": "transformers generate_batch (paged|sdpa)", "key": "generate_batch", "output_tokens": n,
             "seconds": time.perf_counter() - start}
 
 
@@ -138,13 +141,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--no-compile", action="store_true", help="run the decoder layers eagerly (no torch.compile)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="split the model over this many ranks (GPUs, or gloo processes on CPU); peers are skipped")
     ap.add_argument("--peers", default="generate_batch,static",
                     help="comma list of generate_batch, static, none")
     ap.add_argument("--static-batch", default=None, help="comma list; default: 64 on CUDA, 1,16 on CPU")
     ap.add_argument("--telemetry", action="store_true",
                     help="also measure the engine without and with the server's telemetry (the overhead)")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--label", default=None, help="a name for this run in the results store")
+    add_db_argument(ap)
     args = ap.parse_args(argv)
+    try:
+        store = open_store(args.db)
+    except StoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if cuda else "cpu")
@@ -156,7 +168,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     config = EngineConfig(model=model, device=device.type, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
                           gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=not args.no_cuda_graphs,
-                          compile=not args.no_compile,
+                          compile=not args.no_compile, tensor_parallel_size=args.tensor_parallel_size,
                           enable_prefix_caching=False)
     t0 = time.perf_counter()
     engine = LLMEngine(config)
@@ -172,11 +184,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows += telemetry_overhead(engine, prompts, output_lens)
     engine.runner.uncompile()  # the peers run the model as transformers loads it
     hf_model = engine.runner.model
+    peers = [p for p in args.peers.split(",") if p and p != "none"]
+    if engine.parallel is not None and peers:
+        print("peers skipped: they run one whole model, and this one is split over ranks", flush=True)
+        peers = []
+    engine.close()
     del engine
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    peers = [p for p in args.peers.split(",") if p and p != "none"]
     # the peers take one output length for all; static batches also one prompt length
     if peers and not output_len.fixed:
         print(f"peers skipped: they cannot give each request its own output length ({output_len})", flush=True)
@@ -201,11 +217,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for r in rows:
         r["tokens_per_second"] = r["output_tokens"] / r["seconds"]
         print(f"| {r['system']} | {r['output_tokens']} | {r['seconds']:.2f} | {r['tokens_per_second']:,.0f} |")
+    record(store, args.label, {"model": model, "device": device.type, "dtype": args.dtype, "num_requests": num_requests,
+                               "input_len": str(args.input_len), "output_len": str(output_len), "seed": args.seed,
+                               **{k: v for k, v in config.__dict__.items() if k not in ("model", "device", "dtype")}},
+           rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": model, "device": machine, "num_requests": num_requests, "input_len": str(args.input_len),
                        "output_len": str(output_len), "seed": args.seed, "rows": rows}, f, indent=2)
     return rows
+
+
+def record(store, label: str | None, config: dict, rows: list[dict]) -> int:
+    """One stored run: the engine's time and throughput, each telemetry repeat, and each peer's throughput."""
+    with store.run(kind="offline", config=config, label=label, name=f"offline-{config['model']}") as run:
+        for r in rows:
+            prefix = "" if r["key"] == "engine" else r["key"] + "_"
+            for i, seconds in enumerate(r.get("runs", [r["seconds"]])):
+                run.measure(prefix + "wall_seconds", seconds, unit="s", iteration=i)
+                run.measure(prefix + "output_tokens_per_second", r["output_tokens"] / seconds, unit="tok/s", iteration=i)
+        run.measure("setup_seconds", rows[0]["setup_seconds"], unit="s")
+        run.measure("steps", rows[0]["steps"], unit="count")
+    print(f"stored as run {run.id} in {store.url}")
+    return run.id
 
 
 def _fmt(row: dict) -> str:

@@ -123,8 +123,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         only = [p.strip() for p in args.metrics.split(",")] if args.metrics else None
         store = open_store(args.db)
         rows = steps(store, args, threshold, only) if args.history else compare(store, args, threshold, only)
+        if not args.history:
+            queries.save_verdicts(store, rows, args.baseline, args.candidate, threshold)
     except (StoreError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
+        print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     if args.history:
         if not rows:

@@ -3,10 +3,12 @@
 Only successful runs are compared; within a REF the newest run of each configuration stands for it.
 """
 
+import datetime
+
 import sqlalchemy as sa
 
 from service.bench.store import StoreError
-from service.bench.store.schema import measurements, runs, samples
+from service.bench.store.schema import measurements, runs, samples, verdicts
 
 r = runs.c
 
@@ -91,4 +93,16 @@ def table_rows(store, table: sa.Table, run_ids: list[int] | None) -> list[dict]:
         return [row._asdict() for row in conn.execute(query.order_by(table.c.id))]
 
 
-TABLES = {"runs": runs, "measurements": measurements, "samples": samples}
+TABLES = {"runs": runs, "measurements": measurements, "samples": samples}  # what bench export writes
+
+
+def save_verdicts(store, rows: list[dict], baseline_ref: str, candidate_ref: str, threshold: float) -> None:
+    """Keep what one regress call concluded (one created_at for all its rows), for the dashboard."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    with store.engine.begin() as conn:
+        conn.execute(verdicts.insert(), [
+            {"created_at": now, "baseline_ref": baseline_ref, "candidate_ref": candidate_ref,
+             "baseline_run_id": r["baseline_run"], "candidate_run_id": r["candidate_run"], "metric": r["metric"],
+             "baseline_median": r["baseline"], "candidate_median": r["candidate"], "ratio": r["ratio"],
+             "ratio_low": r["low"], "ratio_high": r["high"], "verdict": r["verdict"], "threshold": threshold}
+            for r in rows])

@@ -8,7 +8,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
 # Raise it with every schema change and add the step that brings the previous version up to it to UPGRADES.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # JSONB on PostgreSQL, so that Grafana can filter on config->>'model'; plain JSON text on SQLite
 Json = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
@@ -66,8 +66,30 @@ samples = sa.Table(
     sa.Index("ix_bench_samples_run", "run_id", "metric"),
 )
 
+verdicts = sa.Table(  # since version 2: what `bench regress` concluded, for the dashboard and for the record
+    "bench_verdicts", metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),  # one value for one regress call
+    sa.Column("baseline_ref", sa.String(256), nullable=False),
+    sa.Column("candidate_ref", sa.String(256), nullable=False),
+    sa.Column("baseline_run_id", sa.Integer, sa.ForeignKey("bench_runs.id"), nullable=False),
+    sa.Column("candidate_run_id", sa.Integer, sa.ForeignKey("bench_runs.id"), nullable=False),
+    sa.Column("metric", sa.String(128), nullable=False),
+    sa.Column("baseline_median", sa.Float, nullable=False),
+    sa.Column("candidate_median", sa.Float, nullable=False),
+    sa.Column("ratio", sa.Float),
+    sa.Column("ratio_low", sa.Float),
+    sa.Column("ratio_high", sa.Float),
+    sa.Column("verdict", sa.String(16), nullable=False),
+    sa.Column("threshold", sa.Float, nullable=False),
+    sa.Index("ix_bench_verdicts_created", "created_at"),
+)
+
+
 # version -> the step from that version to the next, run inside the same transaction as the version bump
-UPGRADES: dict[int, callable] = {}
+UPGRADES = {
+    1: lambda conn: verdicts.create(conn),
+}
 
 
 def prepare(conn: sa.Connection) -> None:
@@ -91,5 +113,4 @@ def prepare(conn: sa.Connection) -> None:
     for version in range(found, SCHEMA_VERSION):
         UPGRADES[version](conn)
     if found != SCHEMA_VERSION:
-        metadata.create_all(conn)  # tables added since `found`
         conn.execute(meta.update().where(meta.c.key == "schema_version").values(value=str(SCHEMA_VERSION)))
