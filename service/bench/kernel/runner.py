@@ -213,6 +213,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.set_num_threads(args.threads)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"{name}; {clock_report(device)}", flush=True)
+    try:
+        rows = _sweep(args, device, name, store)
+    except StoreError as exc:
+        sys.exit(f"bench kernel: {exc}")
+    print(table(rows, args.baseline))
+    if args.csv:
+        write_csv(rows, args.csv)
+    if args.plot:
+        plot(rows, args.plot, f"attention kernels on {name}")
+    return rows
+
+
+def _sweep(args, device: torch.device, name: str, store) -> list[dict]:
     rows = []
     for shape in args.shapes:
         group = []
@@ -227,9 +240,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for r in group:  # stored shape by shape, so an interrupted sweep keeps what it measured
             record(store, r, args, device)
         rows += group
-    print(table(rows, args.baseline))
-    if args.csv:
-        write_csv(rows, args.csv)
-    if args.plot:
-        plot(rows, args.plot, f"attention kernels on {name}")
     return rows
