@@ -92,7 +92,8 @@ def test_measured_cpu_peak_is_within_tolerance_and_every_step_is_stored(wide_mod
     allocator's slack, oneDNN's scratch buffers and Python objects (tens of MB), so it reads high, never low."""
     db = f"sqlite:///{tmp_path / 'bench.db'}"
     rows = main(["--sizes", wide_model, "--context", "32", "--batch", "2", "--modes", "fwd,fwd+bwd,train",
-                 "--warmup", "1", "--steps", "2", "--threads", "1", "--db", db, "--label", "t"])
+                 "--warmup", "1", "--steps", "2", "--threads", "1", "--db", db, "--label", "t",
+                 "--json", str(tmp_path / "m.json")])
     assert [r["status"] for r in rows] == ["ok", "ok", "ok"]
     for r in rows:
         ratio = r["peak_bytes"] / r["estimate"].peak
@@ -111,6 +112,9 @@ def test_measured_cpu_peak_is_within_tolerance_and_every_step_is_stored(wide_mod
             expected += [(r["run_id"], f"{phase}_seconds", "s", i, v) for i, v in enumerate(values)]
         expected.append((r["run_id"], "peak_memory_bytes", "bytes", 0, float(r["peak_bytes"])))
     assert stored == expected
+    written = json.loads((tmp_path / "m.json").read_text())
+    assert [(w["mode"], w["status"], w["predicted_bytes"], w["peak_bytes"], w["seconds"]) for w in written] == [
+        (r["case"].mode, "ok", r["estimate"].peak, r["peak_bytes"], r["times"]) for r in rows]
     assert [list(r["times"]) for r in rows] == [["forward"], ["forward", "backward"],
                                                 ["forward", "backward", "optimizer"]]
 

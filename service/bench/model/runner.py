@@ -46,6 +46,7 @@ def parse_args(argv):
     ap.add_argument("--memory-snapshot", metavar="DIR", help="CUDA: PyTorch memory history of the measured steps, "
                     "a pickle per case for https://pytorch.org/memory_viz")
     ap.add_argument("--profile", metavar="DIR", help="one extra step under torch.profiler, a Chrome trace per case")
+    ap.add_argument("--json", default=None, metavar="PATH", help="write every row here (times in seconds, bytes)")
     ap.add_argument("--label", default=None, help="label stored with each run")
     from service.bench.store import add_db_argument
     add_db_argument(ap)
@@ -195,6 +196,14 @@ def _run_one(model, row: dict, device: torch.device, args, peak: PeakMemory) -> 
                stats={**{p: summary(v) for p, v in result.times.items()}, "step": summary(steps)})
 
 
+def to_json(row: dict) -> dict:
+    """A row as plain data: the case, its status, predicted and measured peak bytes, per-step phase times."""
+    e = row["estimate"]
+    return {**row["case"].__dict__, "status": row["status"], "predicted_bytes": e.peak, "peak_at": e.peak_at,
+            "predicted": e.bytes, "peak_bytes": row.get("peak_bytes"), "seconds": row.get("times", {}),
+            "stats": row.get("stats", {})}
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     from service.bench.store import StoreError, open_store
@@ -208,4 +217,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for r in rows:
             print(memory.format_breakdown(r["estimate"], r["case"].size) + "\n")
     print(calculator_table(rows) if args.calc_only else results_table(rows))
+    if args.json:
+        import json
+        with open(args.json, "w") as f:
+            json.dump([to_json(r) for r in rows], f, indent=1)
     return rows
