@@ -103,7 +103,8 @@ def derived_prometheus_config(stack: Stack, rules: Path) -> Path:
                "alertmanager": f"127.0.0.1:{stack.ports['alertmanager']}"}  # no Tempo here
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
     assert targets.keys() <= jobs.keys()
-    config["scrape_configs"] = [{**jobs[name], "static_configs": [{"targets": [t]}]} for name, t in targets.items()]
+    config["scrape_configs"] = [{**{k: v for k, v in jobs[name].items() if k != "dns_sd_configs"},  # compose's DNS
+                                 "static_configs": [{"targets": [t]}]} for name, t in targets.items()]
     path = stack.tmp / "prometheus.yml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
