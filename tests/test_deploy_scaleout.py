@@ -268,7 +268,8 @@ def test_sigterm_under_load_drains_the_replica_and_loses_nothing(fleet):
              {r["metric"]["instance"] for r in query(fleet, 'up{job="llm-service"}')["result"]}, 20, fleet)
     print(f"\nMEASURED sigterm: {s['requests.sent']} sent, {s['requests.completed']} completed, "
           f"{s['requests.failed']} failed; {len(spanning)} in flight on replica 2 completed while it drained; "
-          f"last request routed to it {last_routed - t_term:+.2f} s after SIGTERM; HAProxy marked it DOWN after "
+          f"the last request it admitted arrived {t_term - last_routed:.2f} s before the SIGTERM; HAProxy marked it DOWN "
+          f"after "
           f"{down - t_term:.2f} s; {retried} requests retried on another replica")
 
 
