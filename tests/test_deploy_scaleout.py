@@ -247,7 +247,7 @@ def test_every_dashboard_and_rule_query_returns_data_over_three_replicas(fleet):
 
 def test_sigterm_under_load_drains_the_replica_and_loses_nothing(fleet):
     victim, pid = "replica2", fleet.pids[2]
-    with Load(fleet.lb, seconds=8, output_len=24) as load:
+    with Load(fleet.lb, seconds=10, output_len=24) as load:
         wait_for("requests in flight on replica 2", lambda: fleet.running(2) >= 1, 20, fleet)
         t_term = time.time()
         os.kill(pid, signal.SIGTERM)
