@@ -107,7 +107,8 @@ def test_custom_resources_have_their_required_fields_and_point_at_real_objects(r
     assert pool["selector"]["matchLabels"].items() <= pod_labels.items()
     assert len(pool["targetPorts"]) == 1 and pool["endpointPickerRef"]["name"]
     [rule] = gateway_example()["HTTPRoute"]["spec"]["rules"]
-    assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "llm-service"}]
+    assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                    "name": "llm-service"}]
 
 
 def test_gpu_overlay_asks_for_an_nvidia_gpu_and_the_cpu_overlay_for_none(rendered):

@@ -32,7 +32,7 @@ from service.bench.loadgen.datasets import RandomWorkload
 from service.bench.loadgen.runner import LoadSpec, run_load
 from service.bench.loadgen.summary import summarize
 
-from tests.conftest import free_port, needs_tools
+from tests.conftest import free_port, needs_tools, wait_until
 from tests.test_deploy_config import DEPLOY, dashboards, panels, promql_expressions
 from tests.test_deploy_live import (NO_DATA_EXPECTED, Stack, derived_alertmanager_template, finite, query,
                                     substitute, wait_for)
@@ -100,7 +100,8 @@ class Fleet(Stack):
         config = yaml.safe_load((DEPLOY / "prometheus-host.yml").read_text())
         config["global"].update(scrape_interval="1s", evaluation_interval="1s", scrape_timeout="1s")
         config["rule_files"] = [str(rules / "*.yml")]
-        config["alerting"]["alertmanagers"][0]["static_configs"] = [{"targets": [f"127.0.0.1:{self.ports['alertmanager']}"]}]
+        alertmanager = f"127.0.0.1:{self.ports['alertmanager']}"
+        config["alerting"]["alertmanagers"][0]["static_configs"] = [{"targets": [alertmanager]}]
         jobs = {j["job_name"]: j for j in config["scrape_configs"]}
         [sd] = jobs["llm-service"]["file_sd_configs"]
         assert sd["files"] == ["targets/llm-service.json"]  # where replicas.sh writes by default
@@ -132,6 +133,14 @@ class Fleet(Stack):
     def running(self, replica: int) -> float:
         text = httpx.get(f"http://{self.instances[replica - 1]}/metrics", timeout=2).text
         return sum(float(v) for v in re.findall(r"^llm_requests_running\{[^}]*\} (\S+)$", text, re.M))
+
+
+def dead(pid: int) -> bool:
+    """The process is gone or a zombie (its parent, replicas.sh, reaps it)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(") ", 1)[1][0] in "ZX"
+    except FileNotFoundError:
+        return True
 
 
 class Load:
@@ -183,7 +192,8 @@ def fleet(tmp_path_factory):
         f.start("haproxy", ["haproxy", "-db", "-f", str(DEPLOY / "haproxy.cfg"), "-f", str(f.haproxy_backend())],
                 env={**os.environ, "LB_BIND": f"127.0.0.1:{f.ports['lb']}",
                      "LB_STATS_BIND": f"127.0.0.1:{f.ports['stats']}"})
-        f.start("prometheus", ["prometheus", f"--config.file={f.prometheus_config()}", f"--storage.tsdb.path={f.tmp / 'tsdb'}",
+        f.start("prometheus", ["prometheus", f"--config.file={f.prometheus_config()}",
+                               f"--storage.tsdb.path={f.tmp / 'tsdb'}",
                                f"--web.listen-address=127.0.0.1:{f.ports['prometheus']}",
                                "--enable-feature=exemplar-storage"])
 
@@ -269,8 +279,8 @@ def test_sigterm_under_load_drains_the_replica_and_loses_nothing(fleet):
              {r["metric"]["instance"] for r in query(fleet, 'up{job="llm-service"}')["result"]}, 20, fleet)
     print(f"\nMEASURED sigterm: {s['requests.sent']} sent, {s['requests.completed']} completed, "
           f"{s['requests.failed']} failed; {len(spanning)} in flight on replica 2 completed while it drained; "
-          f"the last request it admitted arrived {t_term - last_routed:.2f} s before the SIGTERM; HAProxy marked it DOWN "
-          f"after "
+          f"the last request it admitted arrived {t_term - last_routed:.2f} s before the SIGTERM; "
+          f"HAProxy marked it DOWN after "
           f"{down - t_term:.2f} s; {retried} requests retried on another replica")
 
 
@@ -281,13 +291,15 @@ def test_sigkill_under_load_fails_only_its_in_flight_requests_and_fires_the_down
         notes_before = len(fleet.sink_log.read_text().splitlines())  # replicas still loading were down at the start
         t_kill = time.time()
         os.kill(pid, signal.SIGKILL)
+        # the kill takes effect a moment later on a busy machine; requests sent before that may reach the replica
+        t_dead = wait_until(lambda: dead(pid) and time.time(), 10, "replica 3 to die", interval=0.005)
         down = wait_for("HAProxy to take replica 3 out",
                         lambda: fleet.servers()[victim]["status"].startswith("DOWN") and time.time(), 20, fleet)
     s = load.summary()
     failed = [r for r in load.run.results if not r.ok]
     assert failed and {r.error for r in failed} <= {"connection_lost", "truncated_stream", "http_502"}, s
-    assert all(load.sent_at(r) < t_kill for r in failed)  # only what was in flight on the killed replica
-    later = [r for r in load.run.results if load.sent_at(r) > t_kill]
+    assert all(load.sent_at(r) < t_dead for r in failed)  # only what was in flight on the killed replica
+    later = [r for r in load.run.results if load.sent_at(r) > t_dead]
     assert later and all(r.ok for r in later)
 
     def down_alerts():
@@ -304,9 +316,10 @@ def test_sigkill_under_load_fails_only_its_in_flight_requests_and_fires_the_down
     webhook = wait_for("the webhook notification", delivered, 30, fleet)
     up = {r["metric"]["instance"]: r["value"][1] for r in query(fleet, 'up{job="llm-service"}')["result"]}
     assert up == {fleet.instances[0]: "1", instance: "0"}  # the drained replica 2 left the targets, the dead one not
-    retried = sum(1 for r in fleet.requests_log() if r["start"] > t_kill and r["retries"] != "0")
+    retried = sum(1 for r in fleet.requests_log() if r["start"] > t_dead and r["retries"] != "0")
     print(f"\nMEASURED sigkill: {s['requests.sent']} sent, {s['requests.completed']} completed, "
           f"{s['requests.failed']} failed ({', '.join(f'{k}={v}' for k, v in s.items() if k.startswith('errors.'))}); "
-          f"HAProxy marked it DOWN after {down - t_kill:.2f} s ({retried} requests retried on another replica); "
+          f"dead after {t_dead - t_kill:.3f} s; HAProxy marked it DOWN after {down - t_kill:.2f} s "
+          f"({retried} requests retried on another replica); "
           f"LLMServiceDown (for: {DOWN_FOR}) active on "
           f"Alertmanager after {fired - t_kill:.1f} s, at the webhook after {webhook - t_kill:.1f} s")

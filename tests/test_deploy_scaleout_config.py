@@ -58,7 +58,8 @@ def test_haproxy_routes_only_to_ready_replicas_by_least_connections_and_streams_
     assert {"conn-failure", "empty-response", "503"} <= set(retry_on) and "option redispatch 1" in HAPROXY
     # every server line of the one-host list is health-checked, via default-server
     assert re.search(r"^\s+default-server check ", HAPROXY, re.M)
-    ports = [int(p) for p in re.findall(r"server replica\d+ 127\.0\.0\.1:(\d+)", (DEPLOY / "haproxy-host.cfg").read_text())]
+    host_servers = (DEPLOY / "haproxy-host.cfg").read_text()
+    ports = [int(p) for p in re.findall(r"server replica\d+ 127\.0\.0\.1:(\d+)", host_servers)]
     assert ports == [8000 + i for i in range(1, len(ports) + 1)]  # the ports replicas.sh gives replica i
     assert "LLM_REPLICA_BASE_PORT:-8000" in (DEPLOY / "replicas.sh").read_text()
 
@@ -73,7 +74,8 @@ def test_compose_service_scales_behind_the_load_balancer_and_prometheus_finds_ea
     bind = mounts(lb)
     assert bind["/usr/local/etc/haproxy/haproxy.cfg"] == DEPLOY / "haproxy.cfg"
     assert bind["/usr/local/etc/haproxy/replicas.cfg"] == DEPLOY / "haproxy-compose.cfg"
-    assert lb["command"][-4:] == ["-f", "/usr/local/etc/haproxy/haproxy.cfg", "-f", "/usr/local/etc/haproxy/replicas.cfg"]
+    assert lb["command"][-4:] == ["-f", "/usr/local/etc/haproxy/haproxy.cfg",
+                                  "-f", "/usr/local/etc/haproxy/replicas.cfg"]
     assert lb["environment"] == {"LB_BIND": ":8000", "LB_STATS_BIND": ":8404"}
     assert "8404" in " ".join(lb["healthcheck"]["test"])
     port = int(re.search(r"LLM_PORT=(\d+)", (DEPLOY / "Dockerfile").read_text()).group(1))

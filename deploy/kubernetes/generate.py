@@ -23,7 +23,8 @@ class Dumper(yaml.SafeDumper):
     """Multi-line strings (PromQL, dashboard JSON) as literal blocks, readable in a diff."""
 
 
-Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None))
+Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s,
+                                                           style="|" if "\n" in s else None))
 
 
 def dump(*docs: dict) -> str:
@@ -31,7 +32,8 @@ def dump(*docs: dict) -> str:
 
 
 def prometheus_rule() -> str:
-    groups = [g for path in sorted((DEPLOY / "rules").glob("*.yml")) for g in yaml.safe_load(path.read_text())["groups"]]
+    paths = sorted((DEPLOY / "rules").glob("*.yml"))
+    groups = [g for path in paths for g in yaml.safe_load(path.read_text())["groups"]]
     rule = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
             "metadata": {"name": "llm-service", "labels": RELEASE}, "spec": {"groups": groups}}
     return HEADER.format("deploy/rules/*.yml") + dump(rule)
