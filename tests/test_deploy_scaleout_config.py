@@ -56,6 +56,7 @@ def test_haproxy_routes_only_to_ready_replicas_by_least_connections_and_streams_
     # requests a replica never started go elsewhere: refused, closed without an answer, or 503 (draining, full)
     retry_on = directives["retry-on conn-failure"].split()[1:]
     assert {"conn-failure", "empty-response", "503"} <= set(retry_on) and "option redispatch 1" in HAPROXY
+    assert "option http-server-close" in HAPROXY  # no request rides an idle connection its replica may be closing
     # every server line of the one-host list is health-checked, via default-server
     assert re.search(r"^\s+default-server check ", HAPROXY, re.M)
     host_servers = (DEPLOY / "haproxy-host.cfg").read_text()
