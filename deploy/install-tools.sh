@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The system tools the tests run for real: Prometheus (with promtool), Alertmanager, HAProxy (the load balancer
-# in front of replicas), and docker-compose (v1, to validate deploy/docker-compose.yml offline). Debian packages,
-# installed only when missing.
+# in front of replicas), docker-compose (v1, to validate deploy/docker-compose.yml offline), and PostgreSQL (the
+# results store's tests start their own cluster). Debian packages, installed only when missing.
 set -euo pipefail
 need=()
 command -v prometheus >/dev/null || need+=(prometheus)
@@ -9,6 +9,7 @@ command -v promtool >/dev/null || need+=(prometheus)
 command -v prometheus-alertmanager >/dev/null || need+=(prometheus-alertmanager)
 command -v docker-compose >/dev/null || need+=(docker-compose)
 command -v haproxy >/dev/null || need+=(haproxy)
+compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || need+=(postgresql)
 [ ${#need[@]} -eq 0 ] && exit 0
 sudo=""
 [ "$(id -u)" -eq 0 ] || sudo="sudo"
