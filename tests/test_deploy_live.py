@@ -319,7 +319,9 @@ def test_lowered_threshold_fires_the_real_alert_to_alertmanager_and_the_webhook(
 
     [note, *_] = wait_for("the webhook notification", delivered, 60, stack)
     assert note["severity"] == "warning" and note["receiver"] == "webhook"
-    assert note["labels"]["instance"] == stack.instance and note["summary"] == alert["annotations"]["summary"]
+    # the summary ends in the p95 value at the evaluation that sent the note; later evaluations move it
+    summary = f"{stack.model} on {stack.instance}: p95 time to first token is "
+    assert note["labels"]["instance"] == stack.instance and note["summary"].startswith(summary)
 
 
 def test_a_healthy_service_raises_no_error_down_or_saturation_alert(stack):
