@@ -11,7 +11,6 @@ from service.bench.regress.directions import direction
 from service.bench.regress.stats import find_steps, judge
 from service.bench.store import open_store, schema
 from tests.test_bench_store import rows
-from tests.bench_db import postgres_server, postgres_url, store_url  # noqa: F401  (fixtures)
 
 LOWER, HIGHER = -1, 1
 
