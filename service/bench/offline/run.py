@@ -86,7 +86,10 @@ class Models:
         blocks = -(-c["batch_size"] * (sum(lengths) + 16) // 16) + 16 if c["device"] == "cpu" else None
         config = EngineConfig(model=c["model"], device=c["device"], dtype=c["dtype"], max_num_seqs=c["max_num_seqs"],
                               attention_backend=c["attention_backend"], compile=c["compile"],
-                              cuda_graphs=c["cuda_graphs"], num_blocks=blocks, enable_prefix_caching=False)
+                              cuda_graphs=c["cuda_graphs"], num_blocks=blocks, enable_prefix_caching=False,
+                              tensor_parallel_size=c["tensor_parallel_size"])
+        if config.tensor_parallel_size > 1:
+            return LLMEngine(config)  # every rank loads its own shard
         return LLMEngine(config, loaded=self.loaded[key])
 
 
@@ -139,6 +142,7 @@ def measure(run, c: dict, settings: dict, models: Models, advance) -> dict[str, 
         return values
     finally:
         engine.runner.uncompile()  # the shared weights go to the next configuration as loaded
+        engine.close()
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
