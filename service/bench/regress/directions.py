@@ -12,6 +12,8 @@ RULES = [
     # counts and settings that describe a run rather than judge it
     ("steps", INFO), ("setup_seconds", INFO), ("duration_s", INFO), ("dispatch_lag_ms.*", INFO),
     ("generator.*", INFO),
+    # bench capacity: the highest load within the SLOs, and the first load beyond them
+    ("capacity_*", HIGHER), ("first_fail_*", HIGHER),
     # stored metrics: units in the name
     ("*_per_second", HIGHER), ("*_seconds", LOWER), ("*_bytes", LOWER), ("failed_requests", LOWER),
     ("goodput_ratio", HIGHER), ("slo_attainment_ratio*", HIGHER),
