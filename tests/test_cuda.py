@@ -109,3 +109,6 @@ def test_bench_run_on_cuda_records_gpu_samples_and_cuda_peak_memory(tmp_path):
                              .where(schema.measurements.c.metric == "peak_memory_bytes")).scalars().all()
     assert {"gpu0_utilization_ratio", "gpu0_memory_used_bytes", "rss_bytes"} <= sampled
     assert len(peaks) == 6 and all(0 < p < torch.cuda.get_device_properties(0).total_memory for p in peaks)
+
+
+from tests.cuda_bench import *  # noqa: E402,F401,F403  (bench model / bench kernel on CUDA)
