@@ -50,6 +50,7 @@ DIMENSIONS = [
     Dimension("cuda_graphs", _bool, "off", "CUDA graphs for decode: on/off"),
     Dimension("dtype", str, "auto", "auto, float32, float16, bfloat16"),
     Dimension("max_num_seqs", _positive, "256", "most sequences in one step"),
+    Dimension("tensor_parallel_size", _positive, "1", "ranks the model is split over (tensor parallelism)"),
 ]
 BY_KEY = {d.key: d for d in DIMENSIONS}
 DTYPE_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -130,6 +131,7 @@ def name(c: dict) -> str:
     parts += ["graphs"] if c["cuda_graphs"] else []
     parts += [DTYPE_SHORT.get(c["dtype"], c["dtype"])]
     parts += [f"seqs{c['max_num_seqs']}"] if c["max_num_seqs"] != int(BY_KEY["max_num_seqs"].default) else []
+    parts += [f"tp{c['tensor_parallel_size']}"] if c["tensor_parallel_size"] != 1 else []
     return "-".join(parts)
 
 

@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--no-compile", action="store_true", help="run the decoder layers eagerly (no torch.compile)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="split the model over this many ranks (GPUs, or gloo processes on CPU); peers are skipped")
     ap.add_argument("--peers", default="generate_batch,static",
                     help="comma list of generate_batch, static, none")
     ap.add_argument("--static-batch", default=None, help="comma list; default: 64 on CUDA, 1,16 on CPU")
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     config = EngineConfig(model=model, device=device.type, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
                           gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=not args.no_cuda_graphs,
-                          compile=not args.no_compile,
+                          compile=not args.no_compile, tensor_parallel_size=args.tensor_parallel_size,
                           enable_prefix_caching=False)
     t0 = time.perf_counter()
     engine = LLMEngine(config)
@@ -182,11 +184,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows += telemetry_overhead(engine, prompts, output_lens)
     engine.runner.uncompile()  # the peers run the model as transformers loads it
     hf_model = engine.runner.model
+    peers = [p for p in args.peers.split(",") if p and p != "none"]
+    if engine.parallel is not None and peers:
+        print("peers skipped: they run one whole model, and this one is split over ranks", flush=True)
+        peers = []
+    engine.close()
     del engine
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    peers = [p for p in args.peers.split(",") if p and p != "none"]
     # the peers take one output length for all; static batches also one prompt length
     if peers and not output_len.fixed:
         print(f"peers skipped: they cannot give each request its own output length ({output_len})", flush=True)
