@@ -7,7 +7,7 @@ the requests in flight cancelled, when the server is saturated or errors exceed 
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -52,7 +52,6 @@ class Probe:
     wall_s: float
     server: dict | None = None  # what /metrics showed during the measured window
     server_note: str = ""
-    samples: list = field(default_factory=list, repr=False)
 
 
 def _kind(samples) -> str | None:
