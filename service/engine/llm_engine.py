@@ -234,27 +234,31 @@ class LLMEngine:
             self._observe(failed, finished=failed, batch=step.batch)
             return failed
         now = time.perf_counter()
+        done = Status.FINISHED
         for seq, token in zip(step.sampled, tokens):
-            if not seq.is_finished:
+            if seq.status is not done:
                 seq.token_ids.append(token)
                 seq.num_pending_tokens -= 1
-        for seq in step.batch.seqs:
-            if not seq.is_finished:
-                self.blocks.commit(seq)
+        if self.blocks.enable_prefix_caching:  # register full blocks: every token they hold is known now
+            for seq in step.batch.seqs:
+                if seq.status is not done:
+                    self.blocks.commit(seq)
         outputs, first_tokens, finished = [], [], []
         for seq, token, lp in zip(step.sampled, tokens, logprobs):
-            if seq.is_finished:
+            if seq.status is done:
                 continue  # it stopped at the step before (found out a step late) or was aborted: drop the token
-            seq.timings.token_times.append(now)
-            first = seq.timings.first_token is None
+            timings = seq.timings
+            timings.token_times.append(now)
+            first = timings.first_token is None
             if first:
-                seq.timings.first_token = now
+                timings.first_token = now
             new_logprobs = [lp] if lp is not None else []
-            seq.logprobs.extend(new_logprobs)
+            if lp is not None:
+                seq.logprobs.append(lp)
             reason = self._check_stop(seq, token)
             if reason:
                 self.scheduler.finish(seq, reason)
-                seq.timings.finished = now
+                timings.finished = now
                 del self.seqs[seq.request_id]
             out = self._output(seq, [token], new_logprobs)
             outputs.append(out)

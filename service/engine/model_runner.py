@@ -27,6 +27,34 @@ def kv_shape(config) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, head_dim
 
 
+class PinnedUpload:
+    """A pinned host buffer for one kind of upload, in two halves used in turn.
+
+    The host fills one half for the next step while the other's copy may still wait behind the step in
+    flight; an event recorded after each copy says when its half may be written again.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype):
+        self.halves = [torch.empty(numel, dtype=dtype, pin_memory=True) for _ in range(2)]
+        self.events = [torch.cuda.Event(), torch.cuda.Event()]
+        self.used = [False, False]
+        self.turn = 0
+
+    def take(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
+        """The next half as a tensor of `shape` and a numpy view of it to fill."""
+        i = self.turn
+        if self.used[i]:
+            self.events[i].synchronize()  # its copy ran long ago unless the device is far behind
+        t = self.halves[i][:int(np.prod(shape))].view(shape)
+        return t, t.numpy()
+
+    def send(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+        self.events[self.turn].record()
+        self.used[self.turn] = True
+        self.turn ^= 1
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, device: torch.device, max_model_len: int):
         self.model = model
@@ -174,6 +202,9 @@ class ModelRunner:
         # so that a step uploads only the rows whose blocks changed
         self.table_rows = np.zeros((max_bs, self.max_blocks_per_seq), dtype=np.int32)
         self.table_owners: list[tuple[list[int] | None, int]] = [(None, 0)] * max_bs
+        self.up_inputs = PinnedUpload(3 * max_bs, torch.long)
+        self.up_lens = PinnedUpload(max_bs, torch.int32)
+        self.up_tables = PinnedUpload(max_bs * self.max_blocks_per_seq, torch.int32)
         self.g_seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self.g_starts = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.g_tile_seq = torch.arange(max_bs, dtype=torch.int32, device=dev)
@@ -198,22 +229,26 @@ class ModelRunner:
                         out = run()
             pool = graph.pool()
             self.graphs[size] = (graph, out)
+        self.graph_sizes = sorted(self.graphs)
         log.info("captured CUDA graphs for decode batch sizes %s", sorted(self.graphs))
 
     def _replay(self, batch: ScheduledBatch) -> torch.Tensor:
         seqs, n = batch.seqs, len(batch.seqs)
-        size = next(s for s in sorted(self.graphs) if s >= n)
+        size = next(s for s in self.graph_sizes if s >= n)
         bs = self.block_size
         self._update_tables(seqs)
         pos = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
-        inputs = np.zeros((3, size), dtype=np.int64)  # padding rows: token 0 at position 0, into scratch block 0
+        # whole buffers go up (a few KB), so padding rows are always token 0 at position 0 in scratch block 0
+        inputs_t, inputs = self.up_inputs.take((3, len(self.g_ids)))
+        inputs.fill(0)
         inputs[0, :n] = [0 if s.num_pending_tokens else s.token_ids[p] for s, p in zip(seqs, pos.tolist())]
         inputs[1, :n] = pos
         inputs[2, :n] = self.table_rows[np.arange(n), pos // bs] * bs + pos % bs
-        lens = np.ones(size, dtype=np.int32)
+        lens_t, lens = self.up_lens.take((len(self.g_ids),))
+        lens.fill(1)
         lens[:n] = pos + 1
-        self.g_inputs[:, :size].copy_(torch.from_numpy(inputs).pin_memory(), non_blocking=True)
-        self.g_seq_lens[:size].copy_(torch.from_numpy(lens).pin_memory(), non_blocking=True)
+        self.up_inputs.send(inputs_t, self.g_inputs)
+        self.up_lens.send(lens_t, self.g_seq_lens)
         self._feed_back(self.g_ids, batch)
         graph, out = self.graphs[size]
         graph.replay()
@@ -237,8 +272,9 @@ class ModelRunner:
             owners[i] = (table, len(table))
             first, last, width = min(first, i), i, max(width, len(table))
         if last >= 0:
-            rows = np.ascontiguousarray(host[first:last + 1, :width])
-            self.g_tables[first:last + 1, :width].copy_(torch.from_numpy(rows).pin_memory(), non_blocking=True)
+            rows_t, rows = self.up_tables.take((last + 1 - first, width))
+            rows[:] = host[first:last + 1, :width]
+            self.up_tables.send(rows_t, self.g_tables[first:last + 1, :width])
 
     # -- sizing ---------------------------------------------------------------------------------------
     def _blocks_that_fit(self) -> int:

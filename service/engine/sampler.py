@@ -90,9 +90,10 @@ class Sampler:
         """(row, token) pairs that may not be sampled yet: stop and EOS tokens before min_tokens."""
         bans = []
         for i, s in enumerate(seqs):
-            if s.num_tokens - s.num_prompt_tokens < s.params.min_tokens:  # tokens on the device count
-                stop = set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else s.eos_token_ids)
-                bans += [(i, t) for t in stop]
+            p = s.params
+            if p.min_tokens and s.num_tokens - s.num_prompt_tokens < p.min_tokens:  # tokens on the device count
+                stop = p.stop_token_ids if p.ignore_eos else [*p.stop_token_ids, *s.eos_token_ids]
+                bans += [(i, t) for t in set(stop)]
         return bans
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:

@@ -53,7 +53,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if self._sampled_last_token(seq):
+            if seq.num_pending_tokens and self._sampled_last_token(seq):
                 i += 1
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
