@@ -9,6 +9,8 @@ raw histograms instead: exemplars (trace ids) exist only on raw series.
 import json
 from pathlib import Path
 
+from bench_history import bench_history  # the results store's dashboard (PostgreSQL), in its own module
+
 OUT = Path(__file__).parent / "dashboards"
 PROM = {"type": "prometheus", "uid": "prometheus"}
 TEMPO = {"type": "tempo", "uid": "tempo"}
@@ -320,7 +322,8 @@ def slo() -> dict:
                      "left and burn rates over the multi-window alert windows.", panels)
 
 
-DASHBOARDS = {"llm-overview.json": overview, "llm-gpu.json": gpu, "llm-slo.json": slo}
+DASHBOARDS = {"llm-overview.json": overview, "llm-gpu.json": gpu, "llm-slo.json": slo,
+              "llm-bench-history.json": lambda: bench_history(dashboard, row)}
 
 
 def render() -> dict[str, str]:

@@ -2,6 +2,8 @@
 
 import asyncio
 import logging
+import os
+import signal
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -11,6 +13,7 @@ from fastapi import Depends, FastAPI, Request
 from service.api.errors import APIError, install_handlers, unavailable
 from service.api.middleware import HTTPMetrics
 from service.engine import AsyncEngine, LLMEngine, RequestOutput, SamplingParams
+from service.engine.errors import EngineDeadError
 from service.engine.models import display_name
 from service.settings import Settings
 from service.telemetry.hub import Telemetry
@@ -28,6 +31,7 @@ class ServerState:
         self.facade: AsyncEngine | None = None
         self.load_error: BaseException | None = None
         self.draining = False
+        self.fatal: str | None = None  # why the server must exit non-zero (a tensor-parallel rank died)
 
     @property
     def ready(self) -> bool:
@@ -43,10 +47,19 @@ class ServerState:
             engine = engine or LLMEngine(self.settings.engine)
             engine.observer = self.telemetry.observer
             self.facade = AsyncEngine(engine).start()
+            if engine.parallel is not None:
+                engine.parallel.on_failure = self.rank_failed
             log.info("model %s ready on %s", engine.model_name, engine.device)
         except BaseException as exc:  # keep serving /health; /ready reports the failure
             log.exception("model failed to load")
             self.load_error = exc
+
+    def rank_failed(self, reason: str) -> None:
+        """A tensor-parallel rank died: fail what is in flight, turn /ready 503, then exit non-zero (so an
+        orchestrator restarts the whole server rather than leave it half alive)."""
+        self.fatal = reason
+        self.facade.fail(EngineDeadError(reason))
+        os.kill(os.getpid(), signal.SIGTERM)  # the drain finishes at once: every stream has its error
 
     def check_model(self, name: str) -> None:
         if self.facade is None:
@@ -122,6 +135,7 @@ def create_app(settings: Settings | None = None, engine: LLMEngine | None = None
         loader.join()
         if state.facade is not None:
             state.facade.shutdown()
+            state.facade.engine.close()
         telemetry.shutdown()
 
     from service.api import native_routes, openai_routes

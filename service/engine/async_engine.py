@@ -95,13 +95,19 @@ class AsyncEngine:
                 outputs = engine.step()
                 for out in outputs:
                     self._deliver(out)
-        except BaseException as exc:  # a bug in the loop: fail every waiting client instead of hanging
+        except BaseException as exc:  # a bug in the loop, or a lost rank: fail every waiting client instead of hanging
             log.exception("engine loop died")
-            self.error = exc
-            for loop, q in list(self._streams.values()):
-                loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine loop died: {exc!r}"))
+            self.fail(EngineDeadError(str(exc) if isinstance(exc, EngineDeadError) else f"engine loop died: {exc!r}"))
         finally:
             self._stop = True
+
+    def fail(self, error: EngineDeadError) -> None:
+        """Stop for good: every stream ends with `error`, and no new request is accepted (from any thread)."""
+        self.error = error
+        self._stop = True
+        self._wake.set()
+        for loop, q in list(self._streams.values()):
+            loop.call_soon_threadsafe(q.put_nowait, error)
 
     def _drain_inbox(self) -> None:
         while True:

@@ -12,7 +12,7 @@ import torch
 from service.engine.block_manager import BlockManager
 from service.engine.config import EngineConfig
 from service.engine.detokenizer import Detokenizer
-from service.engine.errors import InvalidRequestError
+from service.engine.errors import EngineDeadError, InvalidRequestError
 from service.engine.model_runner import ModelRunner
 from service.engine.models import LoadedModel, load_model, resolve_dtype
 from service.engine.sampler import SampleResult
@@ -59,6 +59,7 @@ class StepStats:
     num_running: int
     num_waiting: int
     kv_usage: float
+    rank_seconds: list[float] | None = None  # tensor parallelism: each rank's time in forward passes so far
 
 
 @dataclass
@@ -83,7 +84,11 @@ class LLMEngine:
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
             self.device = torch.device(config.device)
-        if loaded is None:
+        self.parallel = None  # the tensor-parallel group, when the model is split over several ranks
+        if config.tensor_parallel_size > 1:
+            config, loaded = self._start_parallel(config, loaded)
+            self.config = config
+        elif loaded is None:
             loaded = load_model(config.model, resolve_dtype(config.dtype, self.device), self.device,
                                 config.cache_dir, config.seed, config.trust_remote_code)
         self.model_name = loaded.name
@@ -102,6 +107,31 @@ class LLMEngine:
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self._in_flight: _Launched | None = None
         self._last_read_back = 0.0
+
+    def _start_parallel(self, config: EngineConfig, loaded: LoadedModel | None) -> tuple[EngineConfig, LoadedModel]:
+        from service.engine.parallel import TensorParallelGroup, load_shard
+
+        if loaded is not None:
+            raise ValueError("a tensor-parallel engine loads its own shard on each rank; pass no loaded model")
+        if config.cuda_graphs or config.compile:
+            # graph replays and compiled layers would skip the broadcast that keeps the other ranks in step
+            log.info("tensor parallelism: CUDA graphs and torch.compile are off")
+            config = dataclasses.replace(config, cuda_graphs=False, compile=False)
+        self.parallel = TensorParallelGroup(config)
+        try:
+            loaded = load_shard(config, config.tensor_parallel_size, 0)
+        except BaseException:
+            self.parallel.close()
+            raise
+        self.parallel.link(loaded.model)
+        log.info("tensor parallelism over %d ranks (%s)", config.tensor_parallel_size,
+                 "nccl" if self.device.type == "cuda" else "gloo")
+        return config, loaded
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any."""
+        if self.parallel is not None:
+            self.parallel.close()
 
     # -- requests -------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -188,6 +218,8 @@ class LLMEngine:
         took N-1's tokens on the device. A request that stopped at N-1 was already scheduled in N; its
         token from N is dropped when N is read back, and its blocks were freed when it stopped.
         """
+        if self.parallel is not None and self.parallel.failure:
+            raise EngineDeadError(self.parallel.failure)
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         previous, self._in_flight = self._in_flight, None
@@ -200,6 +232,8 @@ class LLMEngine:
                 seq.timings.preempted.append(start)
             try:
                 launched = self._launch(batch, start)
+            except EngineDeadError:  # a tensor-parallel rank is gone: no later step can run either
+                raise
             except Exception:
                 log.exception("engine step failed; failing its %d requests", len(batch.seqs))
                 outputs = self._read_back(previous) if previous else []
@@ -282,7 +316,8 @@ class LLMEngine:
         self.observer(StepStats(
             phase, batch.num_tokens if phase else 0, len(batch.seqs) if phase else 0, duration, outputs, list(first_tokens), list(finished),
             ids(batch.admitted) if phase else [], ids(batch.preempted) if batch else [],
-            self.num_running, self.num_waiting, self.blocks.usage))
+            self.num_running, self.num_waiting, self.blocks.usage,
+            self.parallel.rank_seconds if self.parallel is not None else None))
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

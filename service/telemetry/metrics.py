@@ -69,6 +69,10 @@ class Metrics:
                               registry=r)
         self.preemptions = Counter("llm_preemptions", "Requests preempted (blocks freed, recomputed later) because "
                                    "the KV cache was full.", m, registry=r)
+        self.rank_forward_seconds = Counter(
+            "llm_tensor_parallel_forward_seconds", "Time each tensor-parallel rank spent in forward passes (gathered "
+            "every 16 passes); a rank whose rate stands out is the one the others wait for.", ["model", "rank"],
+            registry=r)
         self.step_seconds = histogram("llm_engine_step_seconds", "Duration of one engine step (one forward pass and "
                                       "sampling), by phase.", STEP_BUCKETS, ["model", "phase"])
         self.batch_tokens = histogram("llm_batch_tokens", "Tokens computed in one engine step, by phase.",

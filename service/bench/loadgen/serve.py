@@ -23,7 +23,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from service.bench.loadgen import crosscheck, datasets, report, stats
 from service.bench.loadgen.client import CHAT, COMPLETIONS
 from service.bench.loadgen.runner import LoadSpec, run_load
+from service.bench.loadgen.record import record_run
 from service.bench.loadgen.summary import summarize
+from service.bench.store import StoreError, add_db_argument, open_store
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -72,6 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                            "--plot-dir instead of running anything")
     a("--label", default=None, help="a name for this run in the results and plots")
     a("--no-progress", action="store_true")
+    add_db_argument(ap)
     return ap.parse_args(argv)
 
 
@@ -212,7 +215,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             raise ValueError("token-id prompts need /v1/completions; use --random-prompt words for chat")
         extra = json.loads(args.extra_body) if args.extra_body else {}
         model = args.model or discover_model(args.base_url, args.api_key)
-    except (ValueError, OSError, httpx.HTTPError, KeyError, IndexError) as exc:
+        store = open_store(args.db)
+    except (ValueError, OSError, httpx.HTTPError, KeyError, IndexError, StoreError) as exc:
         console.print(f"[red]error:[/red] {exc!r}" if isinstance(exc, LookupError) else f"[red]error:[/red] {exc}")
         sys.exit(2)
     ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset == "random"
@@ -244,6 +248,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         report.print_summary(console, document["summary"], title, document["crosscheck"])
         documents.append(document)
         per_request.append(("" if value is None else value, results))
+        run_id = record_run(store, document, results, f"serve-{model}" + (f"-{sweep[0]}{value:g}" if sweep else ""))
+        console.print(f"stored as run {run_id} in {store.url}", highlight=False)
         # written after every point, so that an interrupted sweep keeps the points it finished
         if args.result_json:
             report.write_json(args.result_json, documents[0] if not sweep else

@@ -2,7 +2,8 @@
 
 One engine (one compiled model, one set of CUDA graphs) runs the offline workload alternately with
 `engine.overlap` on and off; then a short torch.profiler window over decode steps gives, for each mode,
-the device's idle time between steps and the host's own time per step (its waits for the device excluded).
+the device's busy time per step; a plain window of as many steps gives the wall and host time per step
+(the host's waits for the device excluded), and the device's idle time per step is their difference.
 
     python -m service.bench.offline.overlap --runs 7 --json overlap.json --trace-dir traces
 """
@@ -14,9 +15,15 @@ import time
 
 import torch
 
-from service.bench.offline.offline import run_engine
+from service.bench.offline.lengths import Lengths, lengths_arg
+from service.bench.offline.offline import random_prompts, run_engine
 from service.engine import EngineConfig, LLMEngine, SamplingParams
 from service.engine import sampler as sampler_module
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _busy_union(intervals: list[tuple[float, float]]) -> float:
@@ -29,33 +36,44 @@ def _busy_union(intervals: list[tuple[float, float]]) -> float:
 
 
 def profile_decode(engine: LLMEngine, prompts: list[list[int]], steps: int, trace: str | None) -> dict:
-    """Profile `steps` decode steps of the full batch: device idle between steps and host time per step."""
+    """Time `steps` decode steps of the full batch, then profile as many more.
+
+    Host time per step is the engine thread's time less its waits for the device (plain window); the
+    device's busy time per step is the union of its kernels and copies (profiled window); the device's idle
+    time per step is the plain window's wall time per step less that busy time.
+    """
     from torch.profiler import ProfilerActivity, profile
 
     waited = [0.0]
     read = sampler_module.SampleResult.read
 
-    def timed_read(result):  # the host's waits for the device, kept out of its own time
+    def timed_read(result):
         start = time.perf_counter()
         try:
             return read(result)
         finally:
             waited[0] += time.perf_counter() - start
 
-    params = SamplingParams(max_tokens=steps + 16, ignore_eos=True, temperature=0)
+    params = SamplingParams(max_tokens=2 * steps + 64, ignore_eos=True, temperature=0)
     for p in prompts:
         engine.add_request(p, params)
-    for _ in range(8):  # prefill and settle into full decode steps
+    while not all(s.num_output_tokens for s in engine.seqs.values()):  # until every prompt is in
         engine.step()
-    torch.cuda.synchronize()
+    for _ in range(4):  # settle into full decode steps
+        engine.step()
+    _sync()
     sampler_module.SampleResult.read = timed_read
     try:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync()
+        wall = time.perf_counter() - start
+        host = wall - waited[0]
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            start = time.perf_counter()
             for _ in range(steps):
                 engine.step()
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - start
+            _sync()
     finally:
         sampler_module.SampleResult.read = read
         for rid in list(engine.seqs):
@@ -65,12 +83,10 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], steps: int, trac
     gpu = [(e.time_range.start, e.time_range.end) for e in prof.events()
            if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = _busy_union(gpu) / 1e6  # microseconds -> seconds
-    span = (max(b for _, b in gpu) - min(a for a, _ in gpu)) / 1e6
     if trace:
         prof.export_chrome_trace(trace)
-    return {"steps": steps, "wall_ms_per_step": 1e3 * wall / steps, "gpu_busy_ms_per_step": 1e3 * busy / steps,
-            "gpu_idle_ms_per_step": 1e3 * (span - busy) / steps,
-            "host_ms_per_step": 1e3 * (wall - waited[0]) / steps}
+    return {"steps": steps, "wall_ms_per_step": 1e3 * wall / steps, "host_ms_per_step": 1e3 * host / steps,
+            "gpu_busy_ms_per_step": 1e3 * busy / steps, "gpu_idle_ms_per_step": 1e3 * (wall - busy) / steps}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -78,41 +94,43 @@ def main(argv: list[str] | None = None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random:llama-1b")
     ap.add_argument("--num-requests", type=int, default=256)
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--input-len", type=lengths_arg, default=Lengths(128, 128), help="a count or uniform:LOW-HIGH")
+    ap.add_argument("--output-len", type=lengths_arg, default=Lengths(128, 128), help="a count or uniform:LOW-HIGH")
+    ap.add_argument("--seed", type=int, default=1, help="seeds the prompts and their lengths, as bench offline does")
     ap.add_argument("--runs", type=int, default=7, help="timed runs of each mode, alternating")
-    ap.add_argument("--profile-steps", type=int, default=30)
+    ap.add_argument("--profile-steps", type=int, default=30, help="0: no profile")
     ap.add_argument("--trace-dir", default=None, help="write a Chrome trace of each mode's profiled steps here")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
     engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=256, max_num_batched_tokens=8192,
                                     gpu_memory_utilization=0.5, enable_prefix_caching=False))
-    vocab = engine.runner.model.config.vocab_size
-    gen = torch.Generator().manual_seed(1)
-    prompts = torch.randint(1, min(vocab, 32000), (args.num_requests, args.input_len), generator=gen).tolist()
+    prompts = random_prompts(args.num_requests, args.input_len, engine.runner.model.config.vocab_size, args.seed)
+    output_lens = args.output_len.sample(args.num_requests, args.seed + 1)
     runs = {True: [], False: []}
     for _ in range(args.runs):
         for overlap in (True, False):
             engine.overlap = overlap
-            runs[overlap].append(run_engine(engine, prompts, args.output_len)["seconds"])
-    tokens = args.num_requests * args.output_len
-    result = {"model": args.model, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
+            runs[overlap].append(run_engine(engine, prompts, output_lens)["seconds"])
+    tokens = sum(output_lens)
+    result = {"model": args.model, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
+              "num_requests": args.num_requests, "input_len": str(args.input_len), "output_len": str(args.output_len),
               "modes": {}}
-    print(f"{args.model}, {args.num_requests} x {args.input_len}/{args.output_len}, {result['device']}")
-    print("| overlap | median s | output tok/s | runs (s) | GPU idle ms/step | host ms/step | wall ms/step |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"{args.model}, {args.num_requests} requests x {args.input_len} in / {args.output_len} out, {result['device']}")
+    print("| overlap | median s | output tok/s | runs (s) | decode step: wall ms | GPU busy ms | GPU idle ms | host ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for overlap in (True, False):
         engine.overlap = overlap
         trace = f"{args.trace_dir}/decode_overlap_{'on' if overlap else 'off'}.json" if args.trace_dir else None
-        prof = profile_decode(engine, prompts, args.profile_steps, trace)
+        prof = profile_decode(engine, prompts[:256], args.profile_steps, trace) if args.profile_steps else \
+            dict.fromkeys(["wall_ms_per_step", "gpu_busy_ms_per_step", "gpu_idle_ms_per_step", "host_ms_per_step"], 0.0)
         median = statistics.median(runs[overlap])
         result["modes"]["on" if overlap else "off"] = {"runs": runs[overlap], "median_seconds": median,
                                                         "tokens_per_second": tokens / median, "profile": prof}
         print(f"| {'on' if overlap else 'off'} | {median:.3f} | {tokens / median:,.0f} | "
-              f"{', '.join(f'{r:.3f}' for r in runs[overlap])} | {prof['gpu_idle_ms_per_step']:.2f} | "
-              f"{prof['host_ms_per_step']:.2f} | {prof['wall_ms_per_step']:.2f} |", flush=True)
+              f"{', '.join(f'{r:.3f}' for r in runs[overlap])} | {prof['wall_ms_per_step']:.2f} | "
+              f"{prof['gpu_busy_ms_per_step']:.2f} | {prof['gpu_idle_ms_per_step']:.2f} | "
+              f"{prof['host_ms_per_step']:.2f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
