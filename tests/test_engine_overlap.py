@@ -163,3 +163,12 @@ def test_overlap_step_stats_report_each_token_once(tiny_case):
         assert all(s.duration >= 0 for s in ran)
     assert stats[True] == stats[False]
     assert len(stats[True][0]) == 32 * 12 and len(stats[True][2]) == 32 and stats[True][3]
+
+
+def test_overlap_bench_times_both_modes_and_stores_the_run(tmp_path, capsys):
+    from service.bench.offline import overlap
+    result = overlap.main(["--model", "random:tiny", "--num-requests", "3", "--input-len", "uniform:4-9",
+                           "--output-len", "3", "--runs", "1", "--profile-steps", "2", "--db", str(tmp_path / "b.db")])
+    assert sorted(result["modes"]) == ["off", "on"]
+    assert all(m["tokens"] == 9 and len(m["runs"]) == 1 and m["profile"]["steps"] == 2 for m in result["modes"].values())
+    assert "stored as run 1" in capsys.readouterr().out

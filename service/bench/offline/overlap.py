@@ -11,12 +11,14 @@ the device's busy time per step; a plain window of as many steps gives the wall 
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
 
 from service.bench.offline.lengths import Lengths, lengths_arg
 from service.bench.offline.offline import random_prompts, run_engine
+from service.bench.store import StoreError, add_db_argument, open_store
 from service.engine import EngineConfig, LLMEngine, SamplingParams
 from service.engine import sampler as sampler_module
 
@@ -101,7 +103,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile-steps", type=int, default=30, help="0: no profile")
     ap.add_argument("--trace-dir", default=None, help="write a Chrome trace of each mode's profiled steps here")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--label", default=None, help="a name for this run in the results store")
+    add_db_argument(ap)
     args = ap.parse_args(argv)
+    try:
+        store = open_store(args.db)
+    except StoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
     engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=256, max_num_batched_tokens=8192,
                                     gpu_memory_utilization=0.5, enable_prefix_caching=False))
@@ -125,16 +134,34 @@ def main(argv: list[str] | None = None) -> dict:
         prof = profile_decode(engine, prompts[:256], args.profile_steps, trace) if args.profile_steps else \
             dict.fromkeys(["wall_ms_per_step", "gpu_busy_ms_per_step", "gpu_idle_ms_per_step", "host_ms_per_step"], 0.0)
         median = statistics.median(runs[overlap])
-        result["modes"]["on" if overlap else "off"] = {"runs": runs[overlap], "median_seconds": median,
+        result["modes"]["on" if overlap else "off"] = {"runs": runs[overlap], "median_seconds": median, "tokens": tokens,
                                                         "tokens_per_second": tokens / median, "profile": prof}
         print(f"| {'on' if overlap else 'off'} | {median:.3f} | {tokens / median:,.0f} | "
               f"{', '.join(f'{r:.3f}' for r in runs[overlap])} | {prof['wall_ms_per_step']:.2f} | "
               f"{prof['gpu_busy_ms_per_step']:.2f} | {prof['gpu_idle_ms_per_step']:.2f} | "
               f"{prof['host_ms_per_step']:.2f} |", flush=True)
+    record(store, args.label, {"model": args.model, "num_requests": args.num_requests, "input_len": str(args.input_len),
+                               "output_len": str(args.output_len), "seed": args.seed,
+                               "profile_steps": args.profile_steps}, result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return result
+
+
+def record(store, label: str | None, config: dict, result: dict) -> int:
+    """One stored run: each timed run of each mode, and each mode's decode-step profile."""
+    with store.run(kind="overlap", config=config, label=label, name=f"overlap-{config['model']}") as run:
+        for mode, m in result["modes"].items():
+            for i, seconds in enumerate(m["runs"]):
+                run.measure(f"overlap_{mode}_wall_seconds", seconds, unit="s", iteration=i)
+                run.measure(f"overlap_{mode}_output_tokens_per_second", m["tokens"] / seconds, unit="tok/s", iteration=i)
+            if config["profile_steps"]:
+                for key in ("wall", "gpu_busy", "gpu_idle", "host"):
+                    run.measure(f"overlap_{mode}_decode_step_{key}_seconds", m["profile"][f"{key}_ms_per_step"] / 1e3,
+                                unit="s")
+    print(f"stored as run {run.id} in {store.url}")
+    return run.id
 
 
 if __name__ == "__main__":
