@@ -11,7 +11,6 @@ from service.bench.regress.directions import direction
 from service.bench.regress.stats import find_steps, judge
 from service.bench.store import open_store, schema
 from tests.test_bench_store import rows
-from tests.bench_db import postgres_server, postgres_url, store_url  # noqa: F401  (fixtures)
 
 LOWER, HIGHER = -1, 1
 
@@ -64,7 +63,9 @@ def test_a_step_is_named_at_its_commit_and_one_noisy_run_is_not():
 
 def test_metric_directions_come_from_their_units():
     assert [direction(m) for m in ("output_tokens_per_second", "wall_seconds", "peak_memory_bytes", "steps",
-                                   "ttft_ms.p95", "output_throughput", "concurrency.max")] == [1, -1, -1, 0, -1, 1, 0]
+                                   "ttft_ms.p95", "output_throughput", "concurrency.max",
+                                   "capacity_concurrent_requests", "max_abs_error", "predicted_memory_bytes")
+            ] == [1, -1, -1, 0, -1, 1, 0, 1, -1, 0]
 
 
 def record(url, label, scale, commit="c0ffee00", iterations=10, seed=0, config=None):
@@ -118,8 +119,8 @@ def test_unusable_input_is_one_line_and_exit_2(store_url, capsys, argv, message)
     record(store_url, "base", 1.0)
     record(store_url, "other", 1.0, config={"batch_size": 8})
     assert regress(store_url, *argv) == 2
-    err = capsys.readouterr().out.strip()
-    assert message in err and len(err.splitlines()) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1
 
 
 def test_history_names_the_commit_where_a_metric_stepped(store_url, capsys):
@@ -145,3 +146,17 @@ def test_history_and_export_list_what_is_stored(store_url, tmp_path, capsys):
     written = export.main(["--db", store_url, "--out", str(tmp_path / "csv"), "--label", "slow"])
     lines = (tmp_path / "csv" / "measurements.csv").read_text().splitlines()
     assert len(written) == 3 and lines[0] == "id,run_id,metric,unit,iteration,value" and len(lines) == 31
+
+
+@pytest.mark.parametrize("command", [cli.main, history.main, export.main])
+def test_an_unreachable_database_is_one_line_and_exit_2_for_every_reader(command, capsys, tmp_path):
+    from tests.conftest import free_port
+
+    argv = ["--db", f"postgresql://bench:pw@127.0.0.1:{free_port()}/bench"]
+    argv += {cli.main: ["--baseline", "a", "--candidate", "b"], export.main: ["--out", str(tmp_path / "x")]}.get(command, [])
+    with pytest.raises(SystemExit) as exited:
+        command(argv)
+    captured = capsys.readouterr()
+    message = (captured.out + captured.err).strip()
+    assert exited.value.code == 2 and len(message.splitlines()) == 1
+    assert message.startswith("error: cannot open the results database postgresql+psycopg://bench:***@127.0.0.1:")

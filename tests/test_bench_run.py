@@ -5,7 +5,6 @@ import sqlalchemy as sa
 
 from service.bench.offline import matrix, run
 from service.bench.store import schema
-from tests.bench_db import postgres_server, postgres_url, store_url  # noqa: F401  (fixtures)
 
 
 def test_lists_are_zipped_and_single_values_repeat():
@@ -88,3 +87,17 @@ def test_a_dry_run_lists_the_configurations_without_a_database(tmp_path, capsys)
     assert [c["skip"] for c in configs] == ["torch.compile of the decoder layers runs on CUDA only"] * 2
     assert not (tmp_path / "never.db").exists()
     assert "skipped, torch.compile" in capsys.readouterr().out
+
+
+def test_a_database_of_a_newer_schema_stops_bench_run_before_any_work(tmp_path, capsys):
+    db = f"sqlite:///{tmp_path / 'bench.db'}"
+    from service.bench.store import open_store
+    open_store(db)
+    with sa.create_engine(db).begin() as conn:
+        conn.execute(schema.meta.update().values(value="99"))
+    with pytest.raises(SystemExit) as exited:
+        run.main(["--db", db, "--model", "random:tiny", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert exited.value.code == 2 and len(err.splitlines()) == 1
+    assert err.endswith(f"the database has schema version 99, newer than this program's {schema.SCHEMA_VERSION}; "
+                        "upgrade llm-service to use it")

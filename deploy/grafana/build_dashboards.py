@@ -127,6 +127,31 @@ def dashboard(uid: str, title: str, description: str, panels: list[dict], instan
     }
 
 
+def replicas() -> list[dict]:
+    """Per-replica series, for the questions a fleet raises: does the load spread, and which replica is saturated."""
+    by = "{{instance}}"
+    return [
+        row("Replicas"),
+        stat("Replicas serving", "Replicas whose metrics Prometheus scraped last (a down one drops out; "
+             "LLMServiceDown names it).", f"count(count by (instance) (llm_requests_running{{{SEL}}}))", "short",
+             w=4, h=8),
+        timeseries("Requests/s by replica", "Finished requests per second on each replica: the load balancer's "
+                   "spread.", [target(f"sum by (instance) (instance_model:llm_requests:rate5m{{{SEL}}})", by)],
+                   "reqps", w=10),
+        timeseries("Waiting requests by replica", "Requests waiting for a batch slot on each replica: a replica "
+                   "above the line is saturated (autoscaling adds replicas on the fleet's mean).",
+                   [target(f"sum by (instance) (llm_requests_waiting{{{SEL}}})", by), threshold("waiting_requests")],
+                   "short", w=10),
+        timeseries("Time to first token p95 by replica", "p95 TTFT of each replica over 5 minutes (what "
+                   "LLMHighTimeToFirstToken compares per replica); the Latency row shows the fleet's.",
+                   [target(f'max by (instance) (instance_model:llm_time_to_first_token_seconds:quantile_rate5m'
+                           f'{{quantile="0.95", {SEL}}})', by), threshold("ttft_p95_seconds")], "s", w=12),
+        timeseries("Output tokens/s by replica", "Generated tokens per second on each replica.",
+                   [target(f"sum by (instance) (instance_model:llm_generation_tokens:rate5m{{{SEL}}})", by)],
+                   "suffix: tok/s", w=12),
+    ]
+
+
 def overview() -> dict:
     errors = (f"sum(instance_model:llm_slo_availability_bad:rate5m{{{SEL}}})"
               f" / sum(instance_model:llm_slo_availability_total:rate5m{{{SEL}}})")
@@ -150,6 +175,8 @@ def overview() -> dict:
         stat("Running", "Requests in the running batch, now.", f"sum(llm_requests_running{{{SEL}}})", "short"),
         stat("Waiting", "Requests waiting for a slot in the batch, now.", f"sum(llm_requests_waiting{{{SEL}}})",
              "short", [(1, "orange"), (8, "red")]),
+
+        *replicas(),
 
         row("Traffic"),
         timeseries("Requests by finish reason", "Finished requests per second: stop (stop token or string), "
@@ -183,9 +210,11 @@ def overview() -> dict:
                    "(trace ids).", quantiles("llm_request_duration_seconds", rate="$__rate_interval",
                                              exemplar_q="0.95"), "s"),
         timeseries("Where the time goes (p95)", "p95 of each phase of a request: waiting to be scheduled "
-                   "(queue), prompt processing up to the first token (prefill), generating the rest (decode).",
+                   "(queue), prompt processing up to the first token (prefill), generating the rest (decode); "
+                   "frontend is the part of the queue before the engine (body, validation, chat template, "
+                   "tokenization): high while the engine is idle means a slow front end.",
                    [target(f"histogram_quantile(0.95, sum by (le) (instance_model:llm_request_{p}_seconds_bucket:"
-                           f"rate5m{{{SEL}}}))", p) for p in ("queue", "prefill", "decode")], "s", w=12),
+                           f"rate5m{{{SEL}}}))", p) for p in ("queue", "prefill", "decode", "frontend")], "s", w=12),
         timeseries("Queue time", "From arrival to first scheduling: above a few ms the server is saturated.",
                    quantiles("llm_request_queue_seconds"), "s", w=12),
 

@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 
+from service.api.arrival import ArrivalClock
 from service.api.errors import APIError, install_handlers, unavailable
 from service.api.middleware import HTTPMetrics
 from service.engine import AsyncEngine, LLMEngine, RequestOutput, SamplingParams
@@ -68,11 +69,12 @@ class ServerState:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
                            type="invalid_request_error", param="model", code="model_not_found")
 
-    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str, operation: str
-               ) -> AsyncIterator[RequestOutput]:
+    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str, operation: str,
+               arrival: float | None = None) -> AsyncIterator[RequestOutput]:
         """Admission control, then validation (400s are raised here, before any response starts).
 
-        `operation` names the request's span (gen_ai.operation.name: chat, text_completion, generate).
+        `operation` names the request's span (gen_ai.operation.name: chat, text_completion, generate);
+        `arrival` is when the server received the request (service.api.arrival), the start of its clock.
         """
         if self.draining:
             raise unavailable("the server is shutting down", retry_after=5)
@@ -80,10 +82,11 @@ class ServerState:
             raise unavailable("the model is still loading", retry_after=5)
         if self.facade.num_waiting >= self.settings.server.max_waiting:
             raise unavailable(f"too many requests waiting ({self.settings.server.max_waiting}); retry later")
-        stream = self.facade.submit(prompt, params, request_id)
+        stream = self.facade.submit(prompt, params, request_id, arrival=arrival)
         tracing = self.telemetry.tracing
         if tracing.enabled:
-            stream = tracing.generation(stream, request_id, operation, self.model_name, params, prompt)
+            stream = tracing.generation(stream, request_id, operation, self.model_name, params, prompt,
+                                        arrival=arrival)
         return stream
 
 
@@ -144,6 +147,7 @@ def create_app(settings: Settings | None = None, engine: LLMEngine | None = None
     app.state.server = state
     install_handlers(app)
     app.add_middleware(HTTPMetrics, counter=telemetry.metrics.http_requests, model=model)
+    app.add_middleware(ArrivalClock)  # the last added runs first: every request's clock starts here
     if telemetry.tracing.enabled:
         from opentelemetry import trace
         from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor

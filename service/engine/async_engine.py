@@ -47,11 +47,14 @@ class AsyncEngine:
         return self.engine.num_waiting + self._queued
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
-               request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Validate now (raises InvalidRequestError), then stream outputs once iterated."""
+               request_id: str | None = None, arrival: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Validate now (raises InvalidRequestError), then stream outputs once iterated.
+
+        `arrival` (time.perf_counter) starts the request's clock earlier than now: when the server received it.
+        """
         if not self.running:
             raise EngineDeadError("the engine loop is not running")
-        return self._stream(self.engine.make_sequence(prompt, params, request_id))
+        return self._stream(self.engine.make_sequence(prompt, params, request_id, arrival))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:

@@ -142,8 +142,13 @@ class LLMEngine:
         return list(prompt)
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
-                      request_id: str | None = None) -> Sequence:
-        """Validate a request and build its sequence; raises InvalidRequestError for bad input."""
+                      request_id: str | None = None, arrival: float | None = None) -> Sequence:
+        """Validate a request and build its sequence; raises InvalidRequestError for bad input.
+
+        The request's clock starts at `arrival` (time.perf_counter; the server passes when it received the
+        request) or now, so tokenization and validation count in its queue time and TTFT either way.
+        """
+        arrival = time.perf_counter() if arrival is None else arrival
         params = dataclasses.replace(params) if params else SamplingParams()  # the engine fills in max_tokens
         ids = self.tokenize(prompt)
         if not ids:
@@ -171,10 +176,11 @@ class LLMEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.seqs:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
-        seq = Sequence(rid, ids, params, eos_token_ids=self.eos_token_ids)
+        seq = Sequence(rid, ids, params, eos_token_ids=self.eos_token_ids, timings=Timings(arrival=arrival))
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.detokenizer.start(seq)
+        seq.timings.submitted = time.perf_counter()
         return seq
 
     def add_sequence(self, seq: Sequence) -> None:

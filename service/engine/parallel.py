@@ -142,11 +142,15 @@ def _init_group(world: int, rank: int, port: int, device: torch.device) -> None:
 
 
 def load_shard(config, world: int, rank: int):
-    """Load the whole model on the CPU, keep this rank's shard, move it to the rank's device."""
+    """Load the whole model, keep this rank's shard, move it to the rank's device.
+
+    A checkpoint is read on the CPU; random weights are drawn on the rank's GPU (the same seed gives every
+    device the same numbers, and drawing billions of them on a CPU takes minutes)."""
     from service.engine.models import load_model, resolve_dtype
 
     device = _rank_device(config, rank)
-    loaded = load_model(config.model, resolve_dtype(config.dtype, device), torch.device("cpu"), config.cache_dir,
+    where = device if config.model.startswith("random:") else torch.device("cpu")
+    loaded = load_model(config.model, resolve_dtype(config.dtype, device), where, config.cache_dir,
                         config.seed, config.trust_remote_code)
     shard_model(loaded.model, world, rank)
     loaded.model.to(device)

@@ -23,7 +23,7 @@ def observe_many(histogram, value: float, count: int) -> None:
 class EngineRecorder:
     """A StepObserver: request latencies and token counts from a step's outputs, step time and load.
 
-    Per request: TTFT, queue and prefill time and prompt tokens at its first token; every gap between
+    Per request: TTFT, queue, front-end and prefill time and prompt tokens at its first token; every gap between
     output tokens; end-to-end and decode time and the finish reason when it finishes.
     """
 
@@ -71,6 +71,7 @@ class EngineRecorder:
         m, t = self.m, out.timings
         m.ttft_m.observe(t.first_token - t.arrival, self._exemplar(out.request_id))
         m.queue_m.observe(t.first_scheduled - t.arrival)
+        m.frontend_m.observe(t.submitted - t.arrival)
         m.prefill_m.observe(t.first_token - t.first_scheduled)
         m.prompt_tokens_m.inc(out.num_prompt_tokens)
 

@@ -20,14 +20,19 @@ def record_run(store, document: dict, results: list[RequestResult], name: str) -
     settings = document["settings"]
     config = {k: v for k, v in settings.items() if k not in INCIDENTAL}
     with store.run(kind="serve", config=config, label=settings.get("label"), name=name) as run:
-        ok = [r for r in results if r.ok]
-        per_request = {"ttft_seconds": [r.ttft for r in ok], "e2e_seconds": [r.e2e for r in ok],
-                       "tpot_seconds": tpot([r.e2e for r in ok], [r.ttft for r in ok], [r.output_tokens or 0 for r in ok])}
-        for metric, values in per_request.items():
-            for i, value in enumerate(values):
-                if value is not None and np.isfinite(value):
-                    run.measure(metric, float(value), unit="s", iteration=i)
+        record_requests(run, results)
         for key, (metric, unit) in RATES.items():
             if document["summary"].get(key) is not None:
                 run.measure(metric, document["summary"][key], unit=unit)
     return run.id
+
+
+def record_requests(run, results: list[RequestResult]) -> None:
+    """Each successful request's TTFT, end-to-end latency and time per output token, as iterations."""
+    ok = [r for r in results if r.ok]
+    per_request = {"ttft_seconds": [r.ttft for r in ok], "e2e_seconds": [r.e2e for r in ok],
+                   "tpot_seconds": tpot([r.e2e for r in ok], [r.ttft for r in ok], [r.output_tokens or 0 for r in ok])}
+    for metric, values in per_request.items():
+        for i, value in enumerate(values):
+            if value is not None and np.isfinite(value):
+                run.measure(metric, float(value), unit="s", iteration=i)

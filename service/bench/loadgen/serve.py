@@ -28,8 +28,8 @@ from service.bench.loadgen.summary import summarize
 from service.bench.store import StoreError, add_db_argument, open_store
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="service bench serve", description=__doc__)
+def add_server_arguments(ap: argparse.ArgumentParser) -> None:
+    """Which server, how to talk to it, and what each request asks for (shared with bench capacity)."""
     a = ap.add_argument_group("server").add_argument
     a("--base-url", default="http://127.0.0.1:8000", help="server root; the endpoint path is appended (default %(default)s)")
     a("--endpoint", default=COMPLETIONS, choices=[COMPLETIONS, CHAT], help="default %(default)s")
@@ -40,16 +40,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--temperature", type=float, default=0.0, help="default %(default)s (greedy)")
     a("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
       help="send ignore_eos so every request generates max_tokens (default: on for the random dataset only)")
-    a("--no-crosscheck", action="store_true", help="do not scrape the server's /metrics")
-    a = ap.add_argument_group("load").add_argument
-    a("--request-rate", type=float, default=math.inf, help="requests per second; inf (the default) sends all at once")
-    a("--burstiness", type=float, default=1.0, help="gamma shape of the inter-arrival gaps; 1 is Poisson, "
-                                                      "lower is burstier (default %(default)s)")
-    a("--arrival", choices=["gamma", "constant"], default="gamma", help="gamma (default): gaps drawn as --burstiness says; constant: evenly spaced")
-    a("--max-concurrency", type=int, default=None, help="most requests in flight (closed loop)")
-    a("--num-requests", type=int, default=None, help="requests to send (default 100 when no --duration)")
-    a("--duration", type=float, default=None, help="seconds after which no request is sent")
-    a("--seed", type=int, default=0, help="seeds the prompts, their lengths and the arrival times (default %(default)s)")
+
+
+def add_prompt_arguments(ap: argparse.ArgumentParser) -> None:
     a = ap.add_argument_group("prompts").add_argument
     a("--dataset", choices=["random", "builtin", "sharegpt"], default="random", help="default %(default)s")
     a("--dataset-path", default=None, help="the ShareGPT JSON file")
@@ -62,6 +55,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--random-token-range", default="1000:10000", help="random ids: LOW:HIGH, inside the server's vocabulary "
                                                          "and clear of special tokens (default %(default)s)")
     a("--prefix-len", type=int, default=0, help="random: tokens of one shared prefix before every prompt")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="service bench serve", description=__doc__)
+    add_server_arguments(ap)
+    ap.add_argument("--no-crosscheck", action="store_true", help="do not scrape the server's /metrics")
+    a = ap.add_argument_group("load").add_argument
+    a("--request-rate", type=float, default=math.inf, help="requests per second; inf (the default) sends all at once")
+    a("--burstiness", type=float, default=1.0, help="gamma shape of the inter-arrival gaps; 1 is Poisson, "
+                                                      "lower is burstier (default %(default)s)")
+    a("--arrival", choices=["gamma", "constant"], default="gamma", help="gamma (default): gaps drawn as --burstiness says; constant: evenly spaced")
+    a("--max-concurrency", type=int, default=None, help="most requests in flight (closed loop)")
+    a("--num-requests", type=int, default=None, help="requests to send (default 100 when no --duration)")
+    a("--duration", type=float, default=None, help="seconds after which no request is sent")
+    a("--seed", type=int, default=0, help="seeds the prompts, their lengths and the arrival times (default %(default)s)")
+    add_prompt_arguments(ap)
     a = ap.add_argument_group("results").add_argument
     a("--slo", action="append", default=[], metavar="METRIC:VALUE",
       help="repeatable: ttft, tpot, itl (a request's largest gap) or e2e, in ms or s, e.g. ttft:500ms")

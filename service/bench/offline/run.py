@@ -1,6 +1,6 @@
 """`bench run`: a matrix of engine configurations, each measured over warm-up and timed iterations into the store.
 
-Per measured iteration: wall time, output and total tokens/s, TTFT and inter-token times from the engine's own
+Per measured iteration: wall time, process CPU time, output and total tokens/s, TTFT and inter-token times from the engine's own
 per-request timings, steps and peak memory; a device sampler records CPU/RSS/GPU readings meanwhile. A
 configuration already stored for this commit, machine and label is skipped (a killed matrix resumes); --force
 reruns it.
@@ -26,9 +26,9 @@ from service.bench.store.sampler import DeviceSampler
 from service.engine import EngineConfig, LLMEngine, SamplingParams
 from service.engine.models import load_model, resolve_dtype
 
-UNITS = {"wall_seconds": "s", "output_tokens_per_second": "tok/s", "total_tokens_per_second": "tok/s",
-         "ttft_median_seconds": "s", "ttft_p90_seconds": "s", "itl_median_seconds": "s", "itl_p90_seconds": "s",
-         "steps": "count", "peak_memory_bytes": "B"}
+UNITS = {"wall_seconds": "s", "cpu_seconds": "s", "output_tokens_per_second": "tok/s",
+         "total_tokens_per_second": "tok/s", "ttft_median_seconds": "s", "ttft_p90_seconds": "s",
+         "itl_median_seconds": "s", "itl_p90_seconds": "s", "steps": "count", "peak_memory_bytes": "B"}
 
 
 def parse_args(argv):
@@ -99,7 +99,7 @@ def iteration(engine: LLMEngine, prompts: list[list[int]], output_lens: list[int
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     seqs = [engine.make_sequence(p, SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0))
             for p, n in zip(prompts, output_lens)]
     for seq in seqs:
@@ -110,11 +110,12 @@ def iteration(engine: LLMEngine, prompts: list[list[int]], output_lens: list[int
         steps += 1
     if cuda:
         torch.cuda.synchronize()
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     ttft = [s.timings.first_token - s.timings.arrival for s in seqs]
     itl = np.concatenate([np.diff(s.timings.token_times) for s in seqs])
     out_tokens = sum(output_lens)
-    return {"wall_seconds": wall, "output_tokens_per_second": out_tokens / wall,
+    # CPU time of this process (all its threads): on a shared machine it moves far less with the neighbours' load
+    return {"wall_seconds": wall, "cpu_seconds": cpu, "output_tokens_per_second": out_tokens / wall,
             "total_tokens_per_second": (out_tokens + sum(map(len, prompts))) / wall,
             "ttft_median_seconds": float(np.median(ttft)), "ttft_p90_seconds": float(np.percentile(ttft, 90)),
             "itl_median_seconds": float(np.median(itl)) if itl.size else float("nan"),
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         store = None if args.dry_run else open_store(args.db, {"commit": args.commit, "branch": args.branch,
                                                                "subject": args.subject})
     except (ValueError, OSError, StoreError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     for c in configs:
         if c["skip"] is None and store and not args.force:
@@ -179,6 +180,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         DeviceSampler(run, args.sample_interval):
                     c["run_id"] = run.id
                     c["values"] = measure(run, c["config"], settings, Models.shared, lambda: bar.advance(task))
+            except StoreError as exc:  # the database went away: nothing more can be kept
+                print(f"error: {exc}", file=sys.stderr)
+                sys.exit(2)
             except Exception as exc:  # stored as failed by the store; the matrix goes on
                 c["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
                 console.print(f"[red]{c['name']} failed:[/red] {c['error']}")

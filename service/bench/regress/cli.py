@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if not args.history:
             queries.save_verdicts(store, rows, args.baseline, args.candidate, threshold)
     except (StoreError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
+        print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     if args.history:
         if not rows:

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         store = open_store(args.db)
         rows = queries.history(store, args.kind, args.config, args.commit, args.label, args.status, args.limit)
     except StoreError as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     table = Table(title=f"{len(rows)} runs in {store.url}, newest first", title_justify="left")
     for col in ("id", "kind", "configuration", "hash", "label", "status", "started (UTC)", "s", "commit", "host"):

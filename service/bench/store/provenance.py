@@ -80,7 +80,7 @@ def machine_info() -> dict:
 
 def runtime() -> dict:
     """Settings of this process that change speed without being part of a configuration (recorded, not hashed)."""
-    found = {"omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    found = {"omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "load_average_1m": os.getloadavg()[0]}
     torch = sys.modules.get("torch")  # only when the benchmark imported it: recording never imports torch
     if torch is not None:
         found["torch_threads"] = torch.get_num_threads()

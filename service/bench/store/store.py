@@ -106,9 +106,12 @@ class Run:
             self._pending = {t: [] for t in self._pending}
             self._flushed = time.monotonic()
         if pending:
-            with self.store.engine.begin() as conn:
-                for table, rows in pending.items():
-                    conn.execute(table.insert(), rows)
+            try:
+                with self.store.engine.begin() as conn:
+                    for table, rows in pending.items():
+                        conn.execute(table.insert(), rows)
+            except sa.exc.SQLAlchemyError as exc:
+                raise StoreError(f"cannot write to {self.store.url}: {_one_line(exc)}") from None
 
 
 class Store:
@@ -140,9 +143,12 @@ class Store:
             raise
         finally:
             run.flush()
-            with self.engine.begin() as conn:
-                conn.execute(schema.runs.update().where(schema.runs.c.id == run_id)
-                             .values(status=status, error=error, ended_at=_now()))
+            try:
+                with self.engine.begin() as conn:
+                    conn.execute(schema.runs.update().where(schema.runs.c.id == run_id)
+                                 .values(status=status, error=error, ended_at=_now()))
+            except sa.exc.SQLAlchemyError as exc:
+                raise StoreError(f"cannot finish run {run_id} in {self.url}: {_one_line(exc)}") from None
 
     def find_done(self, kind: str, config_hash: str, label: str | None = None) -> int | None:
         """The id of a finished run of this configuration at the current commit on this machine, if any."""
