@@ -66,8 +66,10 @@ def tiny_cuda():
 
 
 @pytest.mark.parametrize("overrides", [{}, {"num_blocks": 25}, {"max_num_batched_tokens": 13}, {"cuda_graphs": False},
-                                       {"compile": False}, {"compile": False, "cuda_graphs": False}],
-                         ids=["graphs", "preemption", "chunked", "no-graphs", "uncompiled", "eager"])
+                                       {"compile": False}, {"compile": False, "cuda_graphs": False}, {"overlap": False},
+                                       {"num_blocks": 25, "overlap": False}],
+                         ids=["graphs", "preemption", "chunked", "no-graphs", "uncompiled", "eager", "no-overlap",
+                              "preemption-no-overlap"])
 def test_cuda_engine_greedy_matches_transformers(tiny_cuda, overrides):
     rng = random.Random(3)
     prompts = [[rng.randrange(5, 500) for _ in range(rng.choice([1, 9, 17, 48, 120]))] for _ in range(32)]
@@ -76,6 +78,7 @@ def test_cuda_engine_greedy_matches_transformers(tiny_cuda, overrides):
     assert engine.runner.backend_name == "triton"
     assert bool(engine.runner.graphs) == overrides.get("cuda_graphs", True)
     assert engine.runner.compiled == overrides.get("compile", True)
+    assert engine.overlap == overrides.get("overlap", True)  # on by default on CUDA
     outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert [o["token_ids"] for o in outs] == refs
     if "num_blocks" in overrides:
@@ -89,6 +92,38 @@ def test_cuda_sampling_is_seeded(tiny_cuda):
     a = engine.generate([[1, 2, 3]], params)[0]["token_ids"]
     b = engine.generate([[7, 8]] * 4 + [[1, 2, 3]], [SamplingParams(max_tokens=10)] * 4 + [params])[4]["token_ids"]
     assert a == b
+
+
+@pytest.mark.parametrize("overrides", [{}, {"cuda_graphs": False}], ids=["graphs", "no-graphs"])
+def test_cuda_overlap_streams_exactly_what_no_overlap_streams(tiny_cuda, overrides):
+    """Stop tokens, min_tokens, logprobs, seeded sampling, a prefix hit and an abort mid-stream, in one batch."""
+    from tests.test_engine_overlap import stream_all
+    rng = random.Random(5)
+    prompt = [rng.randrange(5, 500) for _ in range(40)]
+    plain = make_engine(tiny_cuda, device="cuda", overlap=False).generate([prompt], SamplingParams(max_tokens=20, temperature=0))
+    requests = [
+        (prompt, SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[plain[0]["token_ids"][6]])),
+        (prompt, SamplingParams(max_tokens=15, min_tokens=15, temperature=0, logprobs=4, stop_token_ids=[plain[0]["token_ids"][2]])),
+        (prompt[:33], SamplingParams(max_tokens=11, temperature=0.7, top_p=0.8, top_k=20, seed=3, ignore_eos=True)),
+        ([rng.randrange(5, 500) for _ in range(70)], SamplingParams(max_tokens=25, temperature=0, ignore_eos=True)),
+        ([7, 8, 9], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)),  # aborted after 5 steps
+    ]
+    streams = {}
+    for overlap in (False, True):
+        engine = make_engine(tiny_cuda, device="cuda", max_num_seqs=8, overlap=overlap, **overrides)
+        step = engine.step
+
+        def step_then_abort():  # the client of [7, 8, 9] leaves once it has seen 4 tokens
+            seq = next((s for s in engine.seqs.values() if s.prompt_token_ids == [7, 8, 9]), None)
+            if seq is not None and seq.num_output_tokens >= 4:
+                return [engine.abort(seq.request_id)] + step()
+            return step()
+
+        engine.step = step_then_abort
+        streams[overlap] = stream_all(engine, requests)
+        assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
+    assert streams[True] == streams[False]
+    assert [s[-1][3] for s in streams[True]] == ["stop", "length", "length", "length", "abort"]
 
 
 def test_bench_run_on_cuda_records_gpu_samples_and_cuda_peak_memory(tmp_path):

@@ -19,6 +19,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs
     compile: bool = True  # on CUDA, torch.compile the decoder layers (slower start, faster steps)
+    overlap: bool | None = None  # schedule step N+1 while the device runs step N; None: on with CUDA, off on CPU
     attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere; or torch / triton
     seed: int = 0  # seed of the sampler for requests that bring none
     trust_remote_code: bool = False

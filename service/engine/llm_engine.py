@@ -15,6 +15,7 @@ from service.engine.detokenizer import Detokenizer
 from service.engine.errors import EngineDeadError, InvalidRequestError
 from service.engine.model_runner import ModelRunner
 from service.engine.models import LoadedModel, load_model, resolve_dtype
+from service.engine.sampler import SampleResult
 from service.engine.sampling import SamplingParams
 from service.engine.scheduler import ScheduledBatch, Scheduler
 from service.engine.sequence import Sequence, Status, Timings
@@ -49,7 +50,7 @@ class StepStats:
     phase: str | None  # prefill, decode or mixed; None when no forward pass ran (an abort, a failed step)
     num_tokens: int  # tokens computed
     num_seqs: int  # sequences in the batch
-    duration: float
+    duration: float  # seconds from its launch (with overlap: from the previous step's read-back) to its read-back
     outputs: list["RequestOutput"]
     first_tokens: list["RequestOutput"]  # outputs carrying their request's first token
     finished: list["RequestOutput"]  # outputs of requests that finished: stop, length, abort, error
@@ -59,6 +60,17 @@ class StepStats:
     num_waiting: int
     kv_usage: float
     rank_seconds: list[float] | None = None  # tensor parallelism: each rank's time in forward passes so far
+
+
+@dataclass
+class _Launched:
+    """A step queued on the device whose sampled tokens the host has not read back yet."""
+
+    batch: ScheduledBatch
+    phase: str
+    sampled: list[Sequence]  # the sequences that sample in it, in the order of result's rows
+    result: SampleResult | None
+    start: float
 
 
 # Called on the engine's thread after every step and abort.
@@ -91,6 +103,10 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.observer: StepObserver | None = None  # telemetry sets it; called after every step and abort
         self._ids = itertools.count()
+        # overlap scheduling: the launched step whose results the host has not read back yet
+        self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
+        self._in_flight: _Launched | None = None
+        self._last_read_back = 0.0
 
     def _start_parallel(self, config: EngineConfig, loaded: LoadedModel | None) -> tuple[EngineConfig, LoadedModel]:
         from service.engine.parallel import TensorParallelGroup, load_shard
@@ -189,7 +205,7 @@ class LLMEngine:
         return out
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     @property
     def num_running(self) -> int:
@@ -201,54 +217,100 @@ class LLMEngine:
 
     # -- steps ----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch a step; return the outputs of the step read back now.
+
+        Without overlap that is the step just launched. With overlap it is the previous one: the host reads
+        step N-1's tokens, checks stops and builds outputs while the device computes step N, whose inputs
+        took N-1's tokens on the device. A request that stopped at N-1 was already scheduled in N; its
+        token from N is dropped when N is read back, and its blocks were freed when it stopped.
+        """
         if self.parallel is not None and self.parallel.failure:
             raise EngineDeadError(self.parallel.failure)
         start = time.perf_counter()
         batch = self.scheduler.schedule()
-        if not batch.seqs:
+        previous, self._in_flight = self._in_flight, None
+        launched = None
+        if batch.seqs:
+            for seq in batch.seqs:
+                if seq.timings.first_scheduled is None:
+                    seq.timings.first_scheduled = start
+            for seq in batch.preempted:
+                seq.timings.preempted.append(start)
+            try:
+                launched = self._launch(batch, start)
+            except EngineDeadError:  # a tensor-parallel rank is gone: no later step can run either
+                raise
+            except Exception:
+                log.exception("engine step failed; failing its %d requests", len(batch.seqs))
+                outputs = self._read_back(previous) if previous else []
+                failed = self._fail(batch)
+                self._observe(failed, finished=failed, batch=batch)
+                return outputs + failed
+        outputs = self._read_back(previous) if previous else []
+        if launched is not None and self.overlap:
+            self._in_flight = launched
+        elif launched is not None:
+            outputs += self._read_back(launched)
+        elif previous is None:
             self._observe([], batch=batch)
-            return []
-        phase = batch.phase
-        for seq in batch.seqs:
-            if seq.timings.first_scheduled is None:
-                seq.timings.first_scheduled = start
-        for seq in batch.preempted:
-            seq.timings.preempted.append(start)
-        try:
-            sampled, result = self.runner.execute(batch)
-        except EngineDeadError:  # a tensor-parallel rank is gone: no later step can run either
-            raise
-        except Exception:
-            log.exception("engine step failed; failing its %d requests", len(batch.seqs))
-            outputs = self._fail(batch)
-            self._observe(outputs, finished=outputs, batch=batch)
-            return outputs
-        now = time.perf_counter()
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch, start: float) -> "_Launched":
+        phase = batch.phase  # before num_computed_tokens moves
+        sampled, result = self.runner.execute(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-            self.blocks.commit(seq)
+        for seq in sampled:
+            seq.num_pending_tokens += 1
+        return _Launched(batch, phase, sampled, result, start)
+
+    def _read_back(self, step: "_Launched") -> list[RequestOutput]:
+        """Wait for a launched step's tokens, append them, check stops, and report the step."""
+        try:
+            tokens, logprobs = step.result.read() if step.result else ([], [])
+        except Exception:  # a device fault surfaces here, when the host waits for the step
+            log.exception("engine step failed on the device; failing its %d requests", len(step.batch.seqs))
+            failed = self._fail(step.batch)
+            self._observe(failed, finished=failed, batch=step.batch)
+            return failed
+        now = time.perf_counter()
+        done = Status.FINISHED
+        for seq, token in zip(step.sampled, tokens):
+            if seq.status is not done:
+                seq.token_ids.append(token)
+                seq.num_pending_tokens -= 1
+        if self.blocks.enable_prefix_caching:  # register full blocks: every token they hold is known now
+            for seq in step.batch.seqs:
+                if seq.status is not done:
+                    self.blocks.commit(seq)
         outputs, first_tokens, finished = [], [], []
-        for i, seq in enumerate(sampled):
-            token = result.token_ids[i]
-            seq.token_ids.append(token)
-            seq.timings.token_times.append(now)
-            first = seq.timings.first_token is None
+        for seq, token, lp in zip(step.sampled, tokens, logprobs):
+            if seq.status is done:
+                continue  # it stopped at the step before (found out a step late) or was aborted: drop the token
+            timings = seq.timings
+            timings.token_times.append(now)
+            first = timings.first_token is None
             if first:
-                seq.timings.first_token = now
-            logprobs = [result.logprobs[i]] if result.logprobs[i] is not None else []
-            seq.logprobs.extend(logprobs)
+                timings.first_token = now
+            new_logprobs = [lp] if lp is not None else []
+            if lp is not None:
+                seq.logprobs.append(lp)
             reason = self._check_stop(seq, token)
             if reason:
                 self.scheduler.finish(seq, reason)
-                seq.timings.finished = now
+                timings.finished = now
                 del self.seqs[seq.request_id]
-            out = self._output(seq, [token], logprobs)
+            out = self._output(seq, [token], new_logprobs)
             outputs.append(out)
             if first:
                 first_tokens.append(out)
             if reason:
                 finished.append(out)
-        self._observe(outputs, first_tokens, finished, batch, phase, time.perf_counter() - start)
+        end = time.perf_counter()
+        # with overlap, a step's span starts where the previous one's read-back ended, so steps do not overlap
+        duration = end - max(step.start, self._last_read_back)
+        self._last_read_back = end
+        self._observe(outputs, first_tokens, finished, step.batch, step.phase, duration)
         return outputs
 
     def _observe(self, outputs: list[RequestOutput], first_tokens: list[RequestOutput] = (),
@@ -270,13 +332,15 @@ class LLMEngine:
             return "stop"
         if self.detokenizer.append(seq):
             return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
 
     def _fail(self, batch: ScheduledBatch) -> list[RequestOutput]:
         outputs = []
         for seq in batch.seqs:
+            if seq.is_finished:  # it stopped (or was aborted) before the failure
+                continue
             self.scheduler.finish(seq, "error")
             seq.timings.finished = time.perf_counter()
             self.seqs.pop(seq.request_id, None)

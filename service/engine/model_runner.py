@@ -11,7 +11,7 @@ import torch
 
 from service.engine.attention import AttentionMetadata, ForwardContext, forward_context, torch_paged_attention
 from service.engine.config import EngineConfig
-from service.engine.sampler import SampleResult, Sampler
+from service.engine.sampler import SampleResult, Sampler, to_device
 from service.engine.scheduler import ScheduledBatch
 from service.engine.sequence import Sequence
 
@@ -25,6 +25,34 @@ def kv_shape(config) -> tuple[int, int, int]:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return config.num_hidden_layers, kv_heads, head_dim
+
+
+class PinnedUpload:
+    """A pinned host buffer for one kind of upload, in two halves used in turn.
+
+    The host fills one half for the next step while the other's copy may still wait behind the step in
+    flight; an event recorded after each copy says when its half may be written again.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype):
+        self.halves = [torch.empty(numel, dtype=dtype, pin_memory=True) for _ in range(2)]
+        self.events = [torch.cuda.Event(), torch.cuda.Event()]
+        self.used = [False, False]
+        self.turn = 0
+
+    def take(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
+        """The next half as a tensor of `shape` and a numpy view of it to fill."""
+        i = self.turn
+        if self.used[i]:
+            self.events[i].synchronize()  # its copy ran long ago unless the device is far behind
+        t = self.halves[i][:int(np.prod(shape))].view(shape)
+        return t, t.numpy()
+
+    def send(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+        self.events[self.turn].record()
+        self.used[self.turn] = True
+        self.turn ^= 1
 
 
 class ModelRunner:
@@ -58,6 +86,7 @@ class ModelRunner:
              torch.zeros(self.num_blocks, self.block_size, self.kv_heads, self.head_dim, dtype=self.dtype, device=device))
             for _ in range(self.layers)]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._fed: tuple[torch.Tensor, dict[Sequence, int]] | None = None  # last launch's samples, by sequence
         if device.type == "cuda" and config.cuda_graphs:
             self._capture_graphs()
 
@@ -68,7 +97,11 @@ class ModelRunner:
     # -- a step ------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult | None]:
-        """Run one forward pass; return the sequences that reached their last token and their samples."""
+        """Launch one forward pass and its sampling; return the sequences that sample and their samples.
+
+        Nothing waits for the device: the samples stay there until the caller reads them, and a token that
+        the previous launch sampled and the host has not read back yet is fed to this step on the device.
+        """
         sample_rows, sample_seqs, offset = [], [], 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             offset += n
@@ -80,17 +113,37 @@ class ModelRunner:
             logits = self._replay(batch)
         else:
             ids, positions, meta = self._prepare(batch, decode_only)
+            self._feed_back(ids[0], batch)
             with forward_context(ForwardContext(self.kv_caches, meta, self.backend)):
                 if not sample_rows:
                     self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1)
+                    self._fed = None
                     return [], None
-                keep = torch.tensor(sample_rows, device=self.device)
+                keep = to_device(sample_rows, torch.long, self.device)
                 logits = self.model(input_ids=ids, position_ids=positions, use_cache=False,
                                     logits_to_keep=keep).logits[0]
             sample_rows = list(range(len(sample_rows)))
         if not sample_seqs:
+            self._fed = None
             return [], None
-        return sample_seqs, self.sampler(logits[sample_rows], sample_seqs)
+        if sample_rows != list(range(len(sample_rows))):  # a decode-only step with a one-token prefill chunk
+            logits = logits.index_select(0, to_device(sample_rows, torch.long, self.device))
+        result = self.sampler(logits[:len(sample_seqs)], sample_seqs)
+        self._fed = (result.token_ids, {seq: row for row, seq in enumerate(sample_seqs)})
+        return sample_seqs, result
+
+    def _feed_back(self, ids: torch.Tensor, batch: ScheduledBatch) -> None:
+        """Write into the packed `ids` the tokens the previous launch sampled that the host has not read yet."""
+        dst, src, offset = [], [], 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            offset += n
+            if seq.num_pending_tokens:  # its one pending token is its last input: it sampled last step
+                dst.append(offset - 1)
+                src.append(self._fed[1][seq])
+        if dst and dst == src == list(range(len(dst))):  # steady decode: the same sequences in the same rows
+            ids[:len(dst)] = self._fed[0][:len(dst)]
+        elif dst:
+            ids[to_device(dst, torch.long, self.device)] = self._fed[0][to_device(src, torch.long, self.device)]
 
     def _prepare(self, batch: ScheduledBatch, decode_only: bool):
         bs = self.block_size
@@ -98,7 +151,9 @@ class ModelRunner:
         q_lens, seq_lens = [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            ids.extend(seq.token_ids[start:end])
+            known = seq.token_ids[start:end]
+            ids.extend(known)
+            ids.extend([0] * (n - len(known)))  # a token still on the device: _feed_back writes it
             pos = np.arange(start, end)
             positions.append(pos)
             table = np.asarray(seq.block_table, dtype=np.int64)
@@ -115,24 +170,22 @@ class ModelRunner:
         starts = np.zeros(num_seqs + 1, dtype=np.int32)
         np.cumsum(q_lens_arr, out=starts[1:])
         dev = self.device
+        up = lambda array: to_device(array, None, dev)
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            block_tables=torch.from_numpy(table_arr).to(dev),
-            seq_lens=torch.from_numpy(seq_lens_arr).to(dev),
-            query_start_loc=torch.from_numpy(starts).to(dev),
-            max_query_len=int(q_lens_arr.max()), max_seq_len=int(seq_lens_arr.max()))
+            slot_mapping=up(np.concatenate(slots)), block_tables=up(table_arr), seq_lens=up(seq_lens_arr),
+            query_start_loc=up(starts), max_query_len=int(q_lens_arr.max()), max_seq_len=int(seq_lens_arr.max()))
         if self.backend_name == "torch":
             qr = np.arange(meta.max_query_len)
-            meta.query_index = torch.from_numpy(np.minimum(starts[:-1, None] + qr, starts[-1] - 1)).to(dev)
-            meta.query_valid = torch.from_numpy(qr < q_lens_arr[:, None]).to(dev)
-            meta.query_pos = torch.from_numpy((seq_lens_arr - q_lens_arr)[:, None] + qr).to(dev)
+            meta.query_index = up(np.minimum(starts[:-1, None] + qr, starts[-1] - 1))
+            meta.query_valid = up(qr < q_lens_arr[:, None])
+            meta.query_pos = up((seq_lens_arr - q_lens_arr)[:, None] + qr)
         else:
             meta.block_m = self._triton.block_m_for(self.group, decode_only)
             tile_seq, tile_qstart = self._triton.build_tiles(q_lens_arr, max(1, meta.block_m // self.group))
-            meta.tile_seq = torch.from_numpy(tile_seq).to(dev)
-            meta.tile_qstart = torch.from_numpy(tile_qstart).to(dev)
-        ids_t = torch.tensor(ids, dtype=torch.long, device=dev).unsqueeze(0)
-        pos_t = torch.from_numpy(np.concatenate(positions)).to(dev).unsqueeze(0)
+            meta.tile_seq = up(tile_seq)
+            meta.tile_qstart = up(tile_qstart)
+        ids_t = to_device(ids, torch.long, dev).unsqueeze(0)
+        pos_t = up(np.concatenate(positions)).unsqueeze(0)
         return ids_t, pos_t, meta
 
     # -- CUDA graphs for decode ---------------------------------------------------------------------
@@ -142,10 +195,16 @@ class ModelRunner:
 
     def _capture_graphs(self) -> None:
         dev, max_bs = self.device, max(self._graph_sizes())
-        self.g_ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
-        self.g_pos = torch.zeros(max_bs, dtype=torch.long, device=dev)
-        self.g_slots = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        self.g_inputs = torch.zeros(3, max_bs, dtype=torch.long, device=dev)  # one upload: ids, positions, slots
+        self.g_ids, self.g_pos, self.g_slots = self.g_inputs
         self.g_tables = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        # the host's copy of g_tables, and per row the block table (list) it holds and how many of its blocks,
+        # so that a step uploads only the rows whose blocks changed
+        self.table_rows = np.zeros((max_bs, self.max_blocks_per_seq), dtype=np.int32)
+        self.table_owners: list[tuple[list[int] | None, int]] = [(None, 0)] * max_bs
+        self.up_inputs = PinnedUpload(3 * max_bs, torch.long)
+        self.up_lens = PinnedUpload(max_bs, torch.int32)
+        self.up_tables = PinnedUpload(max_bs * self.max_blocks_per_seq, torch.int32)
         self.g_seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self.g_starts = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.g_tile_seq = torch.arange(max_bs, dtype=torch.int32, device=dev)
@@ -170,31 +229,52 @@ class ModelRunner:
                         out = run()
             pool = graph.pool()
             self.graphs[size] = (graph, out)
+        self.graph_sizes = sorted(self.graphs)
         log.info("captured CUDA graphs for decode batch sizes %s", sorted(self.graphs))
 
     def _replay(self, batch: ScheduledBatch) -> torch.Tensor:
-        n = len(batch.seqs)
-        size = next(s for s in sorted(self.graphs) if s >= n)
+        seqs, n = batch.seqs, len(batch.seqs)
+        size = next(s for s in self.graph_sizes if s >= n)
         bs = self.block_size
-        ids = np.zeros(size, dtype=np.int64)
-        pos = np.zeros(size, dtype=np.int64)
-        slots = np.zeros(size, dtype=np.int64)
-        lens = np.ones(size, dtype=np.int32)
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = np.zeros((size, width), dtype=np.int32)
-        for i, seq in enumerate(batch.seqs):
-            p = seq.num_computed_tokens
-            ids[i], pos[i], lens[i] = seq.token_ids[p], p, p + 1
-            slots[i] = seq.block_table[p // bs] * bs + p % bs
-            tables[i, :len(seq.block_table)] = seq.block_table
-        self.g_ids[:size].copy_(torch.from_numpy(ids), non_blocking=True)
-        self.g_pos[:size].copy_(torch.from_numpy(pos), non_blocking=True)
-        self.g_slots[:size].copy_(torch.from_numpy(slots), non_blocking=True)
-        self.g_seq_lens[:size].copy_(torch.from_numpy(lens), non_blocking=True)
-        self.g_tables[:size, :width].copy_(torch.from_numpy(tables), non_blocking=True)
+        self._update_tables(seqs)
+        pos = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
+        # whole buffers go up (a few KB), so padding rows are always token 0 at position 0 in scratch block 0
+        inputs_t, inputs = self.up_inputs.take((3, len(self.g_ids)))
+        inputs.fill(0)
+        inputs[0, :n] = [0 if s.num_pending_tokens else s.token_ids[p] for s, p in zip(seqs, pos.tolist())]
+        inputs[1, :n] = pos
+        inputs[2, :n] = self.table_rows[np.arange(n), pos // bs] * bs + pos % bs
+        lens_t, lens = self.up_lens.take((len(self.g_ids),))
+        lens.fill(1)
+        lens[:n] = pos + 1
+        self.up_inputs.send(inputs_t, self.g_inputs)
+        self.up_lens.send(lens_t, self.g_seq_lens)
+        self._feed_back(self.g_ids, batch)
         graph, out = self.graphs[size]
         graph.replay()
         return out[:n]
+
+    def _update_tables(self, seqs: list[Sequence]) -> None:
+        """Bring g_tables up to date with the batch, uploading only the rows whose blocks changed.
+
+        Decode steps keep the running sequences in the same rows, and a sequence gains a block every
+        block_size tokens, so most steps upload a few rows instead of rebuilding the whole table.
+        """
+        host, owners = self.table_rows, self.table_owners
+        first, last, width = len(seqs), -1, 0
+        for i, seq in enumerate(seqs):
+            table = seq.block_table
+            owner, written = owners[i]
+            if owner is table and written == len(table):
+                continue
+            start = written if owner is table else 0  # tables only grow; a freed sequence gets a new list
+            host[i, start:len(table)] = table[start:]
+            owners[i] = (table, len(table))
+            first, last, width = min(first, i), i, max(width, len(table))
+        if last >= 0:
+            rows_t, rows = self.up_tables.take((last + 1 - first, width))
+            rows[:] = host[first:last + 1, :width]
+            self.up_tables.send(rows_t, self.g_tables[first:last + 1, :width])
 
     # -- sizing ---------------------------------------------------------------------------------------
     def _blocks_that_fit(self) -> int:

@@ -1,60 +1,104 @@
-"""Turns the last-position logits of a step into next tokens, per request parameters.
+"""Turns the last-position logits of a step into next tokens, per request parameters, on the device.
 
 Greedy rows take the argmax. Other rows apply temperature, top-k and top-p, then draw with the
 exponential race (argmax of p / Exp(1)), using the request's own generator when it has a seed so
-that its output does not depend on what else is in the batch.
+that its output does not depend on what else is in the batch. Nothing here waits for the device:
+the sampled ids stay there (the next step reads them as inputs) and are copied to the host on a
+stream of their own; `SampleResult.read` waits for that copy only when the host needs the ids.
 """
-
-from dataclasses import dataclass
 
 import torch
 
 from service.engine.sequence import Sequence
 
 
-@dataclass
+def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list or array on `device` without waiting for the device (through pinned memory on CUDA).
+
+    A plain `torch.tensor(..., device="cuda")` waits for all queued work first, which would stall the
+    host behind the step in flight. The caching host allocator keeps the pinned buffer until the copy ran.
+    """
+    t = torch.as_tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class SampleResult:
-    token_ids: list[int]
-    logprobs: list[tuple[float, list[tuple[int, float]]] | None]  # (chosen logprob, top-k) per row
+    """One step's samples: `token_ids` on the device at once, on the host once `read` has waited."""
+
+    def __init__(self, token_ids: torch.Tensor, logprob_rows: list[int], logprob_ks: list[int],
+                 logprob_tensors: list[torch.Tensor], copy_stream: torch.cuda.Stream | None):
+        self.token_ids = token_ids  # [rows] int64 on the device
+        self.logprob_rows, self.logprob_ks = logprob_rows, logprob_ks
+        tensors = [token_ids, *logprob_tensors]
+        if copy_stream is None:  # CPU: the values are already there
+            self._host, self._event = tensors, None
+            return
+        copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(copy_stream):
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                          for t in tensors]
+            self._event = torch.cuda.Event()
+            self._event.record()
+        for t in tensors:  # the allocator must not hand their memory out before the copy has read it
+            t.record_stream(copy_stream)
+
+    def read(self) -> tuple[list[int], list[tuple[float, list[tuple[int, float]]] | None]]:
+        """Wait for the copy; the token ids, and (chosen logprob, top-k) per row where asked for."""
+        if self._event is not None:
+            self._event.synchronize()
+        tokens = self._host[0].tolist()
+        logprobs = [None] * len(tokens)
+        if self.logprob_rows:
+            chosen, top_v, top_i = (t.tolist() for t in self._host[1:])
+            for j, (row, k) in enumerate(zip(self.logprob_rows, self.logprob_ks)):
+                logprobs[row] = (chosen[j], list(zip(top_i[j][:k], top_v[j][:k])))
+        return tokens, logprobs
 
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        logits = logits.float()
-        self._apply_min_tokens(logits, seqs)
-        greedy = [s.params.greedy for s in seqs]
-        if all(greedy):
-            tokens = logits.argmax(-1)
-        else:
-            tokens = self._sample(logits, seqs, greedy)
-        token_list = tokens.tolist()
-        logprobs = [None] * len(seqs)
+        banned = self._min_tokens_bans(seqs)
         wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        greedy = [s.params.greedy for s in seqs]
+        if all(greedy) and not banned and not wanted:
+            # argmax is the same in the model's dtype: skip the float copy of [rows, vocab]
+            return SampleResult(logits.argmax(-1), [], [], [], self.copy_stream)
+        logits = logits.float()
+        if banned:
+            rows, cols = zip(*banned)
+            logits[to_device(rows, torch.long, self.device), to_device(cols, torch.long, self.device)] = float("-inf")
+        tokens = logits.argmax(-1) if all(greedy) else self._sample(logits, seqs, greedy)
+        extra, ks = [], []
         if wanted:
-            lp = torch.log_softmax(logits[wanted], -1)
-            k = max(seqs[i].params.logprobs for i in wanted)
-            top_v, top_i = lp.topk(max(k, 1), -1)
-            chosen = lp.gather(1, tokens[wanted].unsqueeze(1)).squeeze(1).tolist()
-            top_v, top_i = top_v.tolist(), top_i.tolist()
-            for row, i in enumerate(wanted):
-                n = seqs[i].params.logprobs
-                logprobs[i] = (chosen[row], list(zip(top_i[row][:n], top_v[row][:n])))
-        return SampleResult(token_list, logprobs)
+            index = to_device(wanted, torch.long, self.device)
+            lp = torch.log_softmax(logits.index_select(0, index), -1)
+            ks = [seqs[i].params.logprobs for i in wanted]
+            top_v, top_i = lp.topk(max(max(ks), 1), -1)
+            chosen = lp.gather(1, tokens.index_select(0, index).unsqueeze(1)).squeeze(1)
+            extra = [chosen, top_v, top_i]
+        return SampleResult(tokens, wanted, ks, extra, self.copy_stream)
 
-    def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    @staticmethod
+    def _min_tokens_bans(seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """(row, token) pairs that may not be sampled yet: stop and EOS tokens before min_tokens."""
+        bans = []
         for i, s in enumerate(seqs):
-            if s.num_output_tokens < s.params.min_tokens:
-                banned = set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else s.eos_token_ids)
-                if banned:
-                    logits[i, list(banned)] = float("-inf")
+            p = s.params
+            if p.min_tokens and s.num_tokens - s.num_prompt_tokens < p.min_tokens:  # tokens on the device count
+                stop = p.stop_token_ids if p.ignore_eos else [*p.stop_token_ids, *s.eos_token_ids]
+                bans += [(i, t) for t in set(stop)]
+        return bans
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
-        temps = torch.tensor([1.0 if g else s.params.temperature for s, g in zip(seqs, greedy)],
-                             device=logits.device)
+        dev = logits.device
+        temps = to_device([1.0 if g else s.params.temperature for s, g in zip(seqs, greedy)], torch.float32, dev)
         logits = logits / temps.unsqueeze(1)
         top_k = [s.params.top_k for s in seqs]
         top_p = [s.params.top_p for s in seqs]
@@ -64,26 +108,25 @@ class Sampler:
         noise = torch.empty_like(probs)
         shared = [i for i, s in enumerate(seqs) if s.generator is None]
         if shared:
-            noise[shared] = torch.empty((len(shared), probs.shape[1]), device=probs.device).exponential_(
-                generator=self.generator)
+            noise[to_device(shared, torch.long, dev)] = torch.empty(
+                (len(shared), probs.shape[1]), device=dev).exponential_(generator=self.generator)
         for i, s in enumerate(seqs):
             if s.generator is not None:
                 noise[i].exponential_(generator=s.generator)
         sampled = (probs / noise).argmax(-1)
         if any(greedy):
-            mask = torch.tensor(greedy, device=logits.device)
-            sampled = torch.where(mask, logits.argmax(-1), sampled)
+            sampled = torch.where(to_device(greedy, torch.bool, dev), logits.argmax(-1), sampled)
         return sampled
 
     @staticmethod
     def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
         sorted_logits, order = logits.sort(-1, descending=True)
-        vocab = logits.shape[1]
-        ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
-        ranks = torch.arange(vocab, device=logits.device)
+        vocab, dev = logits.shape[1], logits.device
+        ks = to_device([k if k > 0 else vocab for k in top_k], torch.long, dev)
+        ranks = torch.arange(vocab, device=dev)
         cut = ranks.unsqueeze(0) >= ks.unsqueeze(1)
         probs = sorted_logits.masked_fill(cut, float("-inf")).softmax(-1)
         before = probs.cumsum(-1) - probs  # mass of the tokens ranked above each token
-        cut |= before >= torch.tensor(top_p, device=logits.device).unsqueeze(1)
+        cut |= before >= to_device(top_p, torch.float32, dev).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)

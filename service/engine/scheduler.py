@@ -1,7 +1,8 @@
 """Iteration-level scheduler: each step mixes decode tokens with chunked prefill under a token budget.
 
-Running sequences are served first, in admission order; waiting ones are admitted FIFO while the
-token budget, the sequence cap and free blocks allow. When blocks run out, the most recently
+Running sequences are served first, in admission order (save those whose last allowed token is
+still on the device); waiting ones are admitted FIFO while the token budget, the sequence cap and
+free blocks allow. When blocks run out, the most recently
 admitted sequence is preempted: its blocks are freed and it is recomputed later.
 """
 
@@ -26,7 +27,7 @@ class ScheduledBatch:
     @property
     def phase(self) -> str:
         """prefill, decode or mixed; read before the step updates num_computed_tokens."""
-        kinds = {"decode" if n == 1 and s.num_output_tokens > 0 and s.num_computed_tokens + 1 == s.num_tokens
+        kinds = {"decode" if n == 1 and s.num_tokens > s.num_prompt_tokens and s.num_computed_tokens + 1 == s.num_tokens
                  else "prefill" for s, n in zip(self.seqs, self.num_new_tokens)}
         return kinds.pop() if len(kinds) == 1 else "mixed"
 
@@ -52,6 +53,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_pending_tokens and self._sampled_last_token(seq):
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.blocks.allocate(seq, n):
                 victim = self.running.pop()
@@ -99,6 +103,11 @@ class Scheduler:
         self.blocks.free_sequence(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+
+    @staticmethod
+    def _sampled_last_token(seq: Sequence) -> bool:
+        """Its max_tokens-th token is still on the device (overlap): the host ends it on reading it back."""
+        return seq.num_pending_tokens > 0 and seq.num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free_sequence(seq)

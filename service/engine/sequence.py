@@ -39,7 +39,8 @@ class Sequence:
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     status: Status = Status.WAITING
-    token_ids: list[int] = field(init=False)
+    token_ids: list[int] = field(init=False)  # prompt and the output tokens the host has read back
+    num_pending_tokens: int = 0  # sampled on the device, not yet read back (overlap: at most one)
     num_computed_tokens: int = 0  # tokens whose keys and values are in the cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache on last admission
     block_table: list[int] = field(default_factory=list)
@@ -64,10 +65,12 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens the scheduler and the runner plan with: those read back and those still on the device."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens the host has read back (what the client has been or is being sent)."""
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property

@@ -1,0 +1,174 @@
+"""Overlap scheduling on CPU: the host reads step N-1 back while step N runs, and nothing changes for clients.
+
+Same code path as on CUDA (tokens fed to the next step on the device, read back a step late, the extra
+token of a stopped request dropped): its output equals transformers' and the engine without overlap.
+"""
+
+import pytest
+
+from service.engine import SamplingParams
+from tests.conftest import make_engine, reference_greedy
+from tests.test_engine_behaviour import PROMPT
+from tests.test_engine_equivalence import mixed_prompts
+
+
+@pytest.fixture(scope="module")
+def tiny_case(tiny_model):
+    prompts = mixed_prompts(tiny_model, 32, seed=11)
+    return tiny_model, prompts, [reference_greedy(tiny_model, p, 12) for p in prompts]
+
+
+def greedy(n=12):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"num_blocks": 25}, {"max_num_batched_tokens": 13}],
+                         ids=["plain", "preemption", "chunked"])
+def test_overlap_greedy_matches_transformers(tiny_case, overrides):
+    loaded, prompts, references = tiny_case
+    engine = make_engine(loaded, overlap=True, max_num_seqs=32, **overrides)
+    outs = engine.generate(prompts, greedy())
+    assert [o["token_ids"] for o in outs] == references
+    if "num_blocks" in overrides:
+        assert engine.scheduler.num_preemptions > 0
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
+
+
+def test_overlap_step_returns_the_previous_steps_tokens(tiny_model):
+    engine = make_engine(tiny_model, overlap=True)
+    engine.add_request([5, 6, 7], greedy(3))
+    assert engine.step() == []  # the prefill is launched, its token not read back yet
+    first = engine.step()  # launches the first decode, reads back the prefill's token
+    assert [o.num_output_tokens for o in first] == [1]
+    seq = next(iter(engine.seqs.values()))
+    assert seq.num_pending_tokens == 1 and seq.num_computed_tokens == 4
+    outs = [engine.step(), engine.step()]
+    assert [o.num_output_tokens for step in outs for o in step] == [2, 3] and outs[-1][0].finished
+    assert not engine.has_unfinished()
+
+
+def test_overlap_schedules_nothing_past_max_tokens(tiny_model):
+    """A request whose last allowed token is still on the device is not scheduled again: no wasted step."""
+    counts = {}
+    for overlap in (False, True):
+        engine = make_engine(tiny_model, overlap=overlap)
+        launched = []
+        schedule = engine.scheduler.schedule
+        engine.scheduler.schedule = lambda: launched.append(schedule()) or launched[-1]
+        engine.generate([[5, 6, 7], [8, 9]], greedy(4))
+        while engine.has_unfinished():
+            engine.step()
+        counts[overlap] = [b.num_tokens for b in launched if b.seqs]
+    assert counts[True] == counts[False] == [5, 2, 2, 2]
+
+
+def test_overlap_prefix_hit_keeps_output(tiny_case):
+    loaded, prompts, references = tiny_case
+    prompt, reference = next((p, r) for p, r in zip(prompts, references) if len(p) >= 48)
+    engine = make_engine(loaded, overlap=True)
+    assert engine.generate([prompt], greedy())[0]["token_ids"] == reference
+    rid = engine.add_request(prompt, greedy())
+    seq = engine.seqs[rid]
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.num_cached_tokens == (len(prompt) - 1) // 16 * 16 > 0
+    assert seq.output_token_ids == reference
+
+
+def stream_all(engine, requests: list[tuple[str, SamplingParams]]) -> dict[str, list]:
+    """Every output of every request, as a client would see them: tokens, text deltas, logprobs, end."""
+    ids = [engine.add_request(p, sp) for p, sp in requests]
+    seen = {rid: [] for rid in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            seen[out.request_id].append((out.new_token_ids, out.text_delta, out.finished, out.finish_reason,
+                                         out.num_output_tokens, [(round(c, 4), [t for t, _ in top])
+                                                                 for c, top in out.new_logprobs]))
+    return [seen[rid] for rid in ids]
+
+
+def test_overlap_streams_exactly_what_the_engine_without_overlap_streams(default_model):
+    """Stop strings, stop tokens, min_tokens, EOS, max_tokens, logprobs and seeded sampling, in one batch."""
+    base = make_engine(default_model, overlap=False).generate([PROMPT], SamplingParams(max_tokens=30, temperature=0))
+    text = base[0]["text"]
+    requests = [
+        (PROMPT, SamplingParams(max_tokens=30, temperature=0, stop=[text[12:16]])),
+        (PROMPT, SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[base[0]["token_ids"][5]])),
+        (PROMPT, SamplingParams(max_tokens=12, min_tokens=12, temperature=0, logprobs=3)),
+        ("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n", SamplingParams(max_tokens=100, temperature=0)),
+        (PROMPT, SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, top_k=40, seed=7)),
+        (PROMPT, SamplingParams(max_tokens=25, temperature=0, ignore_eos=True)),
+    ]
+    off = stream_all(make_engine(default_model, overlap=False), requests)
+    on = stream_all(make_engine(default_model, overlap=True), requests)
+    assert on == off
+    assert [o[-1][3] for o in on] == ["stop", "stop", "length", "stop", "length", "length"]
+
+
+def test_overlap_abort_mid_stream_drops_the_in_flight_token_and_frees_blocks(tiny_case):
+    loaded, prompts, references = tiny_case
+    engine = make_engine(loaded, overlap=True)
+    keep = engine.add_request(prompts[0], greedy())
+    gone = engine.add_request(prompts[1], greedy(100))
+    before = [o for _ in range(4) for o in engine.step()]
+    aborted = engine.abort(gone)
+    assert aborted.finished and aborted.finish_reason == "abort"
+    assert [o.num_output_tokens for o in before if o.request_id == gone] == [1, 2, 3] and aborted.num_output_tokens == 3
+    after = []
+    while engine.has_unfinished():
+        after += engine.step()
+    assert gone not in {o.request_id for o in after}  # its token in flight at the abort is never sent
+    assert [t for o in before + after if o.request_id == keep for t in o.new_token_ids] == references[0]
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
+
+
+def test_overlap_failed_step_ends_its_requests_with_error_and_keeps_serving(tiny_case):
+    loaded, prompts, references = tiny_case
+    engine = make_engine(loaded, overlap=True)
+    execute, calls = engine.runner.execute, []
+
+    def third_fails(batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return execute(batch)
+
+    engine.runner.execute = third_fails
+    rids = [engine.add_request(p, greedy()) for p in prompts[:2]]
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    last = {o.request_id: o for o in outs}
+    assert [last[r].finish_reason for r in rids] == ["error", "error"]
+    assert [last[r].num_output_tokens for r in rids] == [2, 2]  # the two steps before the failure were read back
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
+    assert engine.generate([prompts[3]], greedy())[0]["token_ids"] == references[3]
+
+
+def test_overlap_step_stats_report_each_token_once(tiny_case):
+    loaded, prompts, _ = tiny_case
+    stats = {}
+    for overlap in (False, True):
+        engine = make_engine(loaded, overlap=overlap, num_blocks=25, max_num_seqs=32)
+        steps = []
+        engine.observer = steps.append
+        engine.generate(prompts, greedy())
+        while engine.has_unfinished():
+            engine.step()
+        ran = [s for s in steps if s.phase]
+        stats[overlap] = (sorted((o.request_id, o.num_output_tokens) for s in ran for o in s.outputs),
+                          sorted(o.request_id for s in ran for o in s.first_tokens),
+                          sorted(o.request_id for s in ran for o in s.finished),
+                          sum(len(s.preempted) for s in steps) > 0)
+        assert all(s.duration >= 0 for s in ran)
+    assert stats[True] == stats[False]
+    assert len(stats[True][0]) == 32 * 12 and len(stats[True][2]) == 32 and stats[True][3]
+
+
+def test_overlap_bench_times_both_modes_and_stores_the_run(tmp_path, capsys):
+    from service.bench.offline import overlap
+    result = overlap.main(["--model", "random:tiny", "--num-requests", "3", "--input-len", "uniform:4-9",
+                           "--output-len", "3", "--runs", "1", "--profile-steps", "2", "--db", str(tmp_path / "b.db")])
+    assert sorted(result["modes"]) == ["off", "on"]
+    assert all(m["tokens"] == 9 and len(m["runs"]) == 1 and m["profile"]["steps"] == 2 for m in result["modes"].values())
+    assert "stored as run 1" in capsys.readouterr().out
