@@ -19,3 +19,7 @@ class InvalidRequestError(EngineError, ValueError):
 
 class EngineDeadError(EngineError):
     """The engine loop has stopped; no request can be served."""
+
+
+class SlowReaderError(EngineError):
+    """A streaming client fell too far behind its request's outputs; the request was aborted."""

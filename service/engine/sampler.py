@@ -12,6 +12,10 @@ import torch
 from service.engine.sequence import Sequence
 
 
+class NonFiniteLogitsError(RuntimeError):
+    """The forward pass produced NaN logits (an overflow, corrupt weights or cache); the step fails."""
+
+
 @dataclass
 class SampleResult:
     token_ids: list[int]
@@ -25,6 +29,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         logits = logits.float()
+        has_nan = torch.isnan(logits).any()  # read after the tokens, so that it costs no extra GPU sync
         self._apply_min_tokens(logits, seqs)
         greedy = [s.params.greedy for s in seqs]
         if all(greedy):
@@ -32,6 +37,8 @@ class Sampler:
         else:
             tokens = self._sample(logits, seqs, greedy)
         token_list = tokens.tolist()
+        if has_nan.item():  # a NaN makes the argmax meaningless: fail the step rather than emit garbage
+            raise NonFiniteLogitsError(f"the model produced NaN logits for {len(seqs)} sequences")
         logprobs = [None] * len(seqs)
         wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if wanted:
