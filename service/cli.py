@@ -8,7 +8,8 @@ import sys
 # bench subcommands: name -> (module with a main(argv), what it does)
 BENCHES = {"offline": ("service.bench.offline.offline", "offline throughput against transformers on the same weights"),
            "serve": ("service.bench.loadgen.serve", "load generator against any OpenAI-compatible server"),
-           "compare": ("service.bench.loadgen.compare", "compare two bench serve results; non-zero exit on a regression")}
+           "compare": ("service.bench.loadgen.compare", "compare two bench serve results; non-zero exit on a regression"),
+           "soak": ("service.bench.soak", "hours of mixed traffic; fails if memory, fds, threads, tasks or blocks grow")}
 
 
 def _generate(argv: list[str]) -> None:
