@@ -140,12 +140,16 @@ class Soak:
         values = {s.name: s.value for f in text_string_to_metric_families(r.text) for s in f.samples}
         return {col: values.get(name, float("nan")) for col, name in WATCHED.items()}
 
-    async def sampler(self, client: httpx.AsyncClient, rows: list[dict], start: float, until: float,
+    async def sampler(self, client: httpx.AsyncClient, rows: list[dict], start: float, done: asyncio.Event,
                       every: float) -> None:
-        while time.monotonic() < until:
+        """Samples until the load's last request has finished."""
+        while not done.is_set():
             rows.append({"t": round(time.monotonic() - start, 2), "phase": "load", **await self.sample(client),
                          "requests": sum(self.tally.counts.values())})
-            await asyncio.sleep(every)
+            try:
+                await asyncio.wait_for(done.wait(), every)
+            except asyncio.TimeoutError:
+                pass
 
     async def idle_sample(self, start: float, timeout: float = 120.0) -> dict:
         """Once the server holds no request and no block (fresh connection: the load's ones are closed)."""
@@ -170,10 +174,13 @@ class Soak:
             await asyncio.gather(*[self.worker(c, time.monotonic() + warmup) for _ in range(concurrency)])
         rows = [await self.idle_sample(start)]
         until = time.monotonic() + duration
+        done = asyncio.Event()
         async with httpx.AsyncClient(timeout=120, limits=limits) as c:
-            await asyncio.gather(self.sampler(c, rows, start, until, sample_every),
-                                 self.bursts(c, until, burst_every, burst_size),
+            sampling = asyncio.create_task(self.sampler(c, rows, start, done, sample_every))
+            await asyncio.gather(self.bursts(c, until, burst_every, burst_size),
                                  *[self.worker(c, until) for _ in range(concurrency)])
+            done.set()
+            await sampling
         rows.append(await self.idle_sample(start))
         return rows
 
