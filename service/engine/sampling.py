@@ -48,7 +48,7 @@ class SamplingParams:
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or not 0 <= self.top_k < INT32:
-            bad("top_k", f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+            bad("top_k", f"top_k must be -1, 0 (off) or a positive integer below 2**31, got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
             bad("seed", f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if not all(isinstance(s, str) for s in self.stop):
@@ -58,7 +58,7 @@ class SamplingParams:
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "stop_token_ids must be a list of non-negative integers")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens < INT32:
-            bad("min_tokens", f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+            bad("min_tokens", f"min_tokens must be a non-negative integer below 2**31, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
