@@ -89,3 +89,22 @@ def test_cuda_sampling_is_seeded(tiny_cuda):
     a = engine.generate([[1, 2, 3]], params)[0]["token_ids"]
     b = engine.generate([[7, 8]] * 4 + [[1, 2, 3]], [SamplingParams(max_tokens=10)] * 4 + [params])[4]["token_ids"]
     assert a == b
+
+
+def test_cuda_nan_logits_fail_the_step_and_the_engine_serves_on(tiny_cuda):
+    engine = make_engine(tiny_cuda, device="cuda", max_num_seqs=8)
+    prompts = [[5, 6, 7], [8, 9]]
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    for _ in range(3):  # past prefill, into graph-replayed decode steps
+        engine.step()
+    sample = engine.runner.sampler
+    engine.runner.sampler = lambda logits, seqs: sample(torch.full_like(logits, float("nan")), seqs)
+    try:
+        failed = engine.step()
+    finally:
+        engine.runner.sampler = sample
+    assert [o.finish_reason for o in failed] == ["error", "error"]
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.has_unfinished()
+    outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert [o["token_ids"] for o in outs] == [reference_greedy(tiny_cuda, p, 12) for p in prompts]

@@ -1,4 +1,4 @@
-"""The bounded soak: a minute of mixed traffic (streams, clients leaving, timeouts, hostile bodies, overload
+"""The bounded soak: 45 seconds of mixed traffic (streams, clients leaving, timeouts, hostile bodies, overload
 bursts) against a live server, which must end idle with nothing left behind. `bench soak` runs it for hours."""
 
 import asyncio
@@ -7,11 +7,11 @@ from service.bench.soak import Soak, verdict
 from tests.conftest import LiveServer
 
 
-def test_a_minute_of_mixed_traffic_leaves_nothing_behind(default_model):
+def test_mixed_traffic_for_45_seconds_leaves_nothing_behind(default_model):
     # 4 running slots and 4 waiting ones: the bursts of 16 must meet backpressure (503s)
     with LiveServer(default_model, {"max_num_seqs": 4, "num_blocks": 256}, max_waiting=4) as s:
         soak = Soak(s.url, api_key=None, metrics_token=None, seed=1)
-        rows = asyncio.run(soak.run(duration=60, concurrency=4, sample_every=2, burst_every=15, burst_size=16,
+        rows = asyncio.run(soak.run(duration=45, concurrency=4, sample_every=2, burst_every=15, burst_size=16,
                                     warmup=5))
     result = verdict(rows, soak.tally, rss_growth_mib=64)
     assert result["passed"], (result["checks"], result["unexpected"])
