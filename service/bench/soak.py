@@ -4,7 +4,8 @@ Streamed and non-streamed requests, clients that leave mid-stream or time out, h
 bursts run for --duration seconds while the server's /metrics is sampled: RSS, open fds, threads, asyncio
 tasks and KV blocks in use. Once idle again, it must be back where it started (no fd, thread, task or
 block left behind), RSS must not keep climbing, and no request may get an unexpected status. Writes
-soak.csv (the samples), soak.json (the verdict) and soak.png; exits 1 on a failed check.
+soak.csv (the samples), soak.json (the verdict) and soak.png, records the run in the results store (--db),
+and exits 1 on a failed check.
 """
 
 import argparse
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from service.bench.store import StoreError, add_db_argument, open_store
 
 # the series sampled from /metrics: column -> metric sample name
 WATCHED = {"rss_bytes": "process_resident_memory_bytes", "open_fds": "process_open_fds",
@@ -253,6 +256,22 @@ def spawn(server_args: list[str], port: int) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"the server ({shlex.join(server_args)}) did not become ready")
 
 
+def record(run, rows: list[dict], result: dict) -> None:
+    """Into the results store: the verdict's figures as measurements, every /metrics sample as a sample."""
+    first, last = result["idle_start"], result["idle_end"]
+    run.measure("soak_requests", result["num_requests"], unit="requests")
+    run.measure("soak_unexpected_responses", len(result["unexpected"]), unit="requests")
+    run.measure("soak_rss_growth_bytes", result["rss_load_late_bytes"] - result["rss_load_early_bytes"], unit="B")
+    for col in ("open_fds", "threads", "asyncio_tasks", "kv_blocks_used"):
+        run.measure(f"soak_idle_{col}_delta", last[col] - first[col])
+    for r in rows:
+        run.sample({k: r[k] for k in WATCHED}, t=r["t"])
+
+
+class SoakFailed(Exception):
+    pass
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="service bench soak", description=__doc__,
                                  epilog="Arguments after -- go to the server this starts (without --url).")
@@ -270,10 +289,29 @@ def main(argv: list[str] | None = None) -> None:
     a("--rss-growth-mib", type=float, default=64.0, help="most RSS growth allowed over the load (default %(default)s)")
     a("--seed", type=int, default=0)
     a("--out", type=Path, default=Path("soak-results"), help="where soak.csv, soak.json and soak.png go")
+    a("--label", default=None, help="a label for the run in the results store")
+    add_db_argument(ap)
     argv = sys.argv[1:] if argv is None else argv
     server_args = argv[argv.index("--") + 1:] if "--" in argv else ["--max-waiting", "16", "--log-level", "warning"]
     args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the report
+    config = {k: v for k, v in vars(args).items() if k not in ("db", "label", "out", "api_key", "metrics_token")}
+    config["server_args"] = server_args
+    try:
+        store = open_store(args.db)  # before the hours of load: a wrong --db fails at once
+        with store.run(kind="soak", config=config, label=args.label) as run:
+            result = soak_once(args, server_args)
+            record(run, result.pop("rows"), result)
+            if not result["passed"]:
+                raise SoakFailed("failed: " + ", ".join(k for k, ok in result["checks"].items() if not ok))
+    except StoreError as exc:
+        sys.exit(f"bench soak: {exc}")
+    except SoakFailed as exc:
+        sys.exit(f"bench soak {exc}")
+
+
+def soak_once(args: argparse.Namespace, server_args: list[str]) -> dict:
+    """Start the server (unless --url), run the soak, write its files, print the verdict; return it."""
     proc, url = (None, args.url) if args.url else spawn(server_args, args.port)
     try:
         soak = Soak(url, args.api_key, args.metrics_token, args.seed)
@@ -294,4 +332,4 @@ def main(argv: list[str] | None = None) -> None:
           f"{first['threads']:.0f} -> {last['threads']:.0f}, tasks {first['asyncio_tasks']:.0f} -> "
           f"{last['asyncio_tasks']:.0f}, KV blocks {first['kv_blocks_used']:.0f} -> {last['kv_blocks_used']:.0f}")
     print(f"written: {args.out}/soak.csv, soak.json, soak.png")
-    sys.exit(0 if result["passed"] else 1)
+    return {**result, "rows": rows}
