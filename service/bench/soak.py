@@ -33,6 +33,8 @@ WATCHED = {"rss_bytes": "process_resident_memory_bytes", "open_fds": "process_op
            "waiting": "llm_requests_waiting"}
 PROMPTS = ["Tell me about the sea.", "Count from one to twenty:", "Write a haiku about autumn.",
            "Explain what a hash table is.", "List three colors.", "Once upon a time"]
+# the kinds of request, by share of the load in percent
+MIX = {"stream": 35, "complete": 20, "chat": 15, "leave_stream": 12, "time_out": 8, "hostile": 10}
 # bodies no server should answer with a 5xx; each must get exactly this status
 HOSTILE = [({"seed": 2**80}, 400), ({"top_k": 2**80}, 400), ({"max_tokens": -1}, 400), ({"min_tokens": 10**12}, 400),
            ({"temperature": 1e-30}, 200), ({"stop_token_ids": [2**70]}, 400), ({"logprobs": 10**9}, 400)]
@@ -63,6 +65,10 @@ class Soak:
         self.rng = random.Random(seed)
         self.tally = Tally()
         self.model = ""
+        # the mix, in a seeded order that starts with one of each kind, so that even a short soak meets them all
+        rest = [kind for kind, share in MIX.items() for _ in range(share - 1)]
+        self.rng.shuffle(rest)
+        self.schedule, self.turn = list(MIX) + rest, 0
 
     def body(self, stream: bool, max_tokens: int) -> dict:
         return {"model": self.model, "prompt": self.rng.choice(PROMPTS), "max_tokens": max_tokens,
@@ -70,8 +76,8 @@ class Soak:
 
     async def one(self, client: httpx.AsyncClient) -> None:
         """One request of a random kind; its outcome goes into the tally."""
-        kind = self.rng.choices(["stream", "complete", "chat", "leave_stream", "time_out", "hostile"],
-                                [35, 20, 15, 12, 8, 10])[0]
+        kind = self.schedule[self.turn % len(self.schedule)]
+        self.turn += 1
         try:
             if kind in ("stream", "leave_stream"):
                 keep = self.rng.randint(1, 4) if kind == "leave_stream" else None
