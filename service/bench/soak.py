@@ -58,8 +58,10 @@ class Tally:
 
 
 class Soak:
-    def __init__(self, url: str, api_key: str | None, metrics_token: str | None, seed: int):
+    def __init__(self, url: str, api_key: str | None, metrics_token: str | None, seed: int,
+                 request_timeout: float = 600.0):
         self.url = url.rstrip("/")
+        self.request_timeout = request_timeout  # past it a slow answer counts as unexpected
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.metrics_headers = {"Authorization": f"Bearer {metrics_token}"} if metrics_token else {}
         self.rng = random.Random(seed)
@@ -179,12 +181,12 @@ class Soak:
             self.model = (await c.get(self.url + "/v1/models", headers=self.headers)).json()["data"][0]["id"]
         start = time.monotonic()
         limits = httpx.Limits(max_connections=concurrency + burst_size + 4)
-        async with httpx.AsyncClient(timeout=120, limits=limits) as c:  # warm-up: first-use allocations
+        async with httpx.AsyncClient(timeout=self.request_timeout, limits=limits) as c:  # warm-up: first-use allocations
             await asyncio.gather(*[self.worker(c, time.monotonic() + warmup) for _ in range(concurrency)])
         rows = [await self.idle_sample(start)]
         until = time.monotonic() + duration
         done = asyncio.Event()
-        async with httpx.AsyncClient(timeout=120, limits=limits) as c:
+        async with httpx.AsyncClient(timeout=self.request_timeout, limits=limits) as c:
             sampling = asyncio.create_task(self.sampler(c, rows, start, done, sample_every))
             await asyncio.gather(self.bursts(c, until, burst_every, burst_size),
                                  *[self.worker(c, until) for _ in range(concurrency)])
@@ -293,6 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     a("--burst-interval", type=float, default=60.0, help="seconds between overload bursts (default %(default)s)")
     a("--burst-size", type=int, default=48, help="requests in one burst (default %(default)s)")
     a("--rss-growth-mib", type=float, default=64.0, help="most RSS growth allowed over the load (default %(default)s)")
+    a("--request-timeout", type=float, default=600.0, help="seconds a client waits for an answer before it counts "
+      "as unexpected (default %(default)s: generous, since overload bursts queue requests)")
     a("--seed", type=int, default=0)
     a("--out", type=Path, default=Path("soak-results"), help="where soak.csv, soak.json and soak.png go")
     a("--label", default=None, help="a label for the run in the results store")
@@ -320,7 +324,7 @@ def soak_once(args: argparse.Namespace, server_args: list[str]) -> dict:
     """Start the server (unless --url), run the soak, write its files, print the verdict; return it."""
     proc, url = (None, args.url) if args.url else spawn(server_args, args.port)
     try:
-        soak = Soak(url, args.api_key, args.metrics_token, args.seed)
+        soak = Soak(url, args.api_key, args.metrics_token, args.seed, args.request_timeout)
         rows = asyncio.run(soak.run(args.duration, args.concurrency, args.sample_interval, args.burst_interval,
                                     args.burst_size, args.warmup))
     finally:
