@@ -6,6 +6,7 @@ reader falls `stream_backlog` outputs behind is cut: its request is aborted and 
 """
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -146,8 +147,9 @@ class AsyncEngine:
             with self._lock:
                 streams = list(self._streams.values())
             for stream in streams:
-                stream.loop.call_soon_threadsafe(stream.outputs.put_nowait,
-                                                 EngineDeadError(f"engine loop died: {exc!r}"))
+                with contextlib.suppress(RuntimeError):
+                    stream.loop.call_soon_threadsafe(stream.outputs.put_nowait,
+                                                     EngineDeadError(f"engine loop died: {exc!r}"))
         finally:
             self._stop = True
 
@@ -172,4 +174,5 @@ class AsyncEngine:
         with self._lock:
             stream = self._streams.get(out.request_id)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(self._put, stream, out)
+            with contextlib.suppress(RuntimeError):  # its event loop closed meanwhile: nobody is left to tell
+                stream.loop.call_soon_threadsafe(self._put, stream, out)
