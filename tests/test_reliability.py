@@ -5,6 +5,7 @@ import asyncio
 import hmac
 import http.client
 import json
+import select
 import socket
 import threading
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from service.engine import AsyncEngine, InvalidRequestError, SamplingParams
+from service.engine.errors import SlowReaderError
 from tests.conftest import LiveServer, make_engine, wait_until
 from tests.otlp import Receiver
 
@@ -113,12 +115,12 @@ def raw_exchange(server, head: bytes, chunks: list[bytes]) -> tuple[bytes, int]:
         sock.sendall(head)
         sent = 0
         for chunk in chunks:
-            try:
-                sock.sendall(chunk)
-                sent += len(chunk)
-            except OSError:  # the server answered and closed: it read no more
+            # stop sending once the server has answered: more would be unread when it closes, and a close
+            # with unread data resets the connection (and the answer with it)
+            if select.select([sock], [], [], 0.5)[0]:
                 break
-        sock.settimeout(30)
+            sock.sendall(chunk)
+            sent += len(chunk)
         answer = b""
         while data := sock.recv(65536):
             answer += data
@@ -256,12 +258,21 @@ def test_a_reader_that_stops_reading_is_cut_off_with_bounded_memory(tiny_model):
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window fills fast
         sock.connect((host, int(port)))
+        # and small kernel buffers on the server's side of this connection (as over a slow network): else
+        # loopback's autotuned buffers (up to 4 MiB) would absorb the whole stream
+        me = sock.getsockname()
+        conn = wait_until(lambda: next((c for c in s.server.server_state.connections if c.client == me), None), 10,
+                          "the server to accept the connection")
+        conn.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         try:
             facade = s.app.state.server.facade
-            wait_until(lambda: metric(s, "llm_requests_total", finish_reason="abort") == 1, 60,
-                       "the stalled stream's request to be aborted")
+            def cut() -> bool:
+                assert metric(s, "llm_requests_total", finish_reason="length") == 0, "it ran to the end uncut"
+                return metric(s, "llm_requests_total", finish_reason="abort") == 1
+            # generation must first fill the socket buffers (a few hundred KB): seconds, more on a busy machine
+            wait_until(cut, 300, "the stalled stream's request to be aborted")
             assert s.wait_idle()  # its blocks are free, though the client is still connected
             generated = metric(s, "llm_generation_tokens_total")
             assert generated < 1000
@@ -279,6 +290,28 @@ def test_a_reader_that_stops_reading_is_cut_off_with_bounded_memory(tiny_model):
         assert json.loads(events[-2])["error"]["type"] == "client_too_slow"
         assert len(events) - 2 < generated  # what it never read was dropped, not buffered
         assert completion(s).status_code == 200  # a normal client is served as before
+
+
+def test_a_stream_not_read_past_its_backlog_is_aborted_and_its_outputs_dropped(tiny_model):
+    engine = make_engine(tiny_model)
+    facade = AsyncEngine(engine, stream_backlog=8).start()
+
+    async def main():
+        stream = facade.generate([1, 2, 3], SamplingParams(max_tokens=500, ignore_eos=True))
+        first = await anext(stream)  # then stop reading, while the engine goes on
+        while engine.has_unfinished():
+            await asyncio.sleep(0.01)
+        (queued,) = [st.outputs.qsize() for st in facade._streams.values()]
+        with pytest.raises(SlowReaderError, match="fell 8 chunks behind"):
+            await anext(stream)
+        return first, queued
+    try:
+        first, queued = asyncio.run(main())
+    finally:
+        facade.shutdown()
+    assert first.num_output_tokens == 1 and queued == 1  # the backlog was dropped; only the error waited
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
+    assert facade.num_streams == 0
 
 
 def test_concurrent_submitters_on_many_threads_keep_the_shared_counts_exact(tiny_model):
