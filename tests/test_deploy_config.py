@@ -142,7 +142,7 @@ def test_docker_compose_config_rejects_an_invalid_file(tmp_path):
     broken = tmp_path / "docker-compose.yml"
     broken.write_text(COMPOSE.read_text().replace("    healthcheck:\n      test: [\"CMD\", \"wget\"",
                                                   "    healthchek:\n      test: [\"CMD\", \"wget\"", 1))
-    done = subprocess.run(["docker-compose", "-f", str(broken), "config"], capture_output=True, text=True)
+    done = run_compose_config(broken, env={"GRAFANA_ADMIN_PASSWORD": TEST_GRAFANA_PASSWORD})
     assert done.returncode != 0 and "healthchek" in done.stderr
 
 
