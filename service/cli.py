@@ -15,7 +15,8 @@ BENCHES = {"offline": ("service.bench.offline.offline", "offline throughput agai
            "export": ("service.bench.regress.export", "write stored runs, measurements and samples as CSV or JSON"),
            "regress": ("service.bench.regress.cli", "regression verdicts with bootstrap statistics; exit 1 on a regression"),
            "model": ("service.bench.model.runner", "forward/backward time across model sizes, with a memory calculator"),
-           "kernel": ("service.bench.kernel.runner", "attention-kernel microbenchmark with a float64 correctness gate")}
+           "kernel": ("service.bench.kernel.runner", "attention-kernel microbenchmark with a float64 correctness gate"),
+           "soak": ("service.bench.soak", "hours of mixed traffic; fails if memory, fds, threads, tasks or blocks grow")}
 
 
 def _generate(argv: list[str]) -> None:

@@ -16,7 +16,15 @@ from service.engine.config import EngineConfig
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None  # when set, every /v1 and /generate request needs `Authorization: Bearer <key>`
+    api_key: str | None = None  # when set, every /v1 and /generate request needs `Authorization: Bearer <key>`;
+    # several keys: separate them with commas
+    api_key_file: str | None = None  # a file of API keys, one per line (# comments), on top of api_key
+    metrics_token: str | None = None  # when set, /metrics needs `Authorization: Bearer <token>` (Prometheus:
+    # `authorization: {credentials: ...}` in its scrape config); off by default, as scrapers expect
+    max_request_bytes: int = 8 * 1024 * 1024  # larger bodies get 413 unread; 8 MiB holds a 128k-token prompt
+    # even as JSON-escaped text (~24 bytes a token) or as token ids (~8 bytes a token)
+    stream_backlog: int = 512  # a streaming client that falls this many chunks behind is cut off (its request
+    # aborted, blocks freed): a reader that stopped reading must not make the server buffer without bound
     served_model_name: str | None = None  # the name clients send; None: the model's own name
     max_waiting: int = 256  # requests waiting for a slot beyond this get 503 + Retry-After
     drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests before exiting

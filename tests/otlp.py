@@ -134,3 +134,31 @@ class HangingCollector:
 
     def __exit__(self, *exc) -> None:
         self.sock.close()
+
+
+class ErroringCollector:
+    """Answers every export with 503 (a collector that is up but failing); counts the attempts."""
+
+    def __enter__(self) -> "ErroringCollector":
+        collector = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                collector.attempts += 1
+                self.send_response(503)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.attempts = 0
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()

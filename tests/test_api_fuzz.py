@@ -3,6 +3,7 @@
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
+from schemathesis import GenerationMode
 
 from service.api.app import create_app
 from tests.conftest import LiveServer
@@ -17,6 +18,9 @@ def live(default_model):
 
 # the document is the app's own; building the app loads no model
 schema = schemathesis.openapi.from_dict(create_app().openapi())
+# bodies that fit the document (huge integers, odd floats, long strings) and bodies that break it (wrong
+# types, missing fields): each must get its 2xx or 4xx; tests/test_reliability.py adds every field's boundaries
+schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 
 
 @schema.parametrize()

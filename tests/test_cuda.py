@@ -147,3 +147,20 @@ def test_bench_run_on_cuda_records_gpu_samples_and_cuda_peak_memory(tmp_path):
 
 
 from tests.cuda_bench import *  # noqa: E402,F401,F403  (bench model / bench kernel on CUDA)
+def test_cuda_nan_logits_fail_the_step_and_the_engine_serves_on(tiny_cuda):
+    engine = make_engine(tiny_cuda, device="cuda", max_num_seqs=8)
+    prompts = [[5, 6, 7], [8, 9]]
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    for _ in range(3):  # past prefill, into graph-replayed decode steps
+        engine.step()
+    sample = engine.runner.sampler
+    engine.runner.sampler = lambda logits, seqs: sample(torch.full_like(logits, float("nan")), seqs)
+    try:
+        failed = engine.step()
+    finally:
+        engine.runner.sampler = sample
+    assert [o.finish_reason for o in failed] == ["error", "error"]
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.has_unfinished()
+    outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert [o["token_ids"] for o in outs] == [reference_greedy(tiny_cuda, p, 12) for p in prompts]

@@ -32,14 +32,23 @@ LOAD_COMMAND = ("python -m service bench serve --base-url http://lb:8000 --model
 
 # ---------------------------------------------------------------- helpers (the live test uses them too)
 
-def compose_config(*files: Path, profiles: tuple[str, ...] = (), env: dict | None = None) -> dict:
-    """The compose model after docker-compose has validated, merged and interpolated it."""
+TEST_GRAFANA_PASSWORD = "test-admin-password"  # the stack has no default; an operator must set one
+
+
+def run_compose_config(*files: Path, profiles: tuple[str, ...] = (), env: dict | None = None
+                       ) -> subprocess.CompletedProcess:
     args = ["docker-compose"] + [a for f in files for a in ("-f", str(f))]
     args += [a for p in profiles for a in ("--profile", p)] + ["config"]
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("LLM_", "LOAD_", "GRAFANA_", "ALERT_"))}
     # the stack refuses to start without a database password; any value validates the file
     clean.setdefault("POSTGRES_PASSWORD", "compose-config-check")
-    done = subprocess.run(args, capture_output=True, text=True, timeout=60, env={**clean, **(env or {})})
+    return subprocess.run(args, capture_output=True, text=True, timeout=60, env={**clean, **(env or {})})
+
+
+def compose_config(*files: Path, profiles: tuple[str, ...] = (), env: dict | None = None) -> dict:
+    """The compose model after docker-compose has validated, merged and interpolated it."""
+    done = run_compose_config(*files, profiles=profiles,
+                              env={"GRAFANA_ADMIN_PASSWORD": TEST_GRAFANA_PASSWORD, **(env or {})})
     assert done.returncode == 0, done.stderr
     return yaml.safe_load(done.stdout)
 
@@ -138,14 +147,14 @@ def test_docker_compose_config_rejects_an_invalid_file(tmp_path):
     broken = tmp_path / "docker-compose.yml"
     broken.write_text(COMPOSE.read_text().replace("    healthcheck:\n      test: [\"CMD\", \"wget\"",
                                                   "    healthchek:\n      test: [\"CMD\", \"wget\"", 1))
-    done = subprocess.run(["docker-compose", "-f", str(broken), "config"], capture_output=True, text=True,
-                          env={**os.environ, "POSTGRES_PASSWORD": "compose-config-check"})
+    done = run_compose_config(broken, env={"GRAFANA_ADMIN_PASSWORD": TEST_GRAFANA_PASSWORD})
     assert done.returncode != 0 and "healthchek" in done.stderr
 
 
 @needs_tools("docker-compose")
 def test_the_stack_refuses_to_start_without_a_database_password():
     env = {k: v for k, v in os.environ.items() if k != "POSTGRES_PASSWORD"}
+    env["GRAFANA_ADMIN_PASSWORD"] = TEST_GRAFANA_PASSWORD  # so that the missing database password is what it reports
     done = subprocess.run(["docker-compose", "-f", str(COMPOSE), "config"], capture_output=True, text=True, env=env)
     assert done.returncode != 0 and "set POSTGRES_PASSWORD" in done.stderr
     postgres = compose_config(COMPOSE, env={"POSTGRES_PASSWORD": "from-the-environment"})["services"]["postgres"]
@@ -231,10 +240,17 @@ def test_grafana_provisioning_paths_match_the_mounted_volumes():
     # anonymous viewers, and an admin password that is not the default one
     env = grafana["environment"]
     assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
-    assert env["GF_SECURITY_ADMIN_PASSWORD"] not in ("", "admin")
+    assert env["GF_SECURITY_ADMIN_PASSWORD"] == TEST_GRAFANA_PASSWORD  # the operator's, never a default
     # datasource URLs name compose services on their ports
     urls = {ds["uid"]: ds["url"] for ds in datasources()}
     assert urls == {"prometheus": "http://prometheus:9090", "tempo": "http://tempo:3200", "bench-postgres": "postgres:5432"}
+
+
+@needs_tools("docker-compose")
+def test_the_stack_refuses_to_start_without_a_grafana_admin_password():
+    done = run_compose_config(COMPOSE)
+    assert done.returncode != 0
+    assert "set GRAFANA_ADMIN_PASSWORD (in the environment or deploy/.env) to the Grafana admin password" in done.stderr
 
 
 @needs_tools("docker-compose")

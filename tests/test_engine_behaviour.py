@@ -10,6 +10,7 @@ from service.engine.sampler import Sampler
 from tests.conftest import make_engine
 
 PROMPT = "<|im_start|>user\nTell me a short story about a cat.<|im_end|>\n<|im_start|>assistant\n"
+SHORT = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"  # its greedy answer ends in a few tokens
 
 
 @pytest.fixture(scope="module")
@@ -54,18 +55,23 @@ def test_stop_token_ids_and_min_tokens(engine):
     stop_at = full[4]
     out = engine.generate([PROMPT], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop_at]))[0]
     assert out["finish_reason"] == "stop" and out["token_ids"] == full[:full.index(stop_at) + 1]
-    eos = next(iter(engine.eos_token_ids))
-    out = engine.generate([PROMPT], SamplingParams(max_tokens=30, min_tokens=30, temperature=0))[0]
-    assert len(out["token_ids"]) == 30 and eos not in out["token_ids"]
+    # a prompt whose greedy answer ends early: min_tokens must hold its end-of-sequence back
+    natural = engine.generate([SHORT], SamplingParams(max_tokens=60, temperature=0))[0]["token_ids"]
+    assert natural[-1] in engine.eos_token_ids  # ended by end-of-sequence, before max_tokens
+    n = len(natural) + 5
+    out = engine.generate([SHORT], SamplingParams(max_tokens=n + 20, min_tokens=n, temperature=0))[0]["token_ids"]
+    assert len(out) >= n and not set(out[:n]) & engine.eos_token_ids
+    assert out[:len(natural) - 1] == natural[:-1]  # the same answer up to where it would have ended
 
 
 def test_eos_finishes_unless_ignored(engine):
-    out = engine.generate(["<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"],
-                          SamplingParams(max_tokens=200, temperature=0))[0]
+    out = engine.generate([SHORT], SamplingParams(max_tokens=200, temperature=0))[0]
     assert out["finish_reason"] == "stop" and out["token_ids"][-1] in engine.eos_token_ids
     assert "<|im_end|>" not in out["text"]
-    out = engine.generate([PROMPT], SamplingParams(max_tokens=7, ignore_eos=True, temperature=0))[0]
-    assert out["finish_reason"] == "length" and len(out["token_ids"]) == 7
+    n = len(out["token_ids"])
+    ignored = engine.generate([SHORT], SamplingParams(max_tokens=n + 5, ignore_eos=True, temperature=0))[0]
+    assert ignored["finish_reason"] == "length" and len(ignored["token_ids"]) == n + 5
+    assert ignored["token_ids"][n - 1] in engine.eos_token_ids  # generated, and generation went on past it
 
 
 def test_abort_mid_generation_frees_blocks(engine):
@@ -104,7 +110,8 @@ def test_over_long_prompt_message_names_the_limit(engine):
     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens"), (dict(stop=[1]), "stop"),
     (dict(stop=[""]), "stop"), (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=50), "logprobs"),
-    (dict(seed="x"), "seed"),
+    (dict(seed="x"), "seed"), (dict(seed=2**64), "seed"), (dict(seed=-2**63 - 1), "seed"), (dict(top_k=2**31), "top_k"),
+    (dict(min_tokens=2**31, max_tokens=None), "min_tokens"), (dict(temperature=float("nan")), "temperature"),
 ])
 def test_invalid_sampling_values_are_rejected(kwargs, param):
     with pytest.raises(InvalidRequestError) as err:

@@ -20,7 +20,7 @@ from service.telemetry.gpu import GPUSampler
 from service.telemetry.metrics import GPUMetrics, Metrics
 from service.telemetry.recorder import EngineRecorder, observe_many
 from tests.conftest import LiveServer, free_port, make_engine
-from tests.otlp import HangingCollector, Receiver
+from tests.otlp import ErroringCollector, HangingCollector, Receiver
 from tests.prometheus import Prometheus
 
 MODEL = "random:tiny"
@@ -35,6 +35,8 @@ CATALOG = {
     "llm_http_requests": "counter", "llm_requests_running": "gauge", "llm_requests_waiting": "gauge",
     "llm_kv_cache_usage_ratio": "gauge", "llm_preemptions": "counter", "llm_engine_step_seconds": "histogram",
     "llm_batch_tokens": "histogram", "llm_tensor_parallel_forward_seconds": "counter",
+    "llm_engine_step_failures": "counter", "llm_kv_cache_blocks_used": "gauge",
+    "llm_process_threads": "gauge", "llm_asyncio_tasks": "gauge",
 }
 GPU_GAUGES = ["llm_gpu_utilization_ratio", "llm_gpu_memory_used_bytes", "llm_gpu_memory_total_bytes",
               "llm_gpu_power_watts", "llm_gpu_temperature_celsius", "llm_gpu_sm_clock_hertz"]
@@ -299,10 +301,11 @@ def test_prompt_and_output_text_are_traced_only_when_enabled(tiny_model, default
     assert not any(sp.name == "engine.step" for sp in spans)
 
 
-@pytest.mark.parametrize("collector", ["refusing", "hanging"])
+@pytest.mark.parametrize("collector", ["refusing", "hanging", "erroring"])
 def test_serving_goes_on_when_the_collector_is_down_or_hangs(tiny_model, monkeypatch, collector):
-    with HangingCollector() as hanging:
-        endpoint = hanging.endpoint if collector == "hanging" else f"http://127.0.0.1:{free_port()}"
+    with HangingCollector() as hanging, ErroringCollector() as erroring:
+        endpoint = {"hanging": hanging.endpoint, "erroring": erroring.endpoint}.get(
+            collector, f"http://127.0.0.1:{free_port()}")
         use_collector(monkeypatch, endpoint)
         s = LiveServer(tiny_model)
         with s:
@@ -316,6 +319,8 @@ def test_serving_goes_on_when_the_collector_is_down_or_hangs(tiny_model, monkeyp
             results = asyncio.run(load())
         assert not s.thread.is_alive()  # and the server still shut down
     assert all(status == 200 for status, _ in results)
+    if collector == "erroring":
+        assert erroring.attempts > 0  # the exports really went out and really failed
     # exports time out after 4 s; had serving waited on one, requests would take that long
     assert max(seconds for _, seconds in results) < 2.0
 

@@ -5,7 +5,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.engine.errors import EngineDeadError, InvalidRequestError
+from service.engine.errors import EngineDeadError, InvalidRequestError, SlowReaderError
 
 
 class APIError(Exception):
@@ -45,6 +45,8 @@ def to_api_error(exc: Exception) -> APIError:
         return bad_request(exc.message, exc.param)
     if isinstance(exc, EngineDeadError):
         return unavailable(str(exc), retry_after=5)
+    if isinstance(exc, SlowReaderError):  # only ever seen as a stream's last event
+        return APIError(408, str(exc), type="client_too_slow")
     return APIError(500, "internal error", type="internal_error")
 
 

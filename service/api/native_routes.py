@@ -5,10 +5,11 @@ import uuid
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from service.api.app import ServerState, collect, get_state
 from service.api.arrival import arrival
+from service.api.auth import require_metrics_token
 from service.api.errors import checked
 from service.api.schemas import GenerateRequest
+from service.api.state import ServerState, collect, get_state
 from service.api.streaming import sse, timings, usage
 
 public = APIRouter()  # no API key: probes and scrapers
@@ -16,8 +17,11 @@ router = APIRouter()
 
 
 @public.get("/health")
-async def health():
-    """The process is alive and its event loop answers."""
+async def health(state: ServerState = Depends(get_state)):
+    """The process is alive: its event loop answers and its engine loop has not died (after that only a
+    restart helps, so a liveness probe must fail)."""
+    if state.engine_error is not None:
+        return JSONResponse({"status": "engine dead", "error": repr(state.engine_error)}, status_code=503)
     return {"status": "ok"}
 
 
@@ -31,7 +35,7 @@ async def ready(state: ServerState = Depends(get_state)):
     return JSONResponse({"status": "not ready", "reason": reason}, status_code=503, headers={"Retry-After": "5"})
 
 
-@public.get("/metrics", include_in_schema=False)
+@public.get("/metrics", include_in_schema=False, dependencies=[Depends(require_metrics_token)])
 async def metrics(request: Request, state: ServerState = Depends(get_state)):
     """Prometheus metrics; OpenMetrics (with exemplars) when the scraper asks for it."""
     body, content_type = state.telemetry.render(request.headers.get("accept"))

@@ -6,10 +6,10 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 
-from service.api.app import ServerState, collect, get_state
 from service.api.arrival import arrival
 from service.api.errors import bad_request, checked
 from service.api.schemas import ChatCompletionRequest, CompletionRequest
+from service.api.state import ServerState, collect, get_state
 from service.api.streaming import chat_logprobs, completion_logprobs, sse, usage
 
 router = APIRouter()

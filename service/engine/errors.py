@@ -23,3 +23,7 @@ class EngineDeadError(EngineError):
 
 class RankFailedError(EngineDeadError):
     """A tensor-parallel rank died or stopped answering: the engine cannot go on."""
+
+
+class SlowReaderError(EngineError):
+    """A streaming client fell too far behind its request's outputs; the request was aborted."""

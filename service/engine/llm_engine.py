@@ -60,6 +60,7 @@ class StepStats:
     num_waiting: int
     kv_usage: float
     rank_seconds: list[float] | None = None  # tensor parallelism: each rank's time in forward passes so far
+    error: str | None = None  # a failed step: the exception's type (its requests finished with "error")
 
 
 @dataclass
@@ -166,6 +167,9 @@ class LLMEngine:
                 f"at least one token must be left to generate.", param="prompt")
         if params.max_tokens is None:
             params.max_tokens = limit - len(ids)
+            if params.min_tokens > params.max_tokens:
+                raise InvalidRequestError(f"min_tokens ({params.min_tokens}) exceeds the {params.max_tokens} tokens "
+                                          "left in the context after the prompt", param="min_tokens")
         elif len(ids) + params.max_tokens > limit:
             raise InvalidRequestError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -173,10 +177,8 @@ class LLMEngine:
                 f"completion). Please reduce the prompt or max_tokens.", param="max_tokens")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids", param="stop")
-        rid = request_id or f"req-{next(self._ids)}"
-        if rid in self.seqs:
-            raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
-        seq = Sequence(rid, ids, params, eos_token_ids=self.eos_token_ids, timings=Timings(arrival=arrival))
+        seq = Sequence(request_id or f"req-{next(self._ids)}", ids, params, eos_token_ids=self.eos_token_ids,
+                       timings=Timings(arrival=arrival))
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.detokenizer.start(seq)
@@ -190,6 +192,10 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
+        # the id check is here, not in make_sequence: that runs on the server's event loop, while this table
+        # belongs to the engine's thread (the async facade checks ids against its own streams)
+        if request_id in self.seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         seq = self.make_sequence(prompt, params, request_id)
         self.add_sequence(seq)
         return seq.request_id
@@ -240,11 +246,11 @@ class LLMEngine:
                 launched = self._launch(batch, start)
             except EngineDeadError:  # a tensor-parallel rank is gone: no later step can run either
                 raise
-            except Exception:
+            except Exception as exc:
                 log.exception("engine step failed; failing its %d requests", len(batch.seqs))
                 outputs = self._read_back(previous) if previous else []
                 failed = self._fail(batch)
-                self._observe(failed, finished=failed, batch=batch)
+                self._observe(failed, finished=failed, batch=batch, error=type(exc).__name__)
                 return outputs + failed
         outputs = self._read_back(previous) if previous else []
         if launched is not None and self.overlap:
@@ -268,10 +274,10 @@ class LLMEngine:
         """Wait for a launched step's tokens, append them, check stops, and report the step."""
         try:
             tokens, logprobs = step.result.read() if step.result else ([], [])
-        except Exception:  # a device fault surfaces here, when the host waits for the step
+        except Exception as exc:  # a device fault (or NaN logits) surfaces here, when the host waits for the step
             log.exception("engine step failed on the device; failing its %d requests", len(step.batch.seqs))
             failed = self._fail(step.batch)
-            self._observe(failed, finished=failed, batch=step.batch)
+            self._observe(failed, finished=failed, batch=step.batch, error=type(exc).__name__)
             return failed
         now = time.perf_counter()
         done = Status.FINISHED
@@ -315,7 +321,7 @@ class LLMEngine:
 
     def _observe(self, outputs: list[RequestOutput], first_tokens: list[RequestOutput] = (),
                  finished: list[RequestOutput] = (), batch: ScheduledBatch | None = None, phase: str | None = None,
-                 duration: float = 0.0) -> None:
+                 duration: float = 0.0, error: str | None = None) -> None:
         if self.observer is None:
             return
         ids = lambda seqs: [s.request_id for s in seqs]
@@ -323,7 +329,7 @@ class LLMEngine:
             phase, batch.num_tokens if phase else 0, len(batch.seqs) if phase else 0, duration, outputs, list(first_tokens), list(finished),
             ids(batch.admitted) if phase else [], ids(batch.preempted) if batch else [],
             self.num_running, self.num_waiting, self.blocks.usage,
-            self.parallel.rank_seconds if self.parallel is not None else None))
+            self.parallel.rank_seconds if self.parallel is not None else None, error))
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -24,14 +24,18 @@ def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+class NonFiniteLogitsError(RuntimeError):
+    """The forward pass produced NaN logits (an overflow, corrupt weights or cache); the step fails."""
+
+
 class SampleResult:
     """One step's samples: `token_ids` on the device at once, on the host once `read` has waited."""
 
-    def __init__(self, token_ids: torch.Tensor, logprob_rows: list[int], logprob_ks: list[int],
+    def __init__(self, token_ids: torch.Tensor, nan: torch.Tensor, logprob_rows: list[int], logprob_ks: list[int],
                  logprob_tensors: list[torch.Tensor], copy_stream: torch.cuda.Stream | None):
         self.token_ids = token_ids  # [rows] int64 on the device
         self.logprob_rows, self.logprob_ks = logprob_rows, logprob_ks
-        tensors = [token_ids, *logprob_tensors]
+        tensors = [token_ids, nan, *logprob_tensors]
         if copy_stream is None:  # CPU: the values are already there
             self._host, self._event = tensors, None
             return
@@ -49,9 +53,11 @@ class SampleResult:
         if self._event is not None:
             self._event.synchronize()
         tokens = self._host[0].tolist()
+        if self._host[1].item():  # a NaN makes the argmax meaningless: fail the step rather than emit garbage
+            raise NonFiniteLogitsError(f"the model produced NaN logits for {len(tokens)} sequences")
         logprobs = [None] * len(tokens)
         if self.logprob_rows:
-            chosen, top_v, top_i = (t.tolist() for t in self._host[1:])
+            chosen, top_v, top_i = (t.tolist() for t in self._host[2:])
             for j, (row, k) in enumerate(zip(self.logprob_rows, self.logprob_ks)):
                 logprobs[row] = (chosen[j], list(zip(top_i[j][:k], top_v[j][:k])))
         return tokens, logprobs
@@ -64,12 +70,13 @@ class Sampler:
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        nan = torch.isnan(logits).any().reshape(1)  # read back with the tokens: no extra device sync
         banned = self._min_tokens_bans(seqs)
         wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         greedy = [s.params.greedy for s in seqs]
         if all(greedy) and not banned and not wanted:
             # argmax is the same in the model's dtype: skip the float copy of [rows, vocab]
-            return SampleResult(logits.argmax(-1), [], [], [], self.copy_stream)
+            return SampleResult(logits.argmax(-1), nan, [], [], [], self.copy_stream)
         logits = logits.float()
         if banned:
             rows, cols = zip(*banned)
@@ -83,7 +90,7 @@ class Sampler:
             top_v, top_i = lp.topk(max(max(ks), 1), -1)
             chosen = lp.gather(1, tokens.index_select(0, index).unsqueeze(1)).squeeze(1)
             extra = [chosen, top_v, top_i]
-        return SampleResult(tokens, wanted, ks, extra, self.copy_stream)
+        return SampleResult(tokens, nan, wanted, ks, extra, self.copy_stream)
 
     @staticmethod
     def _min_tokens_bans(seqs: list[Sequence]) -> list[tuple[int, int]]:

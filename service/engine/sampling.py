@@ -4,6 +4,10 @@ from dataclasses import dataclass, field
 
 from service.engine.errors import InvalidRequestError
 
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
+SEED_RANGE = (-2**63, 2**64)  # what torch.Generator.manual_seed takes
+INT32 = 2**31  # counts beyond this (top_k, min_tokens) are no count any model can reach
+
 
 @dataclass
 class SamplingParams:
@@ -30,7 +34,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # below GREEDY_BELOW, logits / temperature overflows to inf (and softmax to NaN): take the argmax
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     def validate(self) -> None:
         def bad(param: str, message: str):
@@ -42,18 +47,18 @@ class SamplingParams:
             bad("temperature", f"temperature must be between 0 and 100, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad("top_k", f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k < INT32:
+            bad("top_k", f"top_k must be -1, 0 (off) or a positive integer below 2**31, got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            bad("seed", f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if not all(isinstance(s, str) for s in self.stop):
             bad("stop", "stop must be a string or a list of strings")
         if any(s == "" for s in self.stop):
             bad("stop", "stop strings must not be empty")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "stop_token_ids must be a list of non-negative integers")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            bad("min_tokens", f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens < INT32:
+            bad("min_tokens", f"min_tokens must be a non-negative integer below 2**31, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):

@@ -4,6 +4,9 @@ The API builds it, hands `observer` to the engine and serves `render` at /metric
 calls the engine.
 """
 
+import asyncio
+import threading
+
 from prometheus_client.exposition import choose_encoder
 
 from service.engine import StepObserver, StepStats
@@ -34,6 +37,19 @@ class Telemetry:
     def start(self) -> None:
         if self.settings.gpu_sample_interval > 0:
             self.gpu = GPUSampler(self.metrics.registry, self.settings.gpu_sample_interval).start()
+
+    def watch_runtime(self, state) -> None:
+        """Gauges read at scrape time: threads, the event loop's tasks and the KV blocks in use (call this
+        on the server's event loop; `state.facade` is read when scraped, so it may still be loading)."""
+        loop = asyncio.get_running_loop()
+        m = self.metrics
+        m.threads.set_function(threading.active_count)
+        m.asyncio_tasks.set_function(lambda: len(asyncio.all_tasks(loop)))
+
+        def blocks_used() -> int:
+            blocks = state.facade.engine.blocks if state.facade is not None else None
+            return blocks.num_usable_blocks - blocks.num_free_blocks if blocks is not None else 0
+        m.kv_blocks_used.labels(m.model).set_function(blocks_used)
 
     def shutdown(self) -> None:
         if self.gpu is not None:

@@ -85,6 +85,17 @@ class Metrics:
         self.batch_tokens = histogram("llm_batch_tokens", "Tokens computed in one engine step, by phase.",
                                       BATCH_TOKEN_BUCKETS, ["model", "phase"])
 
+        self.step_failures = Counter("llm_engine_step_failures", "Engine steps that raised (out of memory, NaN "
+                                     "logits, any exception), by the exception's type; the requests of such a step "
+                                     "finish with finish_reason error and the engine serves on.", ["model", "error"],
+                                     registry=r)
+        # read at scrape time (the soak watches them for leaks)
+        self.kv_blocks_used = Gauge("llm_kv_cache_blocks_used", "KV cache blocks held by requests (blocks kept "
+                                    "only for prefix caching count as free).", m, registry=r)
+        self.threads = Gauge("llm_process_threads", "Threads alive in the server process.", registry=r)
+        self.asyncio_tasks = Gauge("llm_asyncio_tasks", "asyncio tasks alive on the server's event loop.",
+                                   registry=r)
+
         # children bound to this server's model, so the hot path does no label lookups
         self.ttft_m, self.itl_m, self.duration_m = self.ttft.labels(model), self.itl.labels(model), \
             self.duration.labels(model)

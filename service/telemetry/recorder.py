@@ -44,6 +44,8 @@ class EngineRecorder:
                                 if len(t) > 1])
                 for gap, count in gaps.items():
                     observe_many(m.itl_m, gap, count)
+        if step.error is not None:
+            m.step_failures.labels(m.model, step.error).inc()
         if step.preempted:
             m.preemptions_m.inc(len(step.preempted))
         for out in step.first_tokens:

@@ -1,0 +1,39 @@
+"""The bounded soak: 45 seconds of mixed traffic (streams, clients leaving, timeouts, hostile bodies, overload
+bursts) against a live server, which must end idle with nothing left behind. `bench soak` runs it for hours."""
+
+import asyncio
+
+from service.bench.soak import Soak, verdict
+from tests.conftest import LiveServer
+
+
+def test_mixed_traffic_for_45_seconds_leaves_nothing_behind(default_model):
+    # 4 running slots and 4 waiting ones: the bursts of 16 must meet backpressure (503s)
+    with LiveServer(default_model, {"max_num_seqs": 4, "num_blocks": 256}, max_waiting=4) as s:
+        soak = Soak(s.url, api_key=None, metrics_token=None, seed=1)
+        rows = asyncio.run(soak.run(duration=45, concurrency=4, sample_every=2, burst_every=15, burst_size=16,
+                                    warmup=5))
+    result = verdict(rows, soak.tally, rss_growth_mib=64)
+    assert result["passed"], (result["checks"], result["unexpected"])
+    seen = soak.tally.counts
+    for kind in ("stream", "complete", "leave_stream", "burst", "burst 503"):
+        assert seen.get(kind, 0) > 0, (kind, seen)
+    assert any(k.startswith("hostile") for k in seen), seen
+    assert rows[-1]["kv_blocks_used"] == 0 and rows[-1]["running"] == rows[-1]["waiting"] == 0
+
+
+def row(t: float, phase: str, rss_mib: float, fds: int = 20, threads: int = 10, tasks: int = 5, blocks: int = 0):
+    return {"t": t, "phase": phase, "rss_bytes": rss_mib * 2**20, "open_fds": fds, "threads": threads,
+            "asyncio_tasks": tasks, "kv_blocks_used": blocks, "running": 0, "waiting": 0, "requests": 0}
+
+
+def test_the_soak_verdict_fails_on_anything_left_behind_or_growing():
+    from service.bench.soak import Tally
+    flat = [row(0, "idle", 500)] + [row(t, "load", 520) for t in range(1, 51)] + [row(51, "idle", 510)]
+    assert verdict(flat, Tally(), rss_growth_mib=64)["passed"]
+    leaky = [row(0, "idle", 500)] + [row(t, "load", 500 + 4 * t) for t in range(1, 51)]
+    leaky.append(row(51, "idle", 700, fds=30, threads=13, tasks=9, blocks=2))
+    tally = Tally()
+    tally.add("unexpected complete: 500", False, "internal error")
+    result = verdict(leaky, tally, rss_growth_mib=64)
+    assert not result["passed"] and not any(result["checks"].values())
