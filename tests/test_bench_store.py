@@ -133,3 +133,13 @@ def test_a_version_1_database_is_upgraded_in_place_and_keeps_its_runs(store_url)
         assert conn.execute(sa.select(schema.meta.c.value)).scalar() == str(schema.SCHEMA_VERSION) == "2"
         assert "bench_verdicts" in sa.inspect(conn).get_table_names()
     assert [r["name"] for r in rows(store_url, schema.runs)] == ["old"]
+
+
+def test_a_run_whose_last_write_fails_is_closed_as_failed_not_left_running(store_url):
+    with pytest.raises(StoreError) as caught:
+        with open_store(store_url).run(kind="run", config={}) as run:
+            run.measure(None, 1.0)  # metric is NOT NULL: the final flush is refused
+    [stored] = rows(store_url, schema.runs)
+    assert stored["status"] == "failed" and stored["ended_at"] is not None
+    assert stored["error"] == f"StoreError: {caught.value}"
+    assert str(caught.value).startswith("cannot write to ") and "\n" not in str(caught.value)

@@ -142,13 +142,20 @@ class Store:
             status, error = "failed", f"{type(exc).__name__}: {exc}".strip()
             raise
         finally:
-            run.flush()
+            lost = None
+            try:
+                run.flush()
+            except StoreError as exc:  # still close the run, as failed, rather than leave it 'running'
+                if status == "ok":  # no exception on its way up: this one goes instead, after the update
+                    lost, status, error = exc, "failed", f"StoreError: {exc}"
             try:
                 with self.engine.begin() as conn:
                     conn.execute(schema.runs.update().where(schema.runs.c.id == run_id)
                                  .values(status=status, error=error, ended_at=_now()))
             except sa.exc.SQLAlchemyError as exc:
                 raise StoreError(f"cannot finish run {run_id} in {self.url}: {_one_line(exc)}") from None
+            if lost is not None:
+                raise lost
 
     def find_done(self, kind: str, config_hash: str, label: str | None = None) -> int | None:
         """The id of a finished run of this configuration at the current commit on this machine, if any."""
