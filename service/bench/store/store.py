@@ -57,14 +57,17 @@ def open_store(url: str | None = None, git: dict | None = None) -> "Store":
     shown = parsed.render_as_string(hide_password=True)
     if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    engine = None
     try:
         engine = sa.create_engine(parsed, connect_args={"connect_timeout": 10}
                                   if parsed.get_backend_name() == "postgresql" else {})
         with engine.begin() as conn:
             schema.prepare(conn)
-    except StoreError as exc:
-        raise StoreError(f"{shown}: {exc}") from None
-    except (sa.exc.SQLAlchemyError, ImportError, OSError) as exc:
+    except (StoreError, sa.exc.SQLAlchemyError, ImportError, OSError) as exc:
+        if engine is not None:  # close the pooled connection of a store we refuse
+            engine.dispose()
+        if isinstance(exc, StoreError):
+            raise StoreError(f"{shown}: {exc}") from None
         raise StoreError(f"cannot open the results database {shown}: {_one_line(exc)}") from None
     return Store(engine, shown, git)
 
