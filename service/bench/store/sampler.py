@@ -25,6 +25,8 @@ class DeviceSampler:
             self._nvml = pynvml
             self._gpus = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in _visible(pynvml, pynvml.nvmlDeviceGetCount())]
         except Exception:  # no library, no driver, no device: CPU readings only
+            if self._nvml is not None:  # initialised, then the devices could not be listed
+                self._nvml.nvmlShutdown()
             self._nvml = None
 
     def __enter__(self) -> "DeviceSampler":
