@@ -122,6 +122,15 @@ class Store:
         self.engine, self.url, self.git = engine, shown_url, git
 
     @contextlib.contextmanager
+    def begin(self):
+        """A transaction for readers of the store: a database error becomes a one-line StoreError."""
+        try:
+            with self.engine.begin() as conn:
+                yield conn
+        except sa.exc.SQLAlchemyError as exc:
+            raise StoreError(f"cannot read or write {self.url}: {_one_line(exc)}") from None
+
+    @contextlib.contextmanager
     def run(self, kind: str, config: dict, label: str | None = None, name: str | None = None):
         """Record one run: yields a Run; ok when the block ends, failed (with the error) when it raises."""
         git = provenance.git_info(self.git)
@@ -169,5 +178,5 @@ class Store:
                                        r.machine_id == provenance.machine_id(provenance.machine_info()))
                  .order_by(r.id.desc()).limit(1))
         query = query.where(r.label.is_(None) if label is None else r.label == label)
-        with self.engine.connect() as conn:
+        with self.begin() as conn:
             return conn.execute(query).scalar()
