@@ -222,6 +222,7 @@ class TensorParallelGroup:
         if self._closed:
             return
         dead = sentinels[ready[0]]
+        dead.join(5)  # the sentinel can fire before the exit status is collected: exitcode would read None
         self.failure = f"tensor-parallel rank {dead.name.rsplit('-', 1)[1]} exited with code {dead.exitcode}"
         log.error("%s: the engine stops", self.failure)
         if self.on_failure is not None:
