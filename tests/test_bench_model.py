@@ -161,3 +161,10 @@ def test_profile_writes_a_chrome_trace_per_case(tmp_path):
           "--threads", "1", "--profile", str(tmp_path / "traces"), "--db", str(tmp_path / "b.db")])
     trace = json.loads((tmp_path / "traces" / "tiny-c8-b1-fwd-fp32.json").read_text())
     assert any(e.get("name") == "aten::linear" for e in trace["traceEvents"])
+
+
+def test_a_json_file_that_cannot_be_written_is_a_one_line_error(tmp_path):
+    path = tmp_path / "missing" / "out.json"
+    with pytest.raises(SystemExit) as exc:
+        main(["--sizes", "tiny", "--calc-only", "--json", str(path)])
+    assert str(exc.value) == f"bench model: cannot write {path}: No such file or directory"

@@ -160,3 +160,16 @@ def test_an_unreachable_database_is_one_line_and_exit_2_for_every_reader(command
     message = (captured.out + captured.err).strip()
     assert exited.value.code == 2 and len(message.splitlines()) == 1
     assert message.startswith("error: cannot open the results database postgresql+psycopg://bench:***@127.0.0.1:")
+
+
+def test_a_query_the_database_refuses_after_opening_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    db = f"sqlite:///{tmp_path / 'b.db'}"
+    store = open_store(db)
+    with store.engine.begin() as conn:  # a store that opens, then fails its first read
+        schema.runs.drop(conn)
+    monkeypatch.setattr(history, "open_store", lambda url: store)  # opening again would recreate the table
+    with pytest.raises(SystemExit) as exited:
+        history.main(["--db", db])
+    message = capsys.readouterr().err.strip()
+    assert exited.value.code == 2
+    assert message == f"error: cannot read or write {db}: no such table: bench_runs"

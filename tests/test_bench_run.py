@@ -47,6 +47,14 @@ def test_a_yaml_matrix_with_an_unknown_key_is_refused(tmp_path):
         matrix.load_yaml(str(path))
 
 
+def test_a_yaml_matrix_that_does_not_parse_is_a_one_line_error(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("dimensions:\n  batch_size: [1\n")
+    with pytest.raises(ValueError) as caught:
+        matrix.load_yaml(str(path))
+    assert str(caught.value) == f"{path}: not valid YAML (expected ',' or ']', but got '<stream end>') at line 3"
+
+
 def measurements(db, **where):
     with sa.create_engine(db.replace("postgresql://", "postgresql+psycopg://")).connect() as conn:
         r, m = schema.runs.c, schema.measurements.c

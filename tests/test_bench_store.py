@@ -133,3 +133,29 @@ def test_a_version_1_database_is_upgraded_in_place_and_keeps_its_runs(store_url)
         assert conn.execute(sa.select(schema.meta.c.value)).scalar() == str(schema.SCHEMA_VERSION) == "2"
         assert "bench_verdicts" in sa.inspect(conn).get_table_names()
     assert [r["name"] for r in rows(store_url, schema.runs)] == ["old"]
+
+
+def test_a_run_whose_last_write_fails_is_closed_as_failed_not_left_running(store_url):
+    with pytest.raises(StoreError) as caught:
+        with open_store(store_url).run(kind="run", config={}) as run:
+            run.measure(None, 1.0)  # metric is NOT NULL: the final flush is refused
+    [stored] = rows(store_url, schema.runs)
+    assert stored["status"] == "failed" and stored["ended_at"] is not None
+    assert stored["error"] == f"StoreError: {caught.value}"
+    assert str(caught.value).startswith("cannot write to ") and "\n" not in str(caught.value)
+
+
+def test_a_sampler_that_cannot_write_stops_and_raises_one_store_error_on_exit(tmp_path, monkeypatch):
+    from service.bench.store import store as store_module
+    from service.bench.store.sampler import DeviceSampler
+    monkeypatch.setattr(store_module, "FLUSH_ROWS", 1)  # every sample is written at once
+    store = open_store(str(tmp_path / "results.db"))
+    with pytest.raises(StoreError) as caught:
+        with store.run(kind="run", config={}) as run:
+            with store.engine.begin() as conn:
+                schema.samples.drop(conn)
+            sampler = DeviceSampler(run, interval=0.01)
+            with sampler:
+                sampler._thread.join(timeout=10)  # the loop ends on its own at the first refused write
+    assert str(caught.value).startswith("cannot write to ") and "\n" not in str(caught.value)
+    assert not sampler._thread.is_alive()

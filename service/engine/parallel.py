@@ -174,7 +174,13 @@ class TensorParallelGroup:
         for p in self.procs:
             p.start()
         self.device = _rank_device(config, 0)
-        _init_group(self.world, 0, port, self.device)
+        try:
+            _init_group(self.world, 0, port, self.device)
+        except BaseException:  # the ranks would wait for rank 0 until their own timeout
+            for p in self.procs:
+                p.kill()
+                p.join()
+            raise
         self.failure: str | None = None  # why the group can no longer run, once a rank died
         self.on_failure = None  # called with that reason, from the watching thread
         self.rank_seconds = [0.0] * self.world  # each rank's time inside forward passes, as last gathered
@@ -216,6 +222,7 @@ class TensorParallelGroup:
         if self._closed:
             return
         dead = sentinels[ready[0]]
+        dead.join(5)  # the sentinel can fire before the exit status is collected: exitcode would read None
         self.failure = f"tensor-parallel rank {dead.name.rsplit('-', 1)[1]} exited with code {dead.exitcode}"
         log.error("%s: the engine stops", self.failure)
         if self.on_failure is not None:

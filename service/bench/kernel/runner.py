@@ -218,10 +218,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     except StoreError as exc:
         sys.exit(f"bench kernel: {exc}")
     print(table(rows, args.baseline))
-    if args.csv:
-        write_csv(rows, args.csv)
-    if args.plot:
-        plot(rows, args.plot, f"attention kernels on {name}")
+    try:
+        if args.csv:
+            write_csv(rows, args.csv)
+        if args.plot:
+            plot(rows, args.plot, f"attention kernels on {name}")
+    except OSError as exc:  # the rows are stored already: say which file could not be written
+        sys.exit(f"bench kernel: cannot write {exc.filename or args.plot}: {exc.strerror or exc}")
     return rows
 
 

@@ -45,13 +45,16 @@ def clock_report(device: torch.device) -> str:
     try:
         import pynvml
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
-        sm = pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)
-        top = pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)
         try:
-            app = pynvml.nvmlDeviceGetApplicationsClock(handle, pynvml.NVML_CLOCK_SM)
-        except pynvml.NVMLError:
-            app = None
+            handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            sm = pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)
+            top = pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)
+            try:
+                app = pynvml.nvmlDeviceGetApplicationsClock(handle, pynvml.NVML_CLOCK_SM)
+            except pynvml.NVMLError:
+                app = None
+        finally:
+            pynvml.nvmlShutdown()  # nvmlInit is counted: each one needs its shutdown
         return (f"GPU clocks not locked by this benchmark (that needs root and changes the machine for everyone): "
                 f"SM {sm} MHz now, {top} MHz max" + (f", application clock {app} MHz" if app else ""))
     except Exception as exc:  # no NVML library or driver

@@ -219,6 +219,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(calculator_table(rows) if args.calc_only else results_table(rows))
     if args.json:
         import json
-        with open(args.json, "w") as f:
-            json.dump([to_json(r) for r in rows], f, indent=1)
+        try:
+            with open(args.json, "w") as f:
+                json.dump([to_json(r) for r in rows], f, indent=1)
+        except OSError as exc:  # the runs are stored already: say which file could not be written
+            sys.exit(f"bench model: cannot write {args.json}: {exc.strerror or exc}")
     return rows

@@ -84,7 +84,12 @@ def expand(dims: dict[str, list], cross_product: bool) -> list[dict]:
 def load_yaml(path: str) -> dict:
     """{dimensions: {key: [values]}, configs: [{key: value}], cross_product, warmup, iterations}."""
     with open(path) as f:
-        doc = yaml.safe_load(f) or {}
+        try:
+            doc = yaml.safe_load(f) or {}
+        except yaml.YAMLError as exc:  # one line: where and what, not the parser's traceback
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise ValueError(f"{path}: not valid YAML ({getattr(exc, 'problem', None) or exc}){where}") from None
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: expected a mapping with 'dimensions' and/or 'configs'")
     unknown = set(doc) - {"dimensions", "configs", "cross_product", "warmup", "iterations", "seed"}

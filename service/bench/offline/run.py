@@ -75,12 +75,6 @@ class Models:
         self.loaded = {}
 
     def engine(self, c: dict) -> LLMEngine:
-        device = torch.device(c["device"])
-        key = (c["model"], c["dtype"], c["device"])
-        if key not in self.loaded:
-            self.loaded.clear()
-            gc.collect()
-            self.loaded[key] = load_model(c["model"], resolve_dtype(c["dtype"], device), device)
         lengths = [Lengths.parse(c[k]).high for k in ("input_len", "output_len")]
         # on CPU the KV cache is a block count: enough for the whole batch, so nothing is preempted
         blocks = -(-c["batch_size"] * (sum(lengths) + 16) // 16) + 16 if c["device"] == "cpu" else None
@@ -88,8 +82,15 @@ class Models:
                               attention_backend=c["attention_backend"], compile=c["compile"],
                               cuda_graphs=c["cuda_graphs"], num_blocks=blocks, enable_prefix_caching=False,
                               tensor_parallel_size=c["tensor_parallel_size"])
+        key = (c["model"], c["dtype"], c["device"])
+        if key not in self.loaded or config.tensor_parallel_size > 1:
+            self.loaded.clear()
+            gc.collect()
         if config.tensor_parallel_size > 1:
-            return LLMEngine(config)  # every rank loads its own shard
+            return LLMEngine(config)  # every rank loads its own shard: the whole model is never needed here
+        if key not in self.loaded:
+            device = torch.device(c["device"])
+            self.loaded[key] = load_model(c["model"], resolve_dtype(c["dtype"], device), device)
         return LLMEngine(config, loaded=self.loaded[key])
 
 

@@ -25,7 +25,7 @@ def resolve(store, ref: str, kind: str | None = None) -> list[dict]:
     if len(ref) >= 4 and all(ch in "0123456789abcdef" for ch in ref.lower()):
         queries.append(("commit", _select_runs().where(r.git_commit.like(ref.lower() + "%"))))
     queries.append(("label", _select_runs().where(r.label == ref)))
-    with store.engine.connect() as conn:
+    with store.begin() as conn:
         for what, query in queries:
             if kind:
                 query = query.where(r.kind == kind)
@@ -47,7 +47,7 @@ def values(store, run_ids: list[int]) -> dict[int, dict[str, tuple[str | None, l
     m = measurements.c
     out: dict[int, dict] = {i: {} for i in run_ids}
     query = sa.select(m.run_id, m.metric, m.unit, m.value).where(m.run_id.in_(run_ids)).order_by(m.run_id, m.iteration, m.id)
-    with store.engine.connect() as conn:
+    with store.begin() as conn:
         for row in conn.execute(query):
             out[row.run_id].setdefault(row.metric, (row.unit, []))[1].append(row.value)
     return out
@@ -67,7 +67,7 @@ def history(store, kind=None, config=None, commit=None, label=None, status=None,
         query = query.where(r.label == label)
     if status:
         query = query.where(r.status == status)
-    with store.engine.connect() as conn:
+    with store.begin() as conn:
         return [row._asdict() for row in conn.execute(query.order_by(r.id.desc()).limit(limit))]
 
 
@@ -76,7 +76,7 @@ def commit_series(store, config_hash: str, kind: str, commits: int) -> list[dict
     query = (_select_runs().where(r.config_hash == config_hash, r.kind == kind, r.git_commit.is_not(None))
              .order_by(r.id.desc()))
     per_commit = {}
-    with store.engine.connect() as conn:
+    with store.begin() as conn:
         for row in conn.execute(query):
             if row.git_commit not in per_commit:
                 per_commit[row.git_commit] = row._asdict()
@@ -89,7 +89,7 @@ def table_rows(store, table: sa.Table, run_ids: list[int] | None) -> list[dict]:
     query = sa.select(table)
     if run_ids is not None:
         query = query.where((table.c.id if table is runs else table.c.run_id).in_(run_ids))
-    with store.engine.connect() as conn:
+    with store.begin() as conn:
         return [row._asdict() for row in conn.execute(query.order_by(table.c.id))]
 
 
@@ -99,7 +99,7 @@ TABLES = {"runs": runs, "measurements": measurements, "samples": samples}  # wha
 def save_verdicts(store, rows: list[dict], baseline_ref: str, candidate_ref: str, threshold: float) -> None:
     """Keep what one regress call concluded (one created_at for all its rows), for the dashboard."""
     now = datetime.datetime.now(datetime.timezone.utc)
-    with store.engine.begin() as conn:
+    with store.begin() as conn:
         conn.execute(verdicts.insert(), [
             {"created_at": now, "baseline_ref": baseline_ref, "candidate_ref": candidate_ref,
              "baseline_run_id": r["baseline_run"], "candidate_run_id": r["candidate_run"], "metric": r["metric"],

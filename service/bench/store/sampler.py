@@ -8,6 +8,7 @@ import threading
 
 import psutil
 
+from service.bench.store.errors import StoreError
 from service.telemetry.gpu import _visible
 
 
@@ -17,13 +18,15 @@ class DeviceSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="bench-device-sampler", daemon=True)
         self._process = psutil.Process()
-        self._gpus, self._nvml = [], None
+        self._gpus, self._nvml, self._error = [], None, None
         try:
             import pynvml
             pynvml.nvmlInit()
             self._nvml = pynvml
             self._gpus = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in _visible(pynvml, pynvml.nvmlDeviceGetCount())]
         except Exception:  # no library, no driver, no device: CPU readings only
+            if self._nvml is not None:  # initialised, then the devices could not be listed
+                self._nvml.nvmlShutdown()
             self._nvml = None
 
     def __enter__(self) -> "DeviceSampler":
@@ -37,10 +40,16 @@ class DeviceSampler:
         self._thread.join()
         if self._nvml is not None:
             self._nvml.nvmlShutdown()
+        if self._error is not None and exc[0] is None:  # the caller's one-line StoreError, not a thread traceback
+            raise self._error
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
-            self.run.sample(self.read())
+            try:
+                self.run.sample(self.read())
+            except StoreError as exc:  # the database went away: stop sampling, report it on exit
+                self._error = exc
+                return
 
     def read(self) -> dict[str, float]:
         values = {"cpu_percent": psutil.cpu_percent(None), "process_cpu_percent": self._process.cpu_percent(None),

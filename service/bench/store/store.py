@@ -57,14 +57,17 @@ def open_store(url: str | None = None, git: dict | None = None) -> "Store":
     shown = parsed.render_as_string(hide_password=True)
     if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    engine = None
     try:
         engine = sa.create_engine(parsed, connect_args={"connect_timeout": 10}
                                   if parsed.get_backend_name() == "postgresql" else {})
         with engine.begin() as conn:
             schema.prepare(conn)
-    except StoreError as exc:
-        raise StoreError(f"{shown}: {exc}") from None
-    except (sa.exc.SQLAlchemyError, ImportError, OSError) as exc:
+    except (StoreError, sa.exc.SQLAlchemyError, ImportError, OSError) as exc:
+        if engine is not None:  # close the pooled connection of a store we refuse
+            engine.dispose()
+        if isinstance(exc, StoreError):
+            raise StoreError(f"{shown}: {exc}") from None
         raise StoreError(f"cannot open the results database {shown}: {_one_line(exc)}") from None
     return Store(engine, shown, git)
 
@@ -119,6 +122,15 @@ class Store:
         self.engine, self.url, self.git = engine, shown_url, git
 
     @contextlib.contextmanager
+    def begin(self):
+        """A transaction for readers of the store: a database error becomes a one-line StoreError."""
+        try:
+            with self.engine.begin() as conn:
+                yield conn
+        except sa.exc.SQLAlchemyError as exc:
+            raise StoreError(f"cannot read or write {self.url}: {_one_line(exc)}") from None
+
+    @contextlib.contextmanager
     def run(self, kind: str, config: dict, label: str | None = None, name: str | None = None):
         """Record one run: yields a Run; ok when the block ends, failed (with the error) when it raises."""
         git = provenance.git_info(self.git)
@@ -142,13 +154,20 @@ class Store:
             status, error = "failed", f"{type(exc).__name__}: {exc}".strip()
             raise
         finally:
-            run.flush()
+            lost = None
+            try:
+                run.flush()
+            except StoreError as exc:  # still close the run, as failed, rather than leave it 'running'
+                if status == "ok":  # no exception on its way up: this one goes instead, after the update
+                    lost, status, error = exc, "failed", f"StoreError: {exc}"
             try:
                 with self.engine.begin() as conn:
                     conn.execute(schema.runs.update().where(schema.runs.c.id == run_id)
                                  .values(status=status, error=error, ended_at=_now()))
             except sa.exc.SQLAlchemyError as exc:
                 raise StoreError(f"cannot finish run {run_id} in {self.url}: {_one_line(exc)}") from None
+            if lost is not None:
+                raise lost
 
     def find_done(self, kind: str, config_hash: str, label: str | None = None) -> int | None:
         """The id of a finished run of this configuration at the current commit on this machine, if any."""
@@ -159,5 +178,5 @@ class Store:
                                        r.machine_id == provenance.machine_id(provenance.machine_info()))
                  .order_by(r.id.desc()).limit(1))
         query = query.where(r.label.is_(None) if label is None else r.label == label)
-        with self.engine.connect() as conn:
+        with self.begin() as conn:
             return conn.execute(query).scalar()
