@@ -43,6 +43,8 @@ class ServerState:
             engine = engine or LLMEngine(self.settings.engine)
             engine.observer = self.telemetry.observer
             self.facade = AsyncEngine(engine).start()
+            self.telemetry.model_loaded(str(engine.runner.dtype).removeprefix("torch."), engine.quantization,
+                                        engine.config.block_size, engine.runner.num_blocks)
             log.info("model %s ready on %s", engine.model_name, engine.device)
         except BaseException as exc:  # keep serving /health; /ready reports the failure
             log.exception("model failed to load")
