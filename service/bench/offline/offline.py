@@ -5,8 +5,10 @@ Peers: transformers `generate_batch` (continuous batching, attn `paged|sdpa`) an
 """
 
 import argparse
+import dataclasses
 import gc
 import json
+import os
 import platform
 import time
 
@@ -14,6 +16,8 @@ import torch
 
 from service.engine import EngineConfig, LLMEngine, SamplingParams
 from service.engine.attention import ATTN_IMPLEMENTATION
+from service.engine.models import resolve_dtype
+from service.engine.quantization import check as check_quantization
 
 
 def _sync(device: torch.device) -> None:
@@ -132,6 +136,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--static-batch", default=None, help="comma list; default: 64 on CUDA, 1,16 on CPU")
     ap.add_argument("--telemetry", action="store_true",
                     help="also measure the engine without and with the server's telemetry (the overhead)")
+    ap.add_argument("--quantization", default="none",
+                    help="weight-only mode: none, int8, int4, fp8; a comma list (none first) compares the modes in "
+                         "one run (the first is the baseline): weight memory, throughput against it, greedy agreement, perplexity")
+    ap.add_argument("--repeats", type=int, default=5, help="throughput runs per mode when comparing modes")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
 
@@ -142,11 +150,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     output_len = args.output_len or (128 if cuda else 64)
     static_batches = [int(b) for b in (args.static_batch or ("64" if cuda else "1,16")).split(",")]
 
+    modes = args.quantization.split(",")
+    for mode in modes:
+        try:
+            check_quantization(mode, device, resolve_dtype(args.dtype, device))
+        except ValueError as exc:
+            ap.error(str(exc))
     config = EngineConfig(model=model, device=device.type, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
                           gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=not args.no_cuda_graphs,
                           compile=not args.no_compile,
-                          enable_prefix_caching=False)
+                          enable_prefix_caching=False, quantization=modes[0])
+    if len(modes) > 1:
+        return _compare_quantization(config, modes, num_requests, args.input_len, output_len, args.repeats, args.json)
     t0 = time.perf_counter()
     engine = LLMEngine(config)
     setup = time.perf_counter() - t0
@@ -177,8 +193,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
     machine = torch.cuda.get_device_name() if cuda else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
-    print(f"\nmodel {model}, {num_requests} requests x {args.input_len} prompt / {output_len} output tokens, "
-          f"{device.type} ({machine}), torch {torch.__version__}")
+    print(f"\nmodel {model}, quantization {config.quantization}, {num_requests} requests x {args.input_len} prompt / "
+          f"{output_len} output tokens, {device.type} ({machine}), torch {torch.__version__}")
     print("| system | output tokens | seconds | output tok/s |\n|---|---|---|---|")
     for r in rows:
         r["tokens_per_second"] = r["output_tokens"] / r["seconds"]
@@ -187,6 +203,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
         with open(args.json, "w") as f:
             json.dump({"model": model, "device": machine, "num_requests": num_requests, "input_len": args.input_len,
                        "output_len": output_len, "rows": rows}, f, indent=2)
+    return rows
+
+
+def _compare_quantization(config: EngineConfig, modes: list[str], num_requests: int, input_len: int,
+                          output_len: int, repeats: int, json_path: str | None) -> list[dict]:
+    from service.bench.offline import quantization
+
+    engines = {m: LLMEngine(dataclasses.replace(config, quantization=m)) for m in modes}
+    engine = engines[modes[0]]
+    vocab = engine.runner.model.config.vocab_size
+    prompts = torch.randint(1, min(vocab, 32000), (num_requests, input_len),
+                            generator=torch.Generator().manual_seed(1)).tolist()
+    rows = quantization.compare(engines, prompts, output_len, repeats, run_engine)
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    machine = torch.cuda.get_device_name() if engine.device.type == "cuda" else \
+        f"{platform.processor() or 'cpu'}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+    print(f"\nmodel {config.model}, dtype {engine.runner.dtype}, {num_requests} requests x {input_len} prompt / "
+          f"{output_len} output tokens, {repeats} alternating runs per mode, {engine.device.type} ({machine}), "
+          f"load average {load}, torch {torch.__version__}")
+    print(quantization.table(rows))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"model": config.model, "device": machine, "load_average": os.getloadavg(), "rows": rows}, f,
+                      indent=2)
     return rows
 
 
