@@ -33,7 +33,7 @@ CATALOG = {
     "llm_prompt_tokens": "counter", "llm_generation_tokens": "counter", "llm_requests": "counter",
     "llm_http_requests": "counter", "llm_requests_running": "gauge", "llm_requests_waiting": "gauge",
     "llm_kv_cache_usage_ratio": "gauge", "llm_preemptions": "counter", "llm_engine_step_seconds": "histogram",
-    "llm_batch_tokens": "histogram",
+    "llm_batch_tokens": "histogram", "llm_model_info": "gauge",
 }
 GPU_GAUGES = ["llm_gpu_utilization_ratio", "llm_gpu_memory_used_bytes", "llm_gpu_memory_total_bytes",
               "llm_gpu_power_watts", "llm_gpu_temperature_celsius", "llm_gpu_sm_clock_hertz"]

@@ -9,6 +9,10 @@ import logging
 import torch
 
 log = logging.getLogger(__name__)
+if not torch.cuda.is_available():
+    # torchao (imported by transformers too) warns that its CUDA-only extensions do not load on a CPU build of
+    # torch; nothing here uses them, and the warnings would open every CPU start-up log
+    logging.getLogger("torchao").setLevel(logging.ERROR)
 
 MODES = ("none", "int8", "int4", "fp8")
 CPU_INT4_GROUP = 32  # SmolLM2's hidden size (576) is not a multiple of 128; 32 also keeps its greedy output close
