@@ -18,9 +18,11 @@ from tests.conftest import LiveServer, make_engine, reference_greedy
 
 CPU = torch.device("cpu")
 CPU_MODES = ["int8", "int4"]
-# greedy agreement with the unquantized default model over the first 6 prompts x 24 tokens (measured:
-# int8 1.000, int4 0.xxx on this machine); a broken kernel or a wrong scale lands far below
-AGREEMENT_BOUND = {"int8": 0.9, "int4": 0.3}
+# greedy agreement with the unquantized default model (share of identical output tokens, position by position)
+# over the first prompts of the benchmark's fixed set; measured values in README.md. A wrong scale or a broken
+# kernel gives gibberish and lands near 0.
+AGREEMENT_PROMPTS, AGREEMENT_TOKENS = 4, 16
+AGREEMENT_BOUND = {"int8": 0.5, "int4": 0.2}
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +66,17 @@ def test_int8_default_model_answers_paris(quantized):
     assert "Paris" in text
 
 
-@pytest.mark.parametrize("mode", CPU_MODES)
-def test_greedy_output_stays_within_the_agreement_bound(default_model, quantized, mode):
+@pytest.fixture(scope="module")
+def unquantized_answers(default_model):
     base = make_engine(default_model)
-    questions = prompt_ids(base, PROMPTS[:6])
-    share = agreement(greedy(base, questions, 24), greedy(make_engine(quantized[mode]), questions, 24))
+    questions = prompt_ids(base, PROMPTS[:AGREEMENT_PROMPTS])
+    return questions, greedy(base, questions, AGREEMENT_TOKENS)
+
+
+@pytest.mark.parametrize("mode", CPU_MODES)
+def test_greedy_output_stays_within_the_agreement_bound(unquantized_answers, quantized, mode):
+    questions, reference = unquantized_answers
+    share = agreement(reference, greedy(make_engine(quantized[mode]), questions, AGREEMENT_TOKENS))
     assert share >= AGREEMENT_BOUND[mode], share
 
 
