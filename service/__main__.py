@@ -1,3 +1,4 @@
 from service.cli import main
 
-main()
+if __name__ == "__main__":  # not when multiprocessing spawns a tensor-parallel rank
+    main()

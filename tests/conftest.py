@@ -129,3 +129,11 @@ class LiveServer:
                 return True
             time.sleep(0.05)
         return False
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _bench_results_store(tmp_path_factory):
+    """Benchmarks run by tests record into a throwaway store, never into the user's data directory."""
+    import os
+
+    os.environ.setdefault("LLM_BENCH_DB", f"sqlite:///{tmp_path_factory.mktemp('bench-store') / 'bench.db'}")

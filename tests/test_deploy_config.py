@@ -37,6 +37,8 @@ def compose_config(*files: Path, profiles: tuple[str, ...] = (), env: dict | Non
     args = ["docker-compose"] + [a for f in files for a in ("-f", str(f))]
     args += [a for p in profiles for a in ("--profile", p)] + ["config"]
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("LLM_", "LOAD_", "GRAFANA_", "ALERT_"))}
+    # the stack refuses to start without a database password; any value validates the file
+    clean.setdefault("POSTGRES_PASSWORD", "compose-config-check")
     done = subprocess.run(args, capture_output=True, text=True, timeout=60, env={**clean, **(env or {})})
     assert done.returncode == 0, done.stderr
     return yaml.safe_load(done.stdout)
@@ -84,9 +86,11 @@ def promql_expressions() -> list[tuple[str, str]]:
                 if t["datasource"]["uid"] == "prometheus":
                     out.append((f"{name}: {p['title']}", t["expr"]))
         for var in dash["templating"]["list"]:
-            out.append((f"{name}: variable {var['name']}", var["query"]["query"]))
+            if var["datasource"]["uid"] == "prometheus":
+                out.append((f"{name}: variable {var['name']}", var["query"]["query"]))
         for ann in dash["annotations"]["list"]:
-            out.append((f"{name}: annotation {ann['name']}", ann["expr"]))
+            if ann["datasource"]["uid"] == "prometheus":
+                out.append((f"{name}: annotation {ann['name']}", ann["expr"]))
     for ds in datasources():
         for q in ds.get("jsonData", {}).get("tracesToMetrics", {}).get("queries", []):
             # Grafana expands $VAR in provisioning files: $$ is a literal $
@@ -116,7 +120,7 @@ def recorded_names() -> set[str]:
 @needs_tools("docker-compose")
 def test_compose_file_validates_with_and_without_the_gpu_override_and_load_profile():
     base = compose_config(COMPOSE)
-    assert set(active(base)) == {"service", "prometheus", "alertmanager", "alert-sink", "tempo", "grafana"}
+    assert set(active(base)) == {"service", "prometheus", "alertmanager", "alert-sink", "tempo", "grafana", "postgres"}
     with_load = compose_config(COMPOSE, profiles=("load",))
     assert set(active(with_load, ("load",))) == set(active(base)) | {"load"}
     gpu = compose_config(COMPOSE, GPU_OVERRIDE, profiles=("load",))
@@ -133,8 +137,20 @@ def test_docker_compose_config_rejects_an_invalid_file(tmp_path):
     broken = tmp_path / "docker-compose.yml"
     broken.write_text(COMPOSE.read_text().replace("    healthcheck:\n      test: [\"CMD\", \"wget\"",
                                                   "    healthchek:\n      test: [\"CMD\", \"wget\"", 1))
-    done = subprocess.run(["docker-compose", "-f", str(broken), "config"], capture_output=True, text=True)
+    done = subprocess.run(["docker-compose", "-f", str(broken), "config"], capture_output=True, text=True,
+                          env={**os.environ, "POSTGRES_PASSWORD": "compose-config-check"})
     assert done.returncode != 0 and "healthchek" in done.stderr
+
+
+@needs_tools("docker-compose")
+def test_the_stack_refuses_to_start_without_a_database_password():
+    env = {k: v for k, v in os.environ.items() if k != "POSTGRES_PASSWORD"}
+    done = subprocess.run(["docker-compose", "-f", str(COMPOSE), "config"], capture_output=True, text=True, env=env)
+    assert done.returncode != 0 and "set POSTGRES_PASSWORD" in done.stderr
+    postgres = compose_config(COMPOSE, env={"POSTGRES_PASSWORD": "from-the-environment"})["services"]["postgres"]
+    assert postgres["environment"]["POSTGRES_PASSWORD"] == "from-the-environment"
+    assert "POSTGRES_PASSWORD" not in (DEPLOY / "grafana/provisioning/datasources/datasources.yml").read_text().replace(
+        "$POSTGRES_PASSWORD", "")  # the data source reads it from Grafana's environment
 
 
 @needs_tools("docker-compose")
@@ -161,7 +177,7 @@ def test_every_service_is_pinned_healthchecked_and_restarted():
 def test_state_lives_in_named_volumes():
     config = compose_config(COMPOSE)
     want = {"service": "/home/app/.cache/llm-service", "prometheus": "/prometheus", "alertmanager": "/alertmanager",
-            "tempo": "/var/tempo", "grafana": "/var/lib/grafana"}
+            "tempo": "/var/tempo", "grafana": "/var/lib/grafana", "postgres": "/var/lib/postgresql/data"}
     for name, target in want.items():
         named = mounts(config["services"][name], named=True)
         assert list(named) == [target], name
@@ -216,7 +232,7 @@ def test_grafana_provisioning_paths_match_the_mounted_volumes():
     assert env["GF_SECURITY_ADMIN_PASSWORD"] not in ("", "admin")
     # datasource URLs name compose services on their ports
     urls = {ds["uid"]: ds["url"] for ds in datasources()}
-    assert urls == {"prometheus": "http://prometheus:9090", "tempo": "http://tempo:3200"}
+    assert urls == {"prometheus": "http://prometheus:9090", "tempo": "http://tempo:3200", "bench-postgres": "postgres:5432"}
 
 
 @needs_tools("docker-compose")
@@ -307,7 +323,7 @@ def test_dashboards_are_what_build_dashboards_writes():
 
 def test_dashboards_refer_to_provisioned_datasources_by_uid():
     uids = {ds["uid"] for ds in datasources()}
-    assert uids == {"prometheus", "tempo"}
+    assert uids == {"prometheus", "tempo", "bench-postgres"}
     for name, dash in dashboards().items():
         used = set()
         for p in panels(dash):
@@ -333,7 +349,8 @@ def test_datasources_link_exemplars_to_tempo_and_traces_back_to_prometheus():
 
 def test_dashboards_have_fixed_uids_instance_and_model_variables_and_exemplars_on_latency():
     dashes = dashboards()
-    assert {d["uid"] for d in dashes.values()} == {"llm-overview", "llm-gpu", "llm-slo"}
+    assert {d["uid"] for d in dashes.values()} == {"llm-overview", "llm-gpu", "llm-slo", "llm-bench-history"}
+    dashes.pop("llm-bench-history.json")  # SQL over the results store: tests/test_bench_dashboard.py
     for name, dash in dashes.items():
         variables = {v["name"]: v for v in dash["templating"]["list"]}
         assert set(variables) == {"instance", "model"}, name

@@ -30,15 +30,16 @@ CATALOG = {
     "llm_time_to_first_token_seconds": "histogram", "llm_time_per_output_token_seconds": "histogram",
     "llm_request_duration_seconds": "histogram", "llm_request_queue_seconds": "histogram",
     "llm_request_prefill_seconds": "histogram", "llm_request_decode_seconds": "histogram",
+    "llm_request_frontend_seconds": "histogram",
     "llm_prompt_tokens": "counter", "llm_generation_tokens": "counter", "llm_requests": "counter",
     "llm_http_requests": "counter", "llm_requests_running": "gauge", "llm_requests_waiting": "gauge",
     "llm_kv_cache_usage_ratio": "gauge", "llm_preemptions": "counter", "llm_engine_step_seconds": "histogram",
-    "llm_batch_tokens": "histogram", "llm_model_info": "gauge",
+    "llm_batch_tokens": "histogram", "llm_tensor_parallel_forward_seconds": "counter", "llm_model_info": "gauge",
 }
 GPU_GAUGES = ["llm_gpu_utilization_ratio", "llm_gpu_memory_used_bytes", "llm_gpu_memory_total_bytes",
               "llm_gpu_power_watts", "llm_gpu_temperature_celsius", "llm_gpu_sm_clock_hertz"]
 LATENCIES = ["llm_time_to_first_token_seconds", "llm_request_queue_seconds", "llm_request_prefill_seconds",
-             "llm_request_duration_seconds", "llm_request_decode_seconds"]
+             "llm_request_duration_seconds", "llm_request_decode_seconds", "llm_request_frontend_seconds"]
 
 
 def recorded_engine(loaded, **overrides):
@@ -245,7 +246,8 @@ def test_request_span_joins_the_callers_trace_with_gen_ai_attributes_events_and_
     assert a["gen_ai.response.finish_reasons"] == ["length"]
     assert "gen_ai.prompt" not in a and "gen_ai.completion" not in a  # no text unless enabled
     names = [e[0] for e in gen.events]
-    assert names == ["queued", "scheduled", "first_token", "finished"]
+    assert names == ["received", "queued", "scheduled", "first_token", "finished"]
+    assert gen.start_ns == gen.events[0][1] and gen.attributes["llm.request.frontend_seconds"] > 0
     assert [e[1] for e in gen.events] == sorted(e[1] for e in gen.events)
     assert gen.resource["service.name"] == "llm-service"
     # the request is linked from the steps that changed its life: the one that admitted it, the one it ended in

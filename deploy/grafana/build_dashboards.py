@@ -9,6 +9,8 @@ raw histograms instead: exemplars (trace ids) exist only on raw series.
 import json
 from pathlib import Path
 
+from bench_history import bench_history  # the results store's dashboard (PostgreSQL), in its own module
+
 OUT = Path(__file__).parent / "dashboards"
 PROM = {"type": "prometheus", "uid": "prometheus"}
 TEMPO = {"type": "tempo", "uid": "tempo"}
@@ -193,9 +195,11 @@ def overview() -> dict:
                    "(trace ids).", quantiles("llm_request_duration_seconds", rate="$__rate_interval",
                                              exemplar_q="0.95"), "s"),
         timeseries("Where the time goes (p95)", "p95 of each phase of a request: waiting to be scheduled "
-                   "(queue), prompt processing up to the first token (prefill), generating the rest (decode).",
+                   "(queue), prompt processing up to the first token (prefill), generating the rest (decode); "
+                   "frontend is the part of the queue before the engine (body, validation, chat template, "
+                   "tokenization): high while the engine is idle means a slow front end.",
                    [target(f"histogram_quantile(0.95, sum by (le) (instance_model:llm_request_{p}_seconds_bucket:"
-                           f"rate5m{{{SEL}}}))", p) for p in ("queue", "prefill", "decode")], "s", w=12),
+                           f"rate5m{{{SEL}}}))", p) for p in ("queue", "prefill", "decode", "frontend")], "s", w=12),
         timeseries("Queue time", "From arrival to first scheduling: above a few ms the server is saturated.",
                    quantiles("llm_request_queue_seconds"), "s", w=12),
 
@@ -333,7 +337,8 @@ def slo() -> dict:
                      "left and burn rates over the multi-window alert windows.", panels)
 
 
-DASHBOARDS = {"llm-overview.json": overview, "llm-gpu.json": gpu, "llm-slo.json": slo}
+DASHBOARDS = {"llm-overview.json": overview, "llm-gpu.json": gpu, "llm-slo.json": slo,
+              "llm-bench-history.json": lambda: bench_history(dashboard, row)}
 
 
 def render() -> dict[str, str]:

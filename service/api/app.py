@@ -2,15 +2,19 @@
 
 import asyncio
 import logging
+import os
+import signal
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 
+from service.api.arrival import ArrivalClock
 from service.api.errors import APIError, install_handlers, unavailable
 from service.api.middleware import HTTPMetrics
 from service.engine import AsyncEngine, LLMEngine, RequestOutput, SamplingParams
+from service.engine.errors import EngineDeadError
 from service.engine.models import display_name
 from service.settings import Settings
 from service.telemetry.hub import Telemetry
@@ -28,6 +32,7 @@ class ServerState:
         self.facade: AsyncEngine | None = None
         self.load_error: BaseException | None = None
         self.draining = False
+        self.fatal: str | None = None  # why the server must exit non-zero (a tensor-parallel rank died)
 
     @property
     def ready(self) -> bool:
@@ -45,10 +50,19 @@ class ServerState:
             self.facade = AsyncEngine(engine).start()
             self.telemetry.model_loaded(str(engine.runner.dtype).removeprefix("torch."), engine.quantization,
                                         engine.config.block_size, engine.runner.num_blocks)
+            if engine.parallel is not None:
+                engine.parallel.on_failure = self.rank_failed
             log.info("model %s ready on %s", engine.model_name, engine.device)
         except BaseException as exc:  # keep serving /health; /ready reports the failure
             log.exception("model failed to load")
             self.load_error = exc
+
+    def rank_failed(self, reason: str) -> None:
+        """A tensor-parallel rank died: fail what is in flight, turn /ready 503, then exit non-zero (so an
+        orchestrator restarts the whole server rather than leave it half alive)."""
+        self.fatal = reason
+        self.facade.fail(EngineDeadError(reason))
+        os.kill(os.getpid(), signal.SIGTERM)  # the drain finishes at once: every stream has its error
 
     def check_model(self, name: str) -> None:
         if self.facade is None:
@@ -57,11 +71,12 @@ class ServerState:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
                            type="invalid_request_error", param="model", code="model_not_found")
 
-    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str, operation: str
-               ) -> AsyncIterator[RequestOutput]:
+    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str, operation: str,
+               arrival: float | None = None) -> AsyncIterator[RequestOutput]:
         """Admission control, then validation (400s are raised here, before any response starts).
 
-        `operation` names the request's span (gen_ai.operation.name: chat, text_completion, generate).
+        `operation` names the request's span (gen_ai.operation.name: chat, text_completion, generate);
+        `arrival` is when the server received the request (service.api.arrival), the start of its clock.
         """
         if self.draining:
             raise unavailable("the server is shutting down", retry_after=5)
@@ -69,10 +84,11 @@ class ServerState:
             raise unavailable("the model is still loading", retry_after=5)
         if self.facade.num_waiting >= self.settings.server.max_waiting:
             raise unavailable(f"too many requests waiting ({self.settings.server.max_waiting}); retry later")
-        stream = self.facade.submit(prompt, params, request_id)
+        stream = self.facade.submit(prompt, params, request_id, arrival=arrival)
         tracing = self.telemetry.tracing
         if tracing.enabled:
-            stream = tracing.generation(stream, request_id, operation, self.model_name, params, prompt)
+            stream = tracing.generation(stream, request_id, operation, self.model_name, params, prompt,
+                                        arrival=arrival)
         return stream
 
 
@@ -124,6 +140,7 @@ def create_app(settings: Settings | None = None, engine: LLMEngine | None = None
         loader.join()
         if state.facade is not None:
             state.facade.shutdown()
+            state.facade.engine.close()
         telemetry.shutdown()
 
     from service.api import native_routes, openai_routes
@@ -132,6 +149,7 @@ def create_app(settings: Settings | None = None, engine: LLMEngine | None = None
     app.state.server = state
     install_handlers(app)
     app.add_middleware(HTTPMetrics, counter=telemetry.metrics.http_requests, model=model)
+    app.add_middleware(ArrivalClock)  # the last added runs first: every request's clock starts here
     if telemetry.tracing.enabled:
         from opentelemetry import trace
         from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from service.api.app import ServerState, collect, get_state
+from service.api.arrival import arrival
 from service.api.errors import checked
 from service.api.schemas import GenerateRequest
 from service.api.streaming import sse, timings, usage
@@ -41,7 +42,7 @@ async def metrics(request: Request, state: ServerState = Depends(get_state)):
 async def generate(body: GenerateRequest, request: Request, state: ServerState = Depends(get_state)):
     rid = f"gen-{uuid.uuid4().hex}"
     stream = state.submit(body.single_prompt(), body.sampling_params(body.max_tokens, body.logprobs), rid,
-                          "generate")
+                          "generate", arrival(request))
 
     def final(out) -> dict:
         return {"id": rid, "finish_reason": out.finish_reason, "usage": usage(out), "timings": timings(out.timings)}

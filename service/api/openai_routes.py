@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 
 from service.api.app import ServerState, collect, get_state
+from service.api.arrival import arrival
 from service.api.errors import bad_request, checked
 from service.api.schemas import ChatCompletionRequest, CompletionRequest
 from service.api.streaming import chat_logprobs, completion_logprobs, sse, usage
@@ -27,7 +28,7 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
     state.check_model(body.model)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     stream = state.submit(body.single_prompt(), body.sampling_params(body.max_tokens, body.logprobs), rid,
-                          "text_completion")
+                          "text_completion", arrival(request))
     tokenizer = state.facade.engine.tokenizer
     head = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
 
@@ -66,7 +67,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    stream = state.submit(prompt, body.sampling_params(max_tokens, body.num_logprobs), rid, "chat")
+    stream = state.submit(prompt, body.sampling_params(max_tokens, body.num_logprobs), rid, "chat", arrival(request))
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model}
 
     if body.stream:

@@ -1,6 +1,7 @@
 """Run the app under uvicorn; SIGTERM/SIGINT drain: new requests get 503, in-flight ones finish."""
 
 import logging
+import sys
 
 import uvicorn
 
@@ -30,4 +31,8 @@ def serve(settings: Settings) -> None:
     config = uvicorn.Config(app, host=settings.server.host, port=settings.server.port,
                             log_level=settings.server.log_level.lower(),
                             timeout_graceful_shutdown=settings.server.drain_timeout)
-    DrainingServer(config, app.state.server).run()
+    state = app.state.server
+    DrainingServer(config, state).run()
+    if state.fatal:
+        log.error("exiting: %s", state.fatal)
+        sys.exit(1)

@@ -64,9 +64,9 @@ def usage(out: RequestOutput) -> dict:
 
 
 def timings(t: Timings) -> dict:
-    """The request's own clock, in seconds from its arrival."""
+    """The request's own clock, in seconds from its arrival (the moment the server received it)."""
     rel = lambda x: None if x is None else x - t.arrival
     times = [x - t.arrival for x in t.token_times]
-    return {"queue": rel(t.first_scheduled), "ttft": rel(t.first_token), "token_times": times,
-            "inter_token": [b - a for a, b in zip(times, times[1:])],
+    return {"frontend": rel(t.submitted), "queue": rel(t.first_scheduled), "ttft": rel(t.first_token),
+            "token_times": times, "inter_token": [b - a for a, b in zip(times, times[1:])],
             "total": rel(t.finished if t.finished is not None else (t.token_times or [None])[-1])}

@@ -47,11 +47,14 @@ class AsyncEngine:
         return self.engine.num_waiting + self._queued
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
-               request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Validate now (raises InvalidRequestError), then stream outputs once iterated."""
+               request_id: str | None = None, arrival: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Validate now (raises InvalidRequestError), then stream outputs once iterated.
+
+        `arrival` (time.perf_counter) starts the request's clock earlier than now: when the server received it.
+        """
         if not self.running:
             raise EngineDeadError("the engine loop is not running")
-        return self._stream(self.engine.make_sequence(prompt, params, request_id))
+        return self._stream(self.engine.make_sequence(prompt, params, request_id, arrival))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -95,13 +98,19 @@ class AsyncEngine:
                 outputs = engine.step()
                 for out in outputs:
                     self._deliver(out)
-        except BaseException as exc:  # a bug in the loop: fail every waiting client instead of hanging
+        except BaseException as exc:  # a bug in the loop, or a lost rank: fail every waiting client instead of hanging
             log.exception("engine loop died")
-            self.error = exc
-            for loop, q in list(self._streams.values()):
-                loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine loop died: {exc!r}"))
+            self.fail(EngineDeadError(str(exc) if isinstance(exc, EngineDeadError) else f"engine loop died: {exc!r}"))
         finally:
             self._stop = True
+
+    def fail(self, error: EngineDeadError) -> None:
+        """Stop for good: every stream ends with `error`, and no new request is accepted (from any thread)."""
+        self.error = error
+        self._stop = True
+        self._wake.set()
+        for loop, q in list(self._streams.values()):
+            loop.call_soon_threadsafe(q.put_nowait, error)
 
     def _drain_inbox(self) -> None:
         while True:

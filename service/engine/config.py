@@ -23,4 +23,5 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere; or torch / triton
     seed: int = 0  # seed of the sampler for requests that bring none
     trust_remote_code: bool = False
+    tensor_parallel_size: int = 1  # ranks (one process per GPU; gloo processes on CPU) that share the model
     cache_dir: str | None = None  # where converted GGUF weights are cached; None: ~/.cache/llm-service

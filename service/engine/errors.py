@@ -19,3 +19,7 @@ class InvalidRequestError(EngineError, ValueError):
 
 class EngineDeadError(EngineError):
     """The engine loop has stopped; no request can be served."""
+
+
+class RankFailedError(EngineDeadError):
+    """A tensor-parallel rank died or stopped answering: the engine cannot go on."""

@@ -12,7 +12,7 @@ import torch
 from service.engine.block_manager import BlockManager
 from service.engine.config import EngineConfig
 from service.engine.detokenizer import Detokenizer
-from service.engine.errors import InvalidRequestError
+from service.engine.errors import EngineDeadError, InvalidRequestError
 from service.engine.model_runner import ModelRunner
 from service.engine.models import LoadedModel, load_model, resolve_dtype
 from service.engine.sampling import SamplingParams
@@ -58,6 +58,7 @@ class StepStats:
     num_running: int
     num_waiting: int
     kv_usage: float
+    rank_seconds: list[float] | None = None  # tensor parallelism: each rank's time in forward passes so far
 
 
 # Called on the engine's thread after every step and abort.
@@ -71,9 +72,14 @@ class LLMEngine:
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
             self.device = torch.device(config.device)
-        if loaded is None:
-            loaded = load_model(config.model, resolve_dtype(config.dtype, self.device, config.quantization), self.device,
-                                config.cache_dir, config.seed, config.trust_remote_code, config.quantization)
+        self.parallel = None  # the tensor-parallel group, when the model is split over several ranks
+        if config.tensor_parallel_size > 1:
+            config, loaded = self._start_parallel(config, loaded)
+            self.config = config
+        elif loaded is None:
+            loaded = load_model(config.model, resolve_dtype(config.dtype, self.device, config.quantization),
+                                self.device, config.cache_dir, config.seed, config.trust_remote_code,
+                                config.quantization)
         self.model_name = loaded.name
         self.quantization = loaded.quantization
         self.tokenizer = loaded.tokenizer
@@ -88,6 +94,31 @@ class LLMEngine:
         self.observer: StepObserver | None = None  # telemetry sets it; called after every step and abort
         self._ids = itertools.count()
 
+    def _start_parallel(self, config: EngineConfig, loaded: LoadedModel | None) -> tuple[EngineConfig, LoadedModel]:
+        from service.engine.parallel import TensorParallelGroup, load_shard
+
+        if loaded is not None:
+            raise ValueError("a tensor-parallel engine loads its own shard on each rank; pass no loaded model")
+        if config.cuda_graphs or config.compile:
+            # graph replays and compiled layers would skip the broadcast that keeps the other ranks in step
+            log.info("tensor parallelism: CUDA graphs and torch.compile are off")
+            config = dataclasses.replace(config, cuda_graphs=False, compile=False)
+        self.parallel = TensorParallelGroup(config)
+        try:
+            loaded = load_shard(config, config.tensor_parallel_size, 0)
+        except BaseException:
+            self.parallel.close()
+            raise
+        self.parallel.link(loaded.model)
+        log.info("tensor parallelism over %d ranks (%s)", config.tensor_parallel_size,
+                 "nccl" if self.device.type == "cuda" else "gloo")
+        return config, loaded
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any."""
+        if self.parallel is not None:
+            self.parallel.close()
+
     # -- requests -------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -97,8 +128,13 @@ class LLMEngine:
         return list(prompt)
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
-                      request_id: str | None = None) -> Sequence:
-        """Validate a request and build its sequence; raises InvalidRequestError for bad input."""
+                      request_id: str | None = None, arrival: float | None = None) -> Sequence:
+        """Validate a request and build its sequence; raises InvalidRequestError for bad input.
+
+        The request's clock starts at `arrival` (time.perf_counter; the server passes when it received the
+        request) or now, so tokenization and validation count in its queue time and TTFT either way.
+        """
+        arrival = time.perf_counter() if arrival is None else arrival
         params = dataclasses.replace(params) if params else SamplingParams()  # the engine fills in max_tokens
         ids = self.tokenize(prompt)
         if not ids:
@@ -126,10 +162,11 @@ class LLMEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.seqs:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
-        seq = Sequence(rid, ids, params, eos_token_ids=self.eos_token_ids)
+        seq = Sequence(rid, ids, params, eos_token_ids=self.eos_token_ids, timings=Timings(arrival=arrival))
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.detokenizer.start(seq)
+        seq.timings.submitted = time.perf_counter()
         return seq
 
     def add_sequence(self, seq: Sequence) -> None:
@@ -166,6 +203,8 @@ class LLMEngine:
 
     # -- steps ----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.parallel is not None and self.parallel.failure:
+            raise EngineDeadError(self.parallel.failure)
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
@@ -179,6 +218,8 @@ class LLMEngine:
             seq.timings.preempted.append(start)
         try:
             sampled, result = self.runner.execute(batch)
+        except EngineDeadError:  # a tensor-parallel rank is gone: no later step can run either
+            raise
         except Exception:
             log.exception("engine step failed; failing its %d requests", len(batch.seqs))
             outputs = self._fail(batch)
@@ -221,7 +262,8 @@ class LLMEngine:
         self.observer(StepStats(
             phase, batch.num_tokens if phase else 0, len(batch.seqs) if phase else 0, duration, outputs, list(first_tokens), list(finished),
             ids(batch.admitted) if phase else [], ids(batch.preempted) if batch else [],
-            self.num_running, self.num_waiting, self.blocks.usage))
+            self.num_running, self.num_waiting, self.blocks.usage,
+            self.parallel.rank_seconds if self.parallel is not None else None))
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

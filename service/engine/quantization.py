@@ -47,6 +47,8 @@ def check_config(config) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" \
         else torch.device(config.device)
     check(config.quantization, device, resolve_dtype(config.dtype, device, config.quantization))
+    if config.quantization != "none" and config.tensor_parallel_size > 1:
+        raise ValueError("quantization does not work with tensor parallelism yet: use --tensor-parallel-size 1")
 
 
 def checkpoint_method(config) -> str | None:

@@ -17,9 +17,14 @@ class Status(enum.Enum):
 
 @dataclass
 class Timings:
-    """Monotonic clock readings (time.perf_counter) of one request's life."""
+    """Monotonic clock readings (time.perf_counter) of one request's life.
+
+    `arrival` is when the server received the request (its ASGI start), `submitted` when it was handed to
+    the engine, validated and tokenized: the time between them is the server's front end.
+    """
 
     arrival: float = field(default_factory=time.perf_counter)
+    submitted: float | None = None
     first_scheduled: float | None = None
     first_token: float | None = None
     token_times: list[float] = field(default_factory=list)

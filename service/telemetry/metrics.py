@@ -18,6 +18,9 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.0
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0,
                     180.0, 300.0, 600.0)
 QUEUE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+# The front end (body, validation, chat template, tokenization) takes well under a millisecond to seconds.
+FRONTEND_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                    5.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5,
                 1.0, 2.5, 5.0)
 BATCH_TOKEN_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384
@@ -41,13 +44,17 @@ class Metrics:
             return Histogram(name, doc, labels, registry=r, buckets=buckets)
 
         self.ttft = histogram("llm_time_to_first_token_seconds",
-                              "Time from a request's arrival to its first output token.", TTFT_BUCKETS)
+                              "Time from a request's arrival at the server to its first output token.", TTFT_BUCKETS)
         self.itl = histogram("llm_time_per_output_token_seconds",
                              "Gap between consecutive output tokens of a request (inter-token latency).", ITL_BUCKETS)
         self.duration = histogram("llm_request_duration_seconds",
                                   "Time from a request's arrival to its last token (end to end).", DURATION_BUCKETS)
         self.queue = histogram("llm_request_queue_seconds",
                                "Time from a request's arrival to its first scheduling.", QUEUE_BUCKETS)
+        self.frontend = histogram("llm_request_frontend_seconds",
+                                  "Time from a request's arrival to its hand-over to the engine: body, validation, "
+                                  "chat template and tokenization (part of its queue time and TTFT).",
+                                  FRONTEND_BUCKETS)
         self.prefill = histogram("llm_request_prefill_seconds",
                                  "Time from a request's first scheduling to its first output token.", TTFT_BUCKETS)
         self.decode = histogram("llm_request_decode_seconds",
@@ -69,6 +76,10 @@ class Metrics:
                               registry=r)
         self.preemptions = Counter("llm_preemptions", "Requests preempted (blocks freed, recomputed later) because "
                                    "the KV cache was full.", m, registry=r)
+        self.rank_forward_seconds = Counter(
+            "llm_tensor_parallel_forward_seconds", "Time each tensor-parallel rank spent in forward passes (gathered "
+            "every 16 passes); a rank whose rate stands out is the one the others wait for.", ["model", "rank"],
+            registry=r)
         self.step_seconds = histogram("llm_engine_step_seconds", "Duration of one engine step (one forward pass and "
                                       "sampling), by phase.", STEP_BUCKETS, ["model", "phase"])
         self.batch_tokens = histogram("llm_batch_tokens", "Tokens computed in one engine step, by phase.",
@@ -82,6 +93,7 @@ class Metrics:
             self.duration.labels(model)
         self.queue_m, self.prefill_m, self.decode_m = self.queue.labels(model), self.prefill.labels(model), \
             self.decode.labels(model)
+        self.frontend_m = self.frontend.labels(model)
         self.prompt_tokens_m = self.prompt_tokens.labels(model)
         self.generation_tokens_m = self.generation_tokens.labels(model)
         self.preemptions_m = self.preemptions.labels(model)

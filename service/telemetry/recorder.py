@@ -23,13 +23,14 @@ def observe_many(histogram, value: float, count: int) -> None:
 class EngineRecorder:
     """A StepObserver: request latencies and token counts from a step's outputs, step time and load.
 
-    Per request: TTFT, queue and prefill time and prompt tokens at its first token; every gap between
+    Per request: TTFT, queue, front-end and prefill time and prompt tokens at its first token; every gap between
     output tokens; end-to-end and decode time and the finish reason when it finishes.
     """
 
     def __init__(self, metrics: Metrics, trace_id: Callable[[str], str | None] = lambda request_id: None):
         self.m = metrics
         self.trace_id = trace_id  # request id -> trace id of its sampled span, for exemplars
+        self.rank_seconds: list[float] = []  # each tensor-parallel rank's forward time, as last counted
 
     def __call__(self, step: StepStats) -> None:
         m = self.m
@@ -52,6 +53,15 @@ class EngineRecorder:
         m.running_m.set(step.num_running)
         m.waiting_m.set(step.num_waiting)
         m.kv_usage_m.set(step.kv_usage)
+        if step.rank_seconds and step.rank_seconds != self.rank_seconds:
+            self._count_rank_seconds(step.rank_seconds)
+
+    def _count_rank_seconds(self, seconds: list[float]) -> None:
+        previous = self.rank_seconds or [0.0] * len(seconds)
+        for rank, (now, before) in enumerate(zip(seconds, previous)):
+            if now > before:
+                self.m.rank_forward_seconds.labels(self.m.model, str(rank)).inc(now - before)
+        self.rank_seconds = list(seconds)
 
     def _exemplar(self, request_id: str) -> dict[str, str] | None:
         trace_id = self.trace_id(request_id)
@@ -61,6 +71,7 @@ class EngineRecorder:
         m, t = self.m, out.timings
         m.ttft_m.observe(t.first_token - t.arrival, self._exemplar(out.request_id))
         m.queue_m.observe(t.first_scheduled - t.arrival)
+        m.frontend_m.observe(t.submitted - t.arrival)
         m.prefill_m.observe(t.first_token - t.first_scheduled)
         m.prompt_tokens_m.inc(out.num_prompt_tokens)
 

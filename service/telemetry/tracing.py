@@ -116,6 +116,12 @@ def make_provider(sample_ratio: float):
     return provider
 
 
+def _wall_clock():
+    """Turns time.perf_counter readings (the engine's clock) into the wall-clock nanoseconds spans carry."""
+    offset = time.time_ns() - time.perf_counter_ns()
+    return lambda t: int(t * 1e9) + offset
+
+
 class Tracing:
     """One server's spans: a generation span per request, and engine-step spans linked to the requests."""
 
@@ -138,8 +144,10 @@ class Tracing:
         return trace.format_trace_id(ctx.trace_id) if ctx is not None and ctx.trace_flags.sampled else None
 
     async def generation(self, stream: AsyncIterator[RequestOutput], request_id: str, operation: str, model: str,
-                         params: SamplingParams, prompt: str | list[int]) -> AsyncIterator[RequestOutput]:
-        """Wrap a request's output stream in its span (a child of the current HTTP span)."""
+                         params: SamplingParams, prompt: str | list[int], arrival: float | None = None
+                         ) -> AsyncIterator[RequestOutput]:
+        """Wrap a request's output stream in its span (a child of the current HTTP span), which starts at the
+        request's `arrival` (time.perf_counter) when given: its front end is inside the span."""
         attributes = {"gen_ai.operation.name": operation, "gen_ai.provider.name": "llm-service",
                       "gen_ai.request.model": model, "gen_ai.request.max_tokens": params.max_tokens or 0,
                       "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
@@ -152,7 +160,10 @@ class Tracing:
             attributes["gen_ai.request.stop_sequences"] = params.stop
         if self.trace_text:
             attributes["gen_ai.prompt"] = prompt if isinstance(prompt, str) else json.dumps(prompt)
-        span = self.tracer.start_span(f"{operation} {model}", kind=SpanKind.INTERNAL, attributes=attributes)
+        at = _wall_clock()  # one offset for the whole span, so its events line up with its start
+        start = None if arrival is None else at(arrival)
+        span = self.tracer.start_span(f"{operation} {model}", kind=SpanKind.INTERNAL, attributes=attributes,
+                                      start_time=start)
         self.contexts[request_id] = span.get_span_context()
         if len(self.contexts) > self.RECENT:
             self.contexts.popitem(last=False)
@@ -168,12 +179,10 @@ class Tracing:
             raise
         finally:
             await stream.aclose()  # an early exit must reach the engine stream now: it aborts the request
-            self._finish(span, model, last, "".join(text))
+            self._finish(span, model, last, "".join(text), at)
 
-    def _finish(self, span, model: str, last: RequestOutput | None, text: str) -> None:
+    def _finish(self, span, model: str, last: RequestOutput | None, text: str, at) -> None:
         """Usage, finish reason and the request's life as events, at the times the engine recorded them."""
-        offset = time.time_ns() - time.perf_counter_ns()
-        at = lambda t: int(t * 1e9) + offset
         if last is None:
             span.end()
             return
@@ -185,8 +194,11 @@ class Tracing:
         if self.trace_text:
             span.set_attribute("gen_ai.completion", text)
         t: Timings = last.timings
-        events = [("queued", t.arrival), ("scheduled", t.first_scheduled), ("first_token", t.first_token),
-                  *(("preempted", p) for p in t.preempted)]
+        if t.submitted is not None:  # the server's front end, on its own: a slow one is told from a slow engine
+            span.set_attribute("llm.request.frontend_seconds", t.submitted - t.arrival)
+        # received: the server got the request; queued: validated and tokenized, it entered the engine's queue
+        events = [("received", t.arrival), ("queued", t.submitted), ("scheduled", t.first_scheduled),
+                  ("first_token", t.first_token), *(("preempted", p) for p in t.preempted)]
         for name, when in sorted((e for e in events if e[1] is not None), key=lambda e: e[1]):
             span.add_event(name, timestamp=at(when))
         finished = t.finished if t.finished is not None else time.perf_counter()

@@ -1,8 +1,11 @@
 """`bench compare BASE.json NEW.json --threshold 5%`: the change of every metric; exit 1 on a regression.
 
 A regression is a change in the worse direction beyond the threshold, relative to the base, for a metric whose
-better direction is known (latency and errors: lower; throughput, goodput and SLO attainment: higher). Other
-numbers (counts, durations, the generator's own rates and lag) are shown but never fail the comparison.
+better direction is known (latency and errors: lower; throughput, goodput and SLO attainment: higher; the one
+table in service/bench/regress/directions.py). Other numbers (counts, durations, the generator's own rates and
+lag) are shown but never fail the comparison. Two files hold one summary per run, so this is a point
+comparison; runs recorded in the results store (bench serve --db) carry every request's latencies, and
+`bench regress` judges those with a confidence interval.
 Sweep files are compared point by point. Exit codes: 0 no regression, 1 regression, 2 unusable input.
 """
 
@@ -14,28 +17,11 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-LOWER_IS_BETTER = ("ttft_ms.*", "tpot_ms.*", "itl_ms.*", "e2e_ms.*", "errors.*", "requests.failed")
-HIGHER_IS_BETTER = ("request_throughput", "output_throughput", "total_throughput", "goodput", "goodput_ratio",
-                    "slo_attainment.*", "requests.completed")
+from service.bench.regress.directions import direction
+from service.bench.regress.stats import parse_threshold
+
 # settings that may differ without making two runs incomparable
 INCIDENTAL_SETTINGS = {"label", "started_at", "command", "client", "base_url", "model", "slo", "percentiles"}
-
-
-def direction(metric: str) -> int:
-    """-1 when lower is better, +1 when higher is better, 0 when the metric is information only."""
-    if any(fnmatch.fnmatchcase(metric, p) for p in LOWER_IS_BETTER):
-        return -1
-    if any(fnmatch.fnmatchcase(metric, p) for p in HIGHER_IS_BETTER):
-        return 1
-    return 0
-
-
-def parse_threshold(text: str) -> float:
-    """'5%' or '5' -> 0.05 (always a percentage)."""
-    value = float(text.strip().rstrip("%"))
-    if value < 0:
-        raise ValueError(f"the threshold must be >= 0, got {text!r}")
-    return value / 100
 
 
 def compare_summaries(base: dict, new: dict, threshold: float, only: list[str] | None = None) -> list[dict]:

@@ -64,3 +64,42 @@ def plot_sweep(axis: str, values: list[float], runs: list[dict], out_dir: str, t
     fig.savefig(goodput_path, dpi=110)
     plt.close(fig)
     return [latency_path, goodput_path]
+
+
+def plot_capacity(document: dict, path: str, title: str = "") -> str:
+    """Each objective's measured value (with its interval) against load, the SLO line, passes and failures in
+    colour, and the capacity found with the bracket (last pass to first fail) shaded; returns the path."""
+    points = sorted(document["points"], key=lambda p: p["load"])
+    result = document["result"]
+    names = [c["name"] for c in points[0]["checks"]]
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4.2), squeeze=False)
+    loads = [p["load"] for p in points]
+    for k, (ax, name) in enumerate(zip(axes[0], names)):
+        checks = [p["checks"][k] for p in points]
+        ratio = checks[0]["higher_is_better"]
+        scale = 100.0 if ratio else 1000.0  # shares in %, seconds in ms
+        for p, c in zip(points, checks):
+            colour = {"pass": "tab:green", "fail": "tab:red"}.get(p["verdict"], "tab:orange")
+            ax.errorbar([p["load"]], [c["value"] * scale],
+                        yerr=[[max(0.0, (c["value"] - c["low"]) * scale)], [max(0.0, (c["high"] - c["value"]) * scale)]],
+                        fmt="o", color=colour, capsize=3)
+        ax.plot(loads, [c["value"] * scale for c in checks], color="grey", alpha=0.4, zorder=0)
+        ax.axhline(checks[0]["limit"] * scale, color="black", linestyle="--", label=f"SLO {name}")
+        if result and result.get("last_pass") is not None:
+            ax.axvline(result["last_pass"], color="tab:blue", label=f"capacity {result['last_pass']:g} {result['unit']}")
+        if result and result.get("last_pass") is not None and result.get("first_fail") is not None:
+            ax.axvspan(result["last_pass"], result["first_fail"], color="tab:blue", alpha=0.12, label="uncertainty")
+        if max(loads) / min(loads) >= 8:
+            ax.set_xscale("log")
+        ax.set_xlabel(AXIS_LABELS[result["by"]] if result else "load")
+        ax.set_ylabel("% of requests within every SLO" if ratio else f"{name.split('<=')[0]} (ms)")
+        ax.set_title(name, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"capacity under SLO{': ' + title if title else ''} (green pass, red fail, orange close; "
+                 "bars: 95% interval)", fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

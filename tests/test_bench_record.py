@@ -1,0 +1,47 @@
+"""Every kind of benchmark lands in the results store: bench serve (per-request latencies) and bench offline."""
+
+import pytest
+
+from service.bench.loadgen import serve
+from service.bench.offline import offline
+from service.bench.regress import cli, queries
+from service.bench.store import open_store
+from tests.conftest import LiveServer
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    with LiveServer(tiny_model, {"max_num_seqs": 8}) as s:
+        yield s
+
+
+def test_bench_serve_stores_each_request_and_regress_can_judge_two_runs(server, tmp_path, capsys):
+    db = f"sqlite:///{tmp_path / 'bench.db'}"
+    argv = ["--base-url", server.url, "--num-requests", "8", "--input-len", "8", "--output-len", "3",
+            "--random-token-range", "10:500", "--no-progress", "--no-crosscheck", "--db", db]
+    for label in ("a", "b"):
+        serve.main(argv + ["--label", label])
+    store = open_store(db)
+    [a], [b] = queries.resolve(store, "a"), queries.resolve(store, "b")
+    assert (a["kind"], a["config_hash"], a["name"]) == ("serve", b["config_hash"], "serve-random:tiny")
+    stored = queries.values(store, [a["id"]])[a["id"]]
+    assert len(stored["ttft_seconds"][1]) == len(stored["e2e_seconds"][1]) == 8
+    assert stored["failed_requests"] == ("count", [0.0])
+    rows = cli.main(["--db", db, "--baseline", "a", "--candidate", "b", "--metrics", "*_per_second"])
+    # one rate per run cannot make a verdict: no exit 1, however different the two rates are
+    assert [r["verdict"] for r in rows] == ["inconclusive"] * 3
+    rows = cli.main(["--db", db, "--baseline", "a", "--candidate", "b", "--metrics", "ttft_seconds",
+                     "--threshold", "1000%"])  # whatever the noise: this checks what is compared
+    assert [(r["n_baseline"], r["n_candidate"]) for r in rows] == [(8, 8)]
+
+
+def test_bench_offline_stores_its_engine_run(tmp_path):
+    db = f"sqlite:///{tmp_path / 'bench.db'}"
+    rows = offline.main(["--model", "random:tiny", "--device", "cpu", "--num-requests", "3", "--input-len", "5",
+                         "--output-len", "4", "--peers", "none", "--num-blocks", "32", "--db", db, "--label", "x"])
+    store = open_store(db)
+    [run] = queries.resolve(store, "x")
+    assert run["kind"] == "offline" and run["config"]["input_len"] == "5" and run["config"]["num_requests"] == 3
+    stored = queries.values(store, [run["id"]])[run["id"]]
+    assert stored["wall_seconds"] == ("s", [rows[0]["seconds"]])
+    assert stored["output_tokens_per_second"] == ("tok/s", [pytest.approx(12 / rows[0]["seconds"])])

