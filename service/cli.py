@@ -13,7 +13,9 @@ BENCHES = {"offline": ("service.bench.offline.offline", "offline throughput agai
            "run": ("service.bench.offline.run", "a matrix of engine configurations, every run into the results store"),
            "history": ("service.bench.regress.history", "list stored runs, newest first"),
            "export": ("service.bench.regress.export", "write stored runs, measurements and samples as CSV or JSON"),
-           "regress": ("service.bench.regress.cli", "regression verdicts with bootstrap statistics; exit 1 on a regression")}
+           "regress": ("service.bench.regress.cli", "regression verdicts with bootstrap statistics; exit 1 on a regression"),
+           "model": ("service.bench.model.runner", "forward/backward time across model sizes, with a memory calculator"),
+           "kernel": ("service.bench.kernel.runner", "attention-kernel microbenchmark with a float64 correctness gate")}
 
 
 def _generate(argv: list[str]) -> None:

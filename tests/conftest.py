@@ -4,6 +4,8 @@ import torch
 from service.engine import EngineConfig, LLMEngine
 from service.engine.models import load_model
 
+pytest_plugins = ["tests.bench_db"]  # results-store databases (SQLite and a real PostgreSQL), one cluster per session
+
 
 @pytest.fixture(scope="session")
 def default_model():

@@ -10,7 +10,6 @@ import sqlalchemy as sa
 
 from service.bench.offline import run
 from service.bench.regress import cli
-from tests.bench_db import postgres_server, postgres_url  # noqa: F401  (fixtures)
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy/grafana/dashboards/llm-bench-history.json"
 PICK = {"metric": "wall_seconds", "sample": "cpu_percent"}  # single-value variables: the value a user picks

@@ -11,7 +11,6 @@ from service.bench.regress.directions import direction
 from service.bench.regress.stats import find_steps, judge
 from service.bench.store import open_store, schema
 from tests.test_bench_store import rows
-from tests.bench_db import postgres_server, postgres_url, store_url  # noqa: F401  (fixtures)
 
 LOWER, HIGHER = -1, 1
 
@@ -64,7 +63,9 @@ def test_a_step_is_named_at_its_commit_and_one_noisy_run_is_not():
 
 def test_metric_directions_come_from_their_units():
     assert [direction(m) for m in ("output_tokens_per_second", "wall_seconds", "peak_memory_bytes", "steps",
-                                   "ttft_ms.p95", "output_throughput", "concurrency.max")] == [1, -1, -1, 0, -1, 1, 0]
+                                   "ttft_ms.p95", "output_throughput", "concurrency.max",
+                                   "capacity_concurrent_requests", "max_abs_error", "predicted_memory_bytes")
+            ] == [1, -1, -1, 0, -1, 1, 0, 1, -1, 0]
 
 
 def record(url, label, scale, commit="c0ffee00", iterations=10, seed=0, config=None):

@@ -5,7 +5,6 @@ import sqlalchemy as sa
 
 from service.bench.offline import matrix, run
 from service.bench.store import schema
-from tests.bench_db import postgres_server, postgres_url, store_url  # noqa: F401  (fixtures)
 
 
 def test_lists_are_zipped_and_single_values_repeat():

@@ -9,7 +9,6 @@ import sqlalchemy as sa
 from service.bench.store import StoreError, open_store
 from service.bench.store import schema
 from service.bench.store.provenance import SOURCE_TREE, stable_hash
-from tests.bench_db import postgres_server, postgres_url, store_url  # noqa: F401  (fixtures)
 
 
 def rows(url, table, **where):

@@ -91,6 +91,27 @@ def test_cuda_sampling_is_seeded(tiny_cuda):
     assert a == b
 
 
+def test_bench_run_on_cuda_records_gpu_samples_and_cuda_peak_memory(tmp_path):
+    import sqlalchemy as sa
+
+    from service.bench.offline import run
+    from service.bench.store import schema
+
+    db = f"sqlite:///{tmp_path / 'bench.db'}"
+    configs = run.main(["--db", db, "--model", "random:tiny", "--device", "cuda", "--batch-size", "4",
+                        "--input-len", "16", "--output-len", "8", "--cuda-graphs", "off,on", "--warmup", "1",
+                        "--iterations", "3", "--sample-interval", "0.01", "--no-progress"])
+    assert [(c["skip"], c.get("error")) for c in configs] == [(None, None), (None, None)]
+    assert configs[1]["name"] == "tiny-cuda-b4-in16-out8-triton-eager-graphs-bf16"
+    with sa.create_engine(db).connect() as conn:
+        sampled = set(conn.execute(sa.select(schema.samples.c.metric).distinct()).scalars())
+        peaks = conn.execute(sa.select(schema.measurements.c.value)
+                             .where(schema.measurements.c.metric == "peak_memory_bytes")).scalars().all()
+    assert {"gpu0_utilization_ratio", "gpu0_memory_used_bytes", "rss_bytes"} <= sampled
+    assert len(peaks) == 6 and all(0 < p < torch.cuda.get_device_properties(0).total_memory for p in peaks)
+
+
+from tests.cuda_bench import *  # noqa: E402,F401,F403  (bench model / bench kernel on CUDA)
 # -- weight-only quantization on CUDA (torchao: int8, int4 tinygemm, fp8 on compute capability 8.9+) ---------
 def _cuda_modes():
     fp8 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),

@@ -24,7 +24,7 @@ DEPLOY = ROOT / "deploy"
 GRAFANA = DEPLOY / "grafana"
 COMPOSE = DEPLOY / "docker-compose.yml"
 GPU_OVERRIDE = DEPLOY / "docker-compose.gpu.yml"
-LOAD_COMMAND = ("python -m service bench serve --base-url http://service:8000 --model SmolLM2-135M-Instruct "
+LOAD_COMMAND = ("python -m service bench serve --base-url http://lb:8000 --model SmolLM2-135M-Instruct "
                 "--request-rate 2 --burstiness 1.0 --max-concurrency 16 --duration 600 --dataset builtin "
                 "--no-progress")
 
@@ -120,7 +120,8 @@ def recorded_names() -> set[str]:
 @needs_tools("docker-compose")
 def test_compose_file_validates_with_and_without_the_gpu_override_and_load_profile():
     base = compose_config(COMPOSE)
-    assert set(active(base)) == {"service", "prometheus", "alertmanager", "alert-sink", "tempo", "grafana", "postgres"}
+    assert set(active(base)) == {"service", "lb", "prometheus", "alertmanager", "alert-sink", "tempo", "grafana",
+                                 "postgres"}
     with_load = compose_config(COMPOSE, profiles=("load",))
     assert set(active(with_load, ("load",))) == set(active(base)) | {"load"}
     gpu = compose_config(COMPOSE, GPU_OVERRIDE, profiles=("load",))
@@ -168,6 +169,7 @@ def test_every_service_is_pinned_healthchecked_and_restarted():
     conditions = {(name, dep): c["condition"] for name, s in services.items()
                   for dep, c in s.get("depends_on", {}).items()}
     assert conditions == {("load", "service"): "service_healthy", ("service", "tempo"): "service_started",
+                          ("load", "lb"): "service_started", ("lb", "service"): "service_started",
                           ("prometheus", "alertmanager"): "service_started",
                           ("alertmanager", "alert-sink"): "service_started",
                           ("grafana", "prometheus"): "service_healthy", ("grafana", "tempo"): "service_started"}
@@ -263,8 +265,10 @@ def test_prometheus_config_passes_promtool_and_scrapes_every_15s():
     assert "4 rule files found" in done.stdout
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     assert config["global"]["scrape_interval"] == "15s" and config["global"]["evaluation_interval"] == "15s"
-    jobs = {j["job_name"]: j["static_configs"][0]["targets"] for j in config["scrape_configs"]}
-    assert jobs["llm-service"] == ["service:8000"] and jobs["prometheus"] == ["localhost:9090"]
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    assert jobs["llm-service"]["dns_sd_configs"] == [{"names": ["service"], "type": "A", "port": 8000,
+                                                      "refresh_interval": "5s"}]  # every replica (docs/scale-out.md)
+    assert jobs["prometheus"]["static_configs"][0]["targets"] == ["localhost:9090"]
     assert config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["alertmanager:9093"]
     rules_text = " ".join(p.read_text() for p in (DEPLOY / "rules").glob("*.yml"))
     assert 'job="llm-service"' in rules_text

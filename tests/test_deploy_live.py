@@ -31,7 +31,8 @@ from tests.otlp import Receiver
 from tests.test_deploy_config import COMPOSE, DEPLOY, compose_config, promql_expressions
 
 LOWERED_ALERT = "LLMHighTimeToFirstToken"  # its threshold goes down to 1 µs: any request breaks it
-GRAFANA_BUILTINS = {"$__rate_interval": "1m", "$__range_s": "600", "$__range": "10m", "$__interval": "15s"}
+# $__rate_interval as wide as the recorded 5 m rates: on a busy machine the last queries run minutes after the load
+GRAFANA_BUILTINS = {"$__rate_interval": "5m", "$__range_s": "600", "$__range": "10m", "$__interval": "15s"}
 # no data here, and why: no NVIDIA GPU on this machine; ALERTS has series only while alerts are active
 NO_DATA_EXPECTED = ("llm_gpu_", "ALERTS")
 
@@ -103,7 +104,8 @@ def derived_prometheus_config(stack: Stack, rules: Path) -> Path:
                "alertmanager": f"127.0.0.1:{stack.ports['alertmanager']}"}  # no Tempo here
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
     assert targets.keys() <= jobs.keys()
-    config["scrape_configs"] = [{**jobs[name], "static_configs": [{"targets": [t]}]} for name, t in targets.items()]
+    config["scrape_configs"] = [{**{k: v for k, v in jobs[name].items() if k != "dns_sd_configs"},  # compose's DNS
+                                 "static_configs": [{"targets": [t]}]} for name, t in targets.items()]
     path = stack.tmp / "prometheus.yml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -317,7 +319,9 @@ def test_lowered_threshold_fires_the_real_alert_to_alertmanager_and_the_webhook(
 
     [note, *_] = wait_for("the webhook notification", delivered, 60, stack)
     assert note["severity"] == "warning" and note["receiver"] == "webhook"
-    assert note["labels"]["instance"] == stack.instance and note["summary"] == alert["annotations"]["summary"]
+    # the summary ends in the p95 value at the evaluation that sent the note; later evaluations move it
+    summary = f"{stack.model} on {stack.instance}: p95 time to first token is "
+    assert note["labels"]["instance"] == stack.instance and note["summary"].startswith(summary)
 
 
 def test_a_healthy_service_raises_no_error_down_or_saturation_alert(stack):

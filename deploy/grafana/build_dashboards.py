@@ -139,6 +139,31 @@ def model_info() -> dict:
             "fieldConfig": {"defaults": {}, "overrides": []}, "options": {"showHeader": True}}
 
 
+def replicas() -> list[dict]:
+    """Per-replica series, for the questions a fleet raises: does the load spread, and which replica is saturated."""
+    by = "{{instance}}"
+    return [
+        row("Replicas"),
+        stat("Replicas serving", "Replicas whose metrics Prometheus scraped last (a down one drops out; "
+             "LLMServiceDown names it).", f"count(count by (instance) (llm_requests_running{{{SEL}}}))", "short",
+             w=4, h=8),
+        timeseries("Requests/s by replica", "Finished requests per second on each replica: the load balancer's "
+                   "spread.", [target(f"sum by (instance) (instance_model:llm_requests:rate5m{{{SEL}}})", by)],
+                   "reqps", w=10),
+        timeseries("Waiting requests by replica", "Requests waiting for a batch slot on each replica: a replica "
+                   "above the line is saturated (autoscaling adds replicas on the fleet's mean).",
+                   [target(f"sum by (instance) (llm_requests_waiting{{{SEL}}})", by), threshold("waiting_requests")],
+                   "short", w=10),
+        timeseries("Time to first token p95 by replica", "p95 TTFT of each replica over 5 minutes (what "
+                   "LLMHighTimeToFirstToken compares per replica); the Latency row shows the fleet's.",
+                   [target(f'max by (instance) (instance_model:llm_time_to_first_token_seconds:quantile_rate5m'
+                           f'{{quantile="0.95", {SEL}}})', by), threshold("ttft_p95_seconds")], "s", w=12),
+        timeseries("Output tokens/s by replica", "Generated tokens per second on each replica.",
+                   [target(f"sum by (instance) (instance_model:llm_generation_tokens:rate5m{{{SEL}}})", by)],
+                   "suffix: tok/s", w=12),
+    ]
+
+
 def overview() -> dict:
     errors = (f"sum(instance_model:llm_slo_availability_bad:rate5m{{{SEL}}})"
               f" / sum(instance_model:llm_slo_availability_total:rate5m{{{SEL}}})")
@@ -162,6 +187,8 @@ def overview() -> dict:
         stat("Running", "Requests in the running batch, now.", f"sum(llm_requests_running{{{SEL}}})", "short"),
         stat("Waiting", "Requests waiting for a slot in the batch, now.", f"sum(llm_requests_waiting{{{SEL}}})",
              "short", [(1, "orange"), (8, "red")]),
+
+        *replicas(),
 
         row("Traffic"),
         timeseries("Requests by finish reason", "Finished requests per second: stop (stop token or string), "

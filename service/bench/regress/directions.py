@@ -11,10 +11,12 @@ HIGHER, LOWER, INFO = 1, -1, 0
 RULES = [
     # counts and settings that describe a run rather than judge it
     ("steps", INFO), ("setup_seconds", INFO), ("duration_s", INFO), ("dispatch_lag_ms.*", INFO),
-    ("generator.*", INFO),
+    ("generator.*", INFO), ("predicted_*", INFO),  # bench model's memory estimate: a prediction, not a result
+    # bench capacity: the highest load within the SLOs, and the first load beyond them
+    ("capacity_*", HIGHER), ("first_fail_*", HIGHER),
     # stored metrics: units in the name
     ("*_per_second", HIGHER), ("*_seconds", LOWER), ("*_bytes", LOWER), ("failed_requests", LOWER),
-    ("goodput_ratio", HIGHER), ("slo_attainment_ratio*", HIGHER),
+    ("*_error", LOWER), ("goodput_ratio", HIGHER), ("slo_attainment_ratio*", HIGHER),
     ("greedy_agreement_ratio", HIGHER), ("perplexity", LOWER),  # bench offline --quantization
     ("capacity_concurrent_requests", HIGHER), ("first_fail_concurrent_requests", HIGHER),  # bench capacity --by concurrency
     # bench serve's summary keys (bench compare reads them from its JSON files)

@@ -1,0 +1,1 @@
+"""`bench kernel`: an attention-kernel microbenchmark with a float64 correctness gate."""

@@ -1,0 +1,167 @@
+"""The attention operations `bench kernel` compares, their inputs, and the float64 oracle.
+
+Every operation gets the same dense q [B, H, Q, D], k and v [B, KVH, K, D] (prefill: Q = K, causal; decode:
+one query per sequence over K cached tokens) and returns [B, H, Q, D]; its own layout (a paged cache,
+packed tokens) is built before the clock starts. An operation that cannot run a shape raises Unsupported.
+"""
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+BLOCK_SIZE = 16  # tokens per KV-cache block, as the engine's default
+
+
+class Unsupported(Exception):
+    """This operation cannot run this shape here; the message says why (one line)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    phase: str  # prefill or decode
+    batch: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    context: int
+    dtype: str
+
+    @property
+    def queries(self) -> int:
+        return self.context if self.phase == "prefill" else 1
+
+    def check(self) -> None:
+        if self.phase not in ("prefill", "decode"):
+            raise ValueError(f"phase must be prefill or decode, got {self.phase!r}")
+        if min(self.batch, self.heads, self.kv_heads, self.head_dim, self.context) < 1:
+            raise ValueError(f"every dimension must be positive: {self}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"query heads ({self.heads}) must be a multiple of KV heads ({self.kv_heads})")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+
+def make_inputs(shape: Shape, device: torch.device, seed: int = 0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    dt = DTYPES[shape.dtype]
+
+    def rand(heads, length):
+        return torch.randn(shape.batch, heads, length, shape.head_dim, generator=gen).to(device=device, dtype=dt)
+
+    return rand(shape.heads, shape.queries), rand(shape.kv_heads, shape.context), rand(shape.kv_heads, shape.context)
+
+
+def reference(q, k, v, causal: bool) -> torch.Tensor:
+    """Plain attention in the inputs' dtype: scores, mask, softmax, weighted sum (the float64 oracle too)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal:  # query i sits at position K - Q + i
+        qlen, klen = q.shape[2], k.shape[2]
+        keep = torch.arange(klen, device=q.device) <= torch.arange(klen - qlen, klen, device=q.device)[:, None]
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+def oracle(q, k, v, causal: bool) -> torch.Tensor:
+    """float64 attention, one sequence at a time (a long context's float64 scores are large)."""
+    return torch.cat([reference(q[i:i + 1].double(), k[i:i + 1].double(), v[i:i + 1].double(), causal)
+                      for i in range(q.shape[0])])
+
+
+def _sdpa(backend_name: str):
+    def build(shape: Shape, q, k, v) -> Callable:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backend = getattr(SDPBackend, backend_name)
+        causal, gqa = shape.phase == "prefill", shape.heads != shape.kv_heads
+
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        try:
+            run()
+        except RuntimeError as exc:  # no kernel of this backend for this device, dtype or head dim
+            raise Unsupported(f"{backend_name}: " + str(exc).strip().splitlines()[0].split(". ")[0][:160]) from None
+        return run
+    return build
+
+
+FLEX_ON_CPU = False  # set when flex is asked for by name: on CPU, inductor takes minutes to compile each shape
+_flex_compiled = None
+
+
+def _flex(shape: Shape, q, k, v) -> Callable:
+    global _flex_compiled
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    if q.device.type != "cuda" and not FLEX_ON_CPU:
+        raise Unsupported("compiling flex_attention on CPU takes minutes per shape; ask for it with --ops flex")
+    _flex_compiled = _flex_compiled or torch.compile(flex_attention)  # as PyTorch's docs use it
+    offset = shape.context - shape.queries
+    block_mask = create_block_mask(lambda b, h, qi, ki: qi + offset >= ki, B=None, H=None, Q_LEN=shape.queries,
+                                   KV_LEN=shape.context, device=q.device.type)
+    gqa = shape.heads != shape.kv_heads
+    try:
+        _flex_compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    except Exception as exc:  # inductor refuses a shape (head dim, tiny query length) with many error types
+        raise Unsupported(f"flex_attention: {str(exc).strip().splitlines()[0][:200]}") from None
+    return lambda: _flex_compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+
+
+def _paged(shape: Shape, q, k, v) -> Callable:
+    """This project's paged attention: Triton on CUDA, the PyTorch reference backend on CPU."""
+    from types import SimpleNamespace
+
+    from service.engine.model_runner import ModelRunner
+    from service.engine.sampling import SamplingParams
+    from service.engine.scheduler import ScheduledBatch
+    from service.engine.sequence import Sequence
+
+    device, b, qlen, klen = q.device, shape.batch, shape.queries, shape.context
+    per_seq = math.ceil(klen / BLOCK_SIZE)
+    blocks = list(range(1, b * per_seq + 1))
+    random.Random(0).shuffle(blocks)  # scattered pages, as a long-running cache has them
+    k_cache = torch.zeros(b * per_seq + 1, BLOCK_SIZE, shape.kv_heads, shape.head_dim, dtype=q.dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    seqs = []
+    for i in range(b):
+        table = blocks[i * per_seq:(i + 1) * per_seq]
+        pos = torch.arange(klen, device=device)
+        slots = torch.tensor(table, device=device)[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+        k_cache.view(-1, shape.kv_heads, shape.head_dim)[slots] = k[i].transpose(0, 1)
+        v_cache.view(-1, shape.kv_heads, shape.head_dim)[slots] = v[i].transpose(0, 1)
+        seq = Sequence(f"s{i}", [0] * klen, SamplingParams())
+        seq.num_computed_tokens, seq.block_table = klen - qlen, table
+        seqs.append(seq)
+    if device.type == "cuda":
+        from service.engine import triton_attention
+        backend, kernel = "triton", triton_attention.triton_paged_attention
+    else:
+        from service.engine.attention import torch_paged_attention
+        backend, kernel, triton_attention = "torch", torch_paged_attention, None
+    runner = SimpleNamespace(block_size=BLOCK_SIZE, backend_name=backend, group=shape.heads // shape.kv_heads,
+                             _triton=triton_attention, device=device)
+    meta = ModelRunner._prepare(runner, ScheduledBatch(seqs, [qlen] * b, []), shape.phase == "decode")[2]
+    packed = q.transpose(1, 2).reshape(b * qlen, shape.heads, shape.head_dim).contiguous()
+    scale = shape.head_dim ** -0.5
+    return lambda: kernel(packed, k_cache, v_cache, meta, scale).view(b, qlen, shape.heads, -1).transpose(1, 2)
+
+
+def _plain(shape: Shape, q, k, v) -> Callable:
+    return lambda: reference(q, k, v, shape.phase == "prefill")
+
+
+OPS: dict[str, Callable] = {
+    "paged": _paged,
+    "sdpa-flash": _sdpa("FLASH_ATTENTION"),
+    "sdpa-efficient": _sdpa("EFFICIENT_ATTENTION"),
+    "sdpa-cudnn": _sdpa("CUDNN_ATTENTION"),
+    "sdpa-math": _sdpa("MATH"),
+    "flex": _flex,
+    "reference": _plain,
+}
+

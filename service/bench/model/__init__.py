@@ -1,0 +1,1 @@
+"""`bench model`: forward/backward timing across model sizes, next to a memory calculator."""
