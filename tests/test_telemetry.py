@@ -34,7 +34,7 @@ CATALOG = {
     "llm_prompt_tokens": "counter", "llm_generation_tokens": "counter", "llm_requests": "counter",
     "llm_http_requests": "counter", "llm_requests_running": "gauge", "llm_requests_waiting": "gauge",
     "llm_kv_cache_usage_ratio": "gauge", "llm_preemptions": "counter", "llm_engine_step_seconds": "histogram",
-    "llm_batch_tokens": "histogram", "llm_tensor_parallel_forward_seconds": "counter",
+    "llm_batch_tokens": "histogram", "llm_tensor_parallel_forward_seconds": "counter", "llm_model_info": "gauge",
     "llm_engine_step_failures": "counter", "llm_kv_cache_blocks_used": "gauge",
     "llm_process_threads": "gauge", "llm_asyncio_tasks": "gauge",
 }

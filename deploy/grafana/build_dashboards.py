@@ -127,6 +127,18 @@ def dashboard(uid: str, title: str, description: str, panels: list[dict], instan
     }
 
 
+def model_info() -> dict:
+    """How each instance runs its model: dtype, weight quantization, KV cache blocks (llm_model_info labels)."""
+    labels = "instance, model, dtype, quantization, kv_block_size, kv_blocks"
+    return {"type": "table", "title": "Model, dtype and quantization", "_size": (24, 5), "datasource": PROM,
+            "description": "Per instance: the served model, its dtype, its weight quantization (none, int8, int4, "
+                           "fp8, or a pre-quantized checkpoint's method) and its KV cache (block size in tokens, "
+                           "block count).",
+            "targets": [target(f"max by ({labels}) (llm_model_info{{{SEL}}})", instant=True)],
+            "transformations": [{"id": "labelsToFields", "options": {}}],
+            "fieldConfig": {"defaults": {}, "overrides": []}, "options": {"showHeader": True}}
+
+
 def replicas() -> list[dict]:
     """Per-replica series, for the questions a fleet raises: does the load spread, and which replica is saturated."""
     by = "{{instance}}"
@@ -244,6 +256,7 @@ def overview() -> dict:
         timeseries("Steps per second", "Engine steps per second, by phase.",
                    [target(f"sum by (phase) (instance_model:llm_engine_step_seconds_count:rate5m{{{SEL}}})",
                            "{{phase}}")], "ops", stack=True),
+        model_info(),
 
         row("Traces"),
         {"type": "table", "title": "Recent generation requests (Tempo)", "_size": (24, 8), "datasource": TEMPO,

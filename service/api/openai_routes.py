@@ -20,7 +20,7 @@ async def models(state: ServerState = Depends(get_state)):
     state.check_model(state.model_name if state.facade else "")
     return {"object": "list", "data": [{
         "id": state.model_name, "object": "model", "created": 0, "owned_by": "llm-service",
-        "max_model_len": state.facade.engine.max_model_len}]}
+        "max_model_len": state.facade.engine.max_model_len, "quantization": state.facade.engine.quantization}]}
 
 
 @router.post("/v1/completions")

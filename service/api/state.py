@@ -49,6 +49,8 @@ class ServerState:
             engine = engine or LLMEngine(self.settings.engine)
             engine.observer = self.telemetry.observer
             self.facade = AsyncEngine(engine, stream_backlog=self.settings.server.stream_backlog).start()
+            self.telemetry.model_loaded(str(engine.runner.dtype).removeprefix("torch."), engine.quantization,
+                                        engine.config.block_size, engine.runner.num_blocks)
             if engine.parallel is not None:
                 engine.parallel.on_failure = self.rank_failed
             log.info("model %s ready on %s", engine.model_name, engine.device)

@@ -90,9 +90,11 @@ class LLMEngine:
             config, loaded = self._start_parallel(config, loaded)
             self.config = config
         elif loaded is None:
-            loaded = load_model(config.model, resolve_dtype(config.dtype, self.device), self.device,
-                                config.cache_dir, config.seed, config.trust_remote_code)
+            loaded = load_model(config.model, resolve_dtype(config.dtype, self.device, config.quantization),
+                                self.device, config.cache_dir, config.seed, config.trust_remote_code,
+                                config.quantization)
         self.model_name = loaded.name
+        self.quantization = loaded.quantization
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         max_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
+from service.engine import quantization as quant
 from service.engine.config import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
@@ -55,11 +56,12 @@ class LoadedModel:
     name: str  # the name clients use
     max_model_len: int
     eos_token_ids: frozenset[int]
+    quantization: str = "none"  # a --quantization mode, or the method of a pre-quantized checkpoint (gptq, awq...)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+def resolve_dtype(dtype: str, device: torch.device, quantization: str = "none") -> torch.dtype:
+    if dtype == "auto":  # int4's kernels (tinygemm on CUDA and CPU) run in bfloat16
+        return torch.bfloat16 if device.type == "cuda" or quantization == "int4" else torch.float32
     try:
         return {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
                 "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[dtype]
@@ -86,18 +88,44 @@ def display_name(spec: str) -> str:
 
 
 def load_model(spec: str, dtype: torch.dtype, device: torch.device, cache_dir: str | None = None,
-               seed: int = 0, trust_remote_code: bool = False) -> LoadedModel:
+               seed: int = 0, trust_remote_code: bool = False, quantization: str = "none") -> LoadedModel:
+    """Load a model; with `quantization`, its linear layers get weight-only quantized weights after loading."""
+    quant.check(quantization, device, dtype)
     if spec.startswith("random:"):
-        return _load_random(spec, dtype, device, seed)
-    name = display_name(spec)
+        loaded = _load_random(spec, dtype, device, seed)
+    else:
+        loaded = _load_pretrained(spec, dtype, device, cache_dir, trust_remote_code, quantization)
+    if loaded.quantization == "none":
+        quant.quantize(loaded.model, quantization, device)
+        loaded.quantization = quantization
+    log.info("loaded %s on %s: dtype %s, quantization %s, weights %.1f MiB", loaded.name, device.type,
+             str(dtype).removeprefix("torch."), loaded.quantization, quant.weight_bytes(loaded.model) / 2**20)
+    return loaded
+
+
+def _load_pretrained(spec: str, dtype: torch.dtype, device: torch.device, cache_dir: str | None,
+                     trust_remote_code: bool, quantization: str) -> LoadedModel:
     path = default_gguf_path() if spec == DEFAULT_MODEL else Path(spec)
     if path.suffix == ".gguf":
         folder = _convert_gguf(path, cache_dir)
     else:
         folder = path if path.exists() else spec  # a hub id when no such folder exists
+    method = quant.checkpoint_method(AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code))
+    if method and quantization != "none":
+        raise ValueError(f"{spec} is already quantized ({method}); serve it with --quantization none")
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code)
-    return _finish(model.to(device), tokenizer, name)
+    try:
+        # a pre-quantized checkpoint is placed on the device while loading: its kernels may not run elsewhere
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                     **({"device_map": device} if method else {}))
+    except Exception as exc:
+        if not method:
+            raise
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"cannot load the {method}-quantized checkpoint {spec} on {device.type}: {reason}") from exc
+    loaded = _finish(model if method else model.to(device), tokenizer, display_name(spec))
+    loaded.quantization = method or "none"
+    return loaded
 
 
 def _load_random(spec: str, dtype: torch.dtype, device: torch.device, seed: int) -> LoadedModel:

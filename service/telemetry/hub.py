@@ -34,6 +34,11 @@ class Telemetry:
         self.recorder(step)
         self.tracing.step(step)
 
+    def model_loaded(self, dtype: str, quantization: str, kv_block_size: int, kv_blocks: int) -> None:
+        """Publish how the model runs (llm_model_info), once it is loaded."""
+        self.metrics.model_info.labels(self.metrics.model, dtype, quantization, str(kv_block_size),
+                                       str(kv_blocks)).set(1)
+
     def start(self) -> None:
         if self.settings.gpu_sample_interval > 0:
             self.gpu = GPUSampler(self.metrics.registry, self.settings.gpu_sample_interval).start()

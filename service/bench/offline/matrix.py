@@ -8,10 +8,12 @@ reason instead of failing the whole matrix.
 import itertools
 from dataclasses import dataclass
 
+import torch
 import yaml
 
 from service.bench.offline.lengths import Lengths
 from service.bench.store.provenance import stable_hash
+from service.engine.quantization import check as check_quantization
 
 
 def _bool(text) -> bool:
@@ -51,6 +53,7 @@ DIMENSIONS = [
     Dimension("dtype", str, "auto", "auto, float32, float16, bfloat16"),
     Dimension("max_num_seqs", _positive, "256", "most sequences in one step"),
     Dimension("tensor_parallel_size", _positive, "1", "ranks the model is split over (tensor parallelism)"),
+    Dimension("quantization", str, "none", "weight-only: none, int8, int4 (bfloat16), fp8 (CUDA 8.9+)"),
 ]
 BY_KEY = {d.key: d for d in DIMENSIONS}
 DTYPE_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -107,7 +110,7 @@ def resolve(config: dict, cuda_available: bool) -> tuple[dict, str | None]:
     if c["device"] == "auto":
         c["device"] = "cuda" if cuda_available else "cpu"
     if c["dtype"] == "auto":
-        c["dtype"] = "bfloat16" if c["device"] == "cuda" else "float32"
+        c["dtype"] = "bfloat16" if c["device"] == "cuda" or c["quantization"] == "int4" else "float32"
     if c["attention_backend"] == "auto":
         c["attention_backend"] = "triton" if c["device"] == "cuda" else "torch"
     if c["device"] not in ("cpu", "cuda"):
@@ -125,6 +128,15 @@ def resolve(config: dict, cuda_available: bool) -> tuple[dict, str | None]:
                 return c, why
         if c["attention_backend"] == "triton":
             return c, "the triton attention backend needs a CUDA device"
+    if c["quantization"] == "none":
+        del c["quantization"]  # so that configurations stored before this dimension existed keep their hash
+    elif c["tensor_parallel_size"] > 1:
+        return c, "quantization does not work with tensor parallelism yet"
+    elif c["device"] != "cuda" or cuda_available:
+        try:
+            check_quantization(c["quantization"], torch.device(c["device"]), getattr(torch, c["dtype"]))
+        except ValueError as exc:
+            return c, str(exc)
     return c, None
 
 
@@ -137,6 +149,7 @@ def name(c: dict) -> str:
     parts += [DTYPE_SHORT.get(c["dtype"], c["dtype"])]
     parts += [f"seqs{c['max_num_seqs']}"] if c["max_num_seqs"] != int(BY_KEY["max_num_seqs"].default) else []
     parts += [f"tp{c['tensor_parallel_size']}"] if c["tensor_parallel_size"] != 1 else []
+    parts += [c["quantization"]] if c.get("quantization", "none") != "none" else []
     return "-".join(parts)
 
 

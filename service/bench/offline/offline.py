@@ -5,8 +5,10 @@ Peers: transformers `generate_batch` (continuous batching, attn `paged|sdpa`) an
 """
 
 import argparse
+import dataclasses
 import gc
 import json
+import os
 import platform
 import sys
 import time
@@ -17,6 +19,8 @@ from service.engine import EngineConfig, LLMEngine, SamplingParams
 from service.bench.offline.lengths import Lengths, lengths_arg
 from service.bench.store import StoreError, add_db_argument, open_store
 from service.engine.attention import ATTN_IMPLEMENTATION
+from service.engine.models import resolve_dtype
+from service.engine.quantization import check as check_quantization
 
 
 def _sync(device: torch.device) -> None:
@@ -148,6 +152,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--static-batch", default=None, help="comma list; default: 64 on CUDA, 1,16 on CPU")
     ap.add_argument("--telemetry", action="store_true",
                     help="also measure the engine without and with the server's telemetry (the overhead)")
+    ap.add_argument("--quantization", default="none",
+                    help="weight-only mode: none, int8, int4, fp8; a comma list (none first) compares the modes in "
+                         "one run (the first is the baseline): weight memory, throughput against it, greedy agreement, perplexity")
+    ap.add_argument("--repeats", type=int, default=5, help="throughput runs per mode when comparing modes")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--label", default=None, help="a name for this run in the results store")
     add_db_argument(ap)
@@ -165,11 +173,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     output_len = args.output_len or Lengths.parse(128 if cuda else 64)
     static_batches = [int(b) for b in (args.static_batch or ("64" if cuda else "1,16")).split(",")]
 
+    modes = args.quantization.split(",")
+    for mode in modes:
+        try:
+            check_quantization(mode, device, resolve_dtype(args.dtype, device, mode))
+        except ValueError as exc:
+            ap.error(str(exc))
     config = EngineConfig(model=model, device=device.type, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
                           gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=not args.no_cuda_graphs,
                           compile=not args.no_compile, tensor_parallel_size=args.tensor_parallel_size,
-                          enable_prefix_caching=False)
+                          enable_prefix_caching=False, quantization=modes[0])
+    if len(modes) > 1:
+        return _compare_quantization(store, args.label, config, modes, num_requests, args.input_len, output_len,
+                                     args.seed, args.repeats, args.json)
     t0 = time.perf_counter()
     engine = LLMEngine(config)
     setup = time.perf_counter() - t0
@@ -211,8 +228,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
     machine = torch.cuda.get_device_name() if cuda else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
-    print(f"\nmodel {model}, {num_requests} requests x {args.input_len} prompt / {output_len} output tokens, "
-          f"{device.type} ({machine}), torch {torch.__version__}")
+    print(f"\nmodel {model}, quantization {config.quantization}, {num_requests} requests x {args.input_len} prompt / "
+          f"{output_len} output tokens, {device.type} ({machine}), torch {torch.__version__}")
     print("| system | output tokens | seconds | output tok/s |\n|---|---|---|---|")
     for r in rows:
         r["tokens_per_second"] = r["output_tokens"] / r["seconds"]
@@ -240,6 +257,45 @@ def record(store, label: str | None, config: dict, rows: list[dict]) -> int:
         run.measure("steps", rows[0]["steps"], unit="count")
     print(f"stored as run {run.id} in {store.url}")
     return run.id
+
+
+def _compare_quantization(store, label: str | None, config: EngineConfig, modes: list[str], num_requests: int,
+                          input_len: Lengths, output_len: Lengths, seed: int, repeats: int, json_path: str | None
+                          ) -> list[dict]:
+    """Every mode in one process (see bench/offline/quantization.py); one stored run per mode."""
+    from service.bench.offline import quantization
+
+    engines = {m: LLMEngine(dataclasses.replace(config, quantization=m)) for m in modes}
+    engine = engines[modes[0]]
+    prompts = random_prompts(num_requests, input_len, engine.runner.model.config.vocab_size, seed)
+    rows = quantization.compare(engines, prompts, output_len.sample(num_requests, seed + 1), repeats, run_engine)
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    machine = torch.cuda.get_device_name() if engine.device.type == "cuda" else \
+        f"{platform.processor() or 'cpu'}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+    print(f"\nmodel {config.model}, {num_requests} requests x {input_len} prompt / {output_len} output tokens, "
+          f"{repeats} alternating runs per mode, {engine.device.type} ({machine}), load average {load}, "
+          f"torch {torch.__version__}")
+    print(quantization.table(rows))
+    for r in rows:
+        stored = {"model": config.model, "device": engine.device.type, "num_requests": num_requests,
+                  "input_len": str(input_len), "output_len": str(output_len), "seed": seed,
+                  **{k: v for k, v in config.__dict__.items() if k not in ("model", "device")},
+                  "quantization": r["quantization"], "dtype": r["dtype"]}
+        with store.run(kind="offline", config=stored, label=label,
+                       name=f"offline-{config.model}-{r['quantization']}") as run:
+            for i, seconds in enumerate(r["runs"]):
+                run.measure("wall_seconds", seconds, unit="s", iteration=i)
+                run.measure("output_tokens_per_second", r["output_tokens"] / seconds, unit="tok/s", iteration=i)
+            run.measure("weight_bytes", r["weight_bytes"], unit="bytes")
+            run.measure("greedy_agreement_ratio", r["greedy_agreement"], unit="ratio")
+            if "perplexity" in r:
+                run.measure("perplexity", r["perplexity"], unit="ppl")
+    print(f"stored {len(rows)} runs in {store.url}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"model": config.model, "device": machine, "load_average": os.getloadavg(), "rows": rows}, f,
+                      indent=2)
+    return rows
 
 
 def _fmt(row: dict) -> str:

@@ -75,14 +75,15 @@ class Models:
         self.loaded = {}
 
     def engine(self, c: dict) -> LLMEngine:
+        quantization = c.get("quantization", "none")
         lengths = [Lengths.parse(c[k]).high for k in ("input_len", "output_len")]
         # on CPU the KV cache is a block count: enough for the whole batch, so nothing is preempted
         blocks = -(-c["batch_size"] * (sum(lengths) + 16) // 16) + 16 if c["device"] == "cpu" else None
         config = EngineConfig(model=c["model"], device=c["device"], dtype=c["dtype"], max_num_seqs=c["max_num_seqs"],
                               attention_backend=c["attention_backend"], compile=c["compile"],
                               cuda_graphs=c["cuda_graphs"], num_blocks=blocks, enable_prefix_caching=False,
-                              tensor_parallel_size=c["tensor_parallel_size"])
-        key = (c["model"], c["dtype"], c["device"])
+                              tensor_parallel_size=c["tensor_parallel_size"], quantization=quantization)
+        key = (c["model"], c["dtype"], c["device"], quantization)
         if key not in self.loaded or config.tensor_parallel_size > 1:
             self.loaded.clear()
             gc.collect()
@@ -90,7 +91,8 @@ class Models:
             return LLMEngine(config)  # every rank loads its own shard: the whole model is never needed here
         if key not in self.loaded:
             device = torch.device(c["device"])
-            self.loaded[key] = load_model(c["model"], resolve_dtype(c["dtype"], device), device)
+            self.loaded[key] = load_model(c["model"], resolve_dtype(c["dtype"], device), device,
+                                          quantization=quantization)
         return LLMEngine(config, loaded=self.loaded[key])
 
 

@@ -1,0 +1,115 @@
+"""Weight-only quantization measured in one process: weight memory, offline throughput against the unquantized
+engine (modes alternating, so machine load hits all alike), greedy agreement with it, and perplexity.
+
+Perplexity is over a text the repository ships: chapter I of Lewis Carroll's "Alice's Adventures in
+Wonderland" (1865, public domain; Project Gutenberg eBook #11, Millennium Fulcrum Edition 3.0).
+"""
+
+import math
+from pathlib import Path
+
+import torch
+
+from service.engine import LLMEngine, SamplingParams
+from service.engine.quantization import weight_bytes
+
+TEXT = Path(__file__).parent.parent / "data" / "alice_chapter1.txt"
+
+# the fixed prompt set of the agreement measure: short questions of several kinds, sent as chat
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three primary colours.",
+    "Write a haiku about the sea.",
+    "Explain in one sentence what a CPU does.",
+    "What is 17 plus 25?",
+    "Give a synonym for 'happy'.",
+    "Who wrote Romeo and Juliet?",
+    "Translate 'good morning' into Spanish.",
+    "List the days of the week.",
+    "Why is the sky blue?",
+    "Describe a cat in two sentences.",
+    "What does HTTP stand for?",
+]
+
+
+def prompt_ids(engine: LLMEngine, prompts: list[str] = PROMPTS) -> list[list[int]]:
+    """The prompts as token ids, wrapped in the model's chat template when it has one."""
+    tok = engine.tokenizer
+    if getattr(tok, "chat_template", None):
+        return [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False) for p in prompts]
+    return [engine.tokenize(p) for p in prompts]
+
+
+def greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy continuations through the engine (paged cache, continuous batching), all prompts at once."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return [out["token_ids"] for out in engine.generate(prompts, params)]
+
+
+def agreement(reference: list[list[int]], other: list[list[int]]) -> float:
+    """Share of output positions where both generated the same token (after a divergence, most differ)."""
+    same = sum(a == b for r, o in zip(reference, other) for a, b in zip(r, o))
+    return same / sum(len(r) for r in reference)
+
+
+@torch.inference_mode()
+def perplexity(model, ids: list[int], window: int = 512) -> float:
+    """exp of the mean next-token loss over consecutive windows of the text (transformers' own loss, sdpa)."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    nll, count = 0.0, 0
+    try:
+        for start in range(0, len(ids) - 1, window):
+            chunk = torch.tensor([ids[start:start + window]], device=model.device)
+            if chunk.shape[1] < 2:
+                break
+            n = chunk.shape[1] - 1
+            nll += model(input_ids=chunk, labels=chunk, use_cache=False).loss.item() * n
+            count += n
+    finally:
+        model.set_attn_implementation(previous)
+    return math.exp(nll / count)
+
+
+def compare(engines: dict[str, LLMEngine], prompts: list[list[int]], output_lens: list[int], repeats: int,
+            run_engine) -> list[dict]:
+    """One row per mode; `engines` maps each mode to an engine over its own copy of the weights, "none" first."""
+    modes = list(engines)
+    seconds = {m: [] for m in modes}
+    for _ in range(repeats):  # alternating: a burst of machine load hits every mode
+        for mode in modes:
+            seconds[mode].append(run_engine(engines[mode], prompts, output_lens)["seconds"])
+        print("  throughput round:", {m: round(s[-1], 2) for m, s in seconds.items()}, flush=True)
+    base = modes[0]
+    for engine in engines.values():
+        engine.runner.uncompile()  # perplexity runs the model with transformers' own attention
+    questions = prompt_ids(engines[base]) if engines[base].tokenizer is not None else prompts
+    reference = greedy(engines[base], questions, 32)
+    text = engines[base].tokenize(TEXT.read_text()) if engines[base].tokenizer is not None else None
+    rows = []
+    for mode in modes:
+        engine = engines[mode]
+        ratios = sorted(b / s for b, s in zip(seconds[base], seconds[mode]))
+        row = {"quantization": mode, "dtype": str(engine.runner.dtype).removeprefix("torch."),
+               "weight_bytes": weight_bytes(engine.runner.model),
+               "seconds": sorted(seconds[mode])[repeats // 2], "runs": seconds[mode],
+               "output_tokens": sum(output_lens), "speed_vs_none": ratios[repeats // 2],
+               "greedy_agreement": agreement(reference, greedy(engine, questions, 32))}
+        row["tokens_per_second"] = row["output_tokens"] / row["seconds"]
+        if text is not None:
+            row["perplexity"] = perplexity(engine.runner.model, text)
+        rows.append(row)
+        print(f"  {mode}: measured", flush=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    base = rows[0]["weight_bytes"]
+    lines = ["| quantization | dtype | weight MiB | weights vs none | output tok/s (median) | speed vs none (median ratio) "
+             "| greedy agreement | perplexity |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ppl = f"{r['perplexity']:.2f}" if "perplexity" in r else "-"
+        lines.append(f"| {r['quantization']} | {r['dtype']} | {r['weight_bytes'] / 2**20:.1f} | {r['weight_bytes'] / base:.2f} | "
+                     f"{r['tokens_per_second']:,.1f} | {r['speed_vs_none']:.2f} | {r['greedy_agreement']:.3f} | {ppl} |")
+    return "\n".join(lines)

