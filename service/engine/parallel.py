@@ -100,8 +100,16 @@ def shard_model(model: torch.nn.Module, world: int, rank: int) -> None:
     config.num_key_value_heads = k1 - k0
 
 
+_driver: "TensorParallelGroup | None" = None  # rank 0's group, which explains a collective that failed
+
+
 def _all_reduce_output(module, inputs, output):
-    dist.all_reduce(output)
+    try:
+        dist.all_reduce(output)
+    except Exception as exc:
+        if _driver is None:  # another rank: its process ends with the error
+            raise
+        raise _driver.lost(exc) from exc
     return output
 
 
@@ -191,6 +199,8 @@ class TensorParallelGroup:
 
     def link(self, model: torch.nn.Module) -> None:
         """Broadcast every forward pass of `model` (rank 0's shard) to the other ranks before it runs."""
+        global _driver
+        _driver = self
         model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         model.register_forward_hook(self._after_forward)
 
@@ -206,9 +216,17 @@ class TensorParallelGroup:
         try:
             dist.broadcast_object_list([call], src=0)
         except Exception as exc:
-            raise RankFailedError(f"tensor-parallel broadcast failed: {exc}") from exc
+            raise self.lost(exc) from exc
         self._start = time.perf_counter()
         return None
+
+    def lost(self, exc: Exception, wait: float = 5.0) -> RankFailedError:
+        """The error for a collective that failed: a rank's exit, named by the watcher once it has seen it
+        (a collective can fail a moment before the dead process is reaped)."""
+        deadline = time.monotonic() + wait
+        while self.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return RankFailedError(self.failure or f"a tensor-parallel collective failed: {exc}")
 
     def _after_forward(self, module, args, output):
         self._own_seconds += time.perf_counter() - self._start
@@ -229,9 +247,12 @@ class TensorParallelGroup:
             self.on_failure(self.failure)
 
     def close(self) -> None:
+        global _driver
         if self._closed:
             return
         self._closed = True
+        if _driver is self:
+            _driver = None
         if not self.failure:
             try:
                 dist.broadcast_object_list([None], src=0)
