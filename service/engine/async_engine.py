@@ -146,13 +146,15 @@ class AsyncEngine:
                     self._deliver(out)
         except BaseException as exc:  # a bug in the loop, or a lost rank: fail every waiting client instead of hanging
             log.exception("engine loop died")
-            self.fail(EngineDeadError(str(exc) if isinstance(exc, EngineDeadError) else f"engine loop died: {exc!r}"))
+            dead = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"engine loop died: {exc!r}")
+            self.fail(dead, cause=exc)
         finally:
             self._stop = True
 
-    def fail(self, error: EngineDeadError) -> None:
-        """Stop for good: every stream ends with `error`, and no new request is accepted (from any thread)."""
-        self.error = error
+    def fail(self, error: EngineDeadError, cause: BaseException | None = None) -> None:
+        """Stop for good: every stream ends with `error`, and no new request is accepted (from any thread).
+        `error` (what clients see) is kept as `self.error` unless a `cause` says more."""
+        self.error = cause if cause is not None else error
         self._stop = True
         self._wake.set()
         with self._lock:
