@@ -44,7 +44,9 @@ class DeviceSampler:
             raise self._error
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
+        stopped = False
+        while not stopped:  # one last reading when stopped, so that even a run shorter than the interval has one
+            stopped = self._stop.wait(self.interval)
             try:
                 self.run.sample(self.read())
             except StoreError as exc:  # the database went away: stop sampling, report it on exit
