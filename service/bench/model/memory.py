@@ -6,7 +6,7 @@ Parameters, gradients and AdamW state stay fp32 under autocast; autocast keeps a
 linear weight for as long as the forward's graph lives.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 GIB = 2**30
 
@@ -143,6 +143,22 @@ def estimate(s: Shape, batch: int, context: int, precision: str = "fp32", mode: 
     peak_at = max(candidates, key=lambda k: sum(candidates[k].values()))
     return Estimate(s, batch, context, precision, mode, attention, n, held | candidates[peak_at], per_layer, head,
                     peak_at)
+
+
+DEQUANTIZING = ("int8", "fp8")  # torchao's eager weight-only matmul for these dequantizes the weight first
+
+
+def with_weights(e: Estimate, weight_bytes: int, quantization: str) -> Estimate:
+    """A forward estimate for a model whose weights take `weight_bytes` (quantized, in the compute dtype: no
+    autocast copies). int8 and fp8 multiply with a dequantized copy of the weight, one layer at a time (seen
+    on CPU: measured peaks exceed the plain estimate by the largest weight in the compute dtype)."""
+    s = e.shape
+    held = {"parameters (as stored, quantized)": weight_bytes}
+    held |= {k: v for k, v in e.bytes.items() if k not in ("parameters", "bf16 weight copies (autocast)")}
+    if quantization in DEQUANTIZING:
+        largest = max(s.hidden * s.intermediate, s.hidden * s.heads * s.head_dim)
+        held["dequantized weight (matmul temporary)"] = largest * (2 if e.precision == "bf16" else 4)
+    return replace(e, bytes=held)
 
 
 def activation_bytes(e: Estimate) -> int:

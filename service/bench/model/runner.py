@@ -15,6 +15,7 @@ import torch
 from service.bench.model import memory
 from service.bench.model.measure import PeakMemory, available_bytes, pin_mmap_threshold, release_free_memory, rss_bytes
 from service.bench.model.steps import PHASES, Case, build_model, model_config, run_case, summary
+from service.engine import quantization
 
 FIT_SHARE = 0.9  # leave a tenth of the memory to the allocator's slack (and, on a shared CPU box, to others)
 
@@ -33,6 +34,8 @@ def parse_args(argv):
     ap.add_argument("--modes", default="fwd,fwd+bwd,train", help="comma list of fwd, fwd+bwd, train")
     ap.add_argument("--precision", default="fp32", help="comma list of fp32, bf16 (autocast)")
     ap.add_argument("--compile", default="off", help="comma list of off, on (torch.compile of the whole model)")
+    ap.add_argument("--quantization", default="none", help="comma list of none, int8, int4, fp8: weight-only, as "
+                    "the engine serves them; forward only (int4 with bf16, fp8 on CUDA 8.9+)")
     ap.add_argument("--attention", default="sdpa", choices=memory.ATTENTIONS,
                     help="transformers attention implementation (eager materializes the scores)")
     ap.add_argument("--warmup", type=int, default=5)
@@ -57,13 +60,17 @@ def parse_args(argv):
         args.modes = _list(args.modes)
         args.precision = _list(args.precision)
         args.compile = [{"on": True, "off": False}[c] for c in _list(args.compile)]
+        args.quantization = _list(args.quantization)
     except (ValueError, KeyError) as exc:
         ap.error(f"bad list: {exc}")
-    for name, values, allowed in (("mode", args.modes, memory.MODES), ("precision", args.precision, memory.PRECISIONS)):
+    for name, values, allowed in (("mode", args.modes, memory.MODES), ("precision", args.precision, memory.PRECISIONS),
+                                  ("quantization", args.quantization, quantization.MODES)):
         if not values or any(v not in allowed for v in values):
             ap.error(f"--{name} takes a comma list of {', '.join(allowed)}")
     if args.batch < 1 or args.steps < 1 or args.warmup < 0 or any(c < 1 for c in args.context) or not args.context:
         ap.error("--batch, --steps and every --context must be positive, --warmup not negative")
+    if args.calc_only and args.quantization != ["none"]:
+        ap.error("--calc-only predicts unquantized models: a quantized model's weights are measured after quantizing")
     return args
 
 
@@ -91,10 +98,15 @@ def calculator_table(rows: list[dict]) -> str:
 
 
 def results_table(rows: list[dict]) -> str:
-    out = ["| size | context | mode | precision | compile | forward ms | backward ms | optimizer ms | step ms "
-           "| predicted GiB | measured GiB | error |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    """One line per case; quantization and weight memory columns only when a case is quantized."""
+    quantized = any(r["case"].quantization != "none" for r in rows)
+    extra = " quantization | weight MiB |" if quantized else ""
+    out = [f"| size | context | mode | precision | compile |{extra} forward ms | backward ms | optimizer ms | step ms "
+           "| predicted GiB | measured GiB | error |", "|---" * (12 + 2 * quantized) + "|"]
     for r in rows:
         c, e = r["case"], r["estimate"]
+        weights = f" {r['weight_bytes'] / 2**20:.1f} |" if "weight_bytes" in r else " - |"
+        extra = f" {c.quantization} |{weights}" if quantized else ""
         cells = []
         for phase in PHASES:
             s = r.get("stats", {}).get(phase)
@@ -105,8 +117,8 @@ def results_table(rows: list[dict]) -> str:
             tail = f"{step['mean'] * 1e3:.1f} | {e.peak / memory.GIB:.2f} | {measured:.2f} | {err}"
         else:
             tail = f"{r['status']} | {e.peak / memory.GIB:.2f} | - | -"
-        out.append(f"| {c.size} | {c.context} | {c.mode} | {c.precision} | {'on' if c.compile else 'off'} "
-                   f"| {' | '.join(cells)} | {tail} |")
+        out.append(f"| {c.size} | {c.context} | {c.mode} | {c.precision} | {'on' if c.compile else 'off'} |{extra}"
+                   f" {' | '.join(cells)} | {tail} |")
     return "\n".join(out)
 
 
@@ -116,9 +128,16 @@ def _record(store, row: dict, args, device: torch.device) -> None:
     config = {"size": c.size, "context": c.context, "batch": c.batch, "mode": c.mode, "precision": c.precision,
               "compile": c.compile, "attention": args.attention, "device": device.type,
               "warmup": args.warmup, "steps": args.steps}
+    if c.quantization != "none":  # only then: configurations stored before this dimension keep their hash
+        config["quantization"] = c.quantization
+    if row["status"].startswith("skipped"):  # a combination that cannot run is not a run
+        print(f"{c.key}: {row['status']}", file=sys.stderr, flush=True)
+        return
     try:
         with store.run(kind="model", config=config, label=args.label) as run:
             run.measure("predicted_memory_bytes", e.peak, unit="bytes")
+            if "weight_bytes" in row:
+                run.measure("weight_bytes", row["weight_bytes"], unit="bytes")
             for phase, values in row.get("times", {}).items():
                 for i, v in enumerate(values):
                     run.measure(f"{phase}_seconds", v, unit="s", iteration=i)
@@ -144,42 +163,63 @@ def run(args, record=lambda row: None) -> list[dict]:
     for size in args.sizes:
         config = model_config(size)
         shape = memory.Shape.from_config(config)
-        cases = [Case(size, ctx, args.batch, mode, prec, comp) for ctx, prec, comp, mode in
-                 itertools.product(args.context, args.precision, args.compile, args.modes)]
+        cases = [Case(size, ctx, args.batch, mode, prec, comp, quant) for quant, ctx, prec, comp, mode in
+                 itertools.product(args.quantization, args.context, args.precision, args.compile, args.modes)]
         size_rows = [{"case": c, "estimate": memory.estimate(shape, c.batch, c.context, c.precision, c.mode,
                                                               args.attention, foreach_adamw=device.type == "cuda"),
-                      "status": "not run"} for c in cases]
+                      "status": _cannot_run(c, device)} for c in cases]
         rows += size_rows
         if args.calc_only:
             continue
         release_free_memory(device)
         budget = FIT_SHARE * available_bytes(device)
         for r in size_rows:
-            if r["estimate"].peak > budget:
+            if r["status"] == "not run" and r["estimate"].peak > budget:  # quantized: the unquantized estimate
                 r["status"] = f"does not fit ({r['estimate'].peak / memory.GIB:.1f} > {budget / memory.GIB:.1f} GiB)"
         todo = [r for r in size_rows if r["status"] == "not run"]
         for r in size_rows:
             if r["status"] != "not run":
                 record(r)
-        if not todo:
-            continue
-        baseline = rss_bytes()
-        try:
-            model = build_model(config, device, args.attention)
-        except torch.OutOfMemoryError:  # the calculator's margin was not enough for the weights themselves
-            for r in todo:
-                r["status"] = "out of memory"
-                record(r)
-            release_free_memory(device)
-            continue
-        try:
-            for r in todo:
-                _run_one(model, r, device, args, PeakMemory(device, baseline))
-                record(r)
-        finally:
-            del model
-            release_free_memory(device)
+        for weights in dict.fromkeys(r["case"].weights for r in todo):  # one model per kind of weights, in order
+            _run_on_one_model(config, [r for r in todo if r["case"].weights == weights], device, args, record)
     return rows
+
+
+def _cannot_run(case: Case, device: torch.device) -> str:
+    """"not run" for a case that can run, else why not ("skipped: ...")."""
+    if case.quantization == "none":
+        return "not run"
+    if case.mode != "fwd":
+        return "skipped: quantized weights run forward only (--modes fwd)"
+    try:
+        quantization.check(case.quantization, device, case.weights[1])
+    except ValueError as exc:
+        return f"skipped: {exc}"
+    return "not run"
+
+
+def _run_on_one_model(config, rows: list[dict], device: torch.device, args, record) -> None:
+    baseline = rss_bytes()
+    quant, dtype = rows[0]["case"].weights
+    try:
+        model = build_model(config, device, args.attention, quant, dtype)
+    except torch.OutOfMemoryError:  # the calculator's margin was not enough for the weights themselves
+        for r in rows:
+            r["status"] = "out of memory"
+            record(r)
+        release_free_memory(device)
+        return
+    try:
+        if quant != "none":  # predicted with the weights as they are stored, measured once quantized
+            stored = quantization.weight_bytes(model)
+            for r in rows:
+                r["weight_bytes"], r["estimate"] = stored, memory.with_weights(r["estimate"], stored, quant)
+        for r in rows:
+            _run_one(model, r, device, args, PeakMemory(device, baseline))
+            record(r)
+    finally:
+        del model
+        release_free_memory(device)
 
 
 def _run_one(model, row: dict, device: torch.device, args, peak: PeakMemory) -> None:
@@ -200,7 +240,7 @@ def to_json(row: dict) -> dict:
     """A row as plain data: the case, its status, predicted and measured peak bytes, per-step phase times."""
     e = row["estimate"]
     return {**row["case"].__dict__, "status": row["status"], "predicted_bytes": e.peak, "peak_at": e.peak_at,
-            "predicted": e.bytes, "peak_bytes": row.get("peak_bytes"), "seconds": row.get("times", {}),
+            "predicted": e.bytes, "peak_bytes": row.get("peak_bytes"), "weight_bytes": row.get("weight_bytes"), "seconds": row.get("times", {}),
             "stats": row.get("stats", {})}
 
 

@@ -30,11 +30,21 @@ def model_config(size: str):
     raise ValueError(f"unknown model size {size!r}: use a preset ({', '.join(PRESETS)}) or a local model folder")
 
 
-def build_model(config, device: torch.device, attention: str) -> torch.nn.Module:
-    """Random fp32 weights straight on the device (on `meta` it costs nothing: used to count parameters)."""
+def build_model(config, device: torch.device, attention: str, quantization: str = "none",
+                dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Random weights straight on the device (on `meta` it costs nothing: used to count parameters).
+
+    Unquantized models hold fp32 weights (bf16 is autocast); a quantized one is built in `dtype` and its linear
+    layers quantized the way the engine does it.
+    """
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention,
+                                                 dtype=torch.float32 if quantization == "none" else dtype)
+    if quantization != "none":
+        from service.engine.quantization import quantize
+        quantize(model.eval(), quantization, device)
+        return model
     return model.train()
 
 
@@ -46,12 +56,21 @@ class Case:
     mode: str  # fwd, fwd+bwd, train
     precision: str  # fp32, bf16 (autocast)
     compile: bool
+    quantization: str = "none"  # weight-only, forward only: none, int8, int4, fp8
 
     @property
     def key(self) -> str:
         """A file name: a model folder's own name, not its path."""
         name = os.path.basename(self.size.rstrip("/"))
-        return f"{name}-c{self.context}-b{self.batch}-{self.mode}-{self.precision}" + ("-compiled" * self.compile)
+        return (f"{name}-c{self.context}-b{self.batch}-{self.mode}-{self.precision}" + ("-compiled" * self.compile)
+                + (f"-{self.quantization}" if self.quantization != "none" else ""))
+
+    @property
+    def weights(self) -> tuple[str, torch.dtype]:
+        """The model a case runs on: fp32 weights (bf16 autocast) unquantized, else quantized in its precision."""
+        if self.quantization == "none":
+            return "none", torch.float32
+        return self.quantization, torch.bfloat16 if self.precision == "bf16" else torch.float32
 
 
 @dataclass
@@ -87,7 +106,8 @@ def run_case(model: torch.nn.Module, case: Case, device: torch.device, warmup: i
         clock = {}
         _sync(device)
         clock["start"] = time.perf_counter()
-        with grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=case.precision == "bf16"):
+        with grad(), torch.autocast(device.type, dtype=torch.bfloat16,
+                                             enabled=case.precision == "bf16" and case.quantization == "none"):
             logits = forward(input_ids=inputs, use_cache=False).logits
             loss = F.cross_entropy(logits.reshape(-1, vocab).float(), targets)
         _sync(device)

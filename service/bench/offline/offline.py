@@ -113,19 +113,43 @@ def run_static(model, prompts: list[list[int]], output_len: int, batch: int, dev
             "seconds": time.perf_counter() - start}
 
 
-def run_generate_batch(model, prompts: list[list[int]], output_len: int, device: torch.device) -> dict:
+def run_generate_batch(model, prompts: list[list[int]], output_lens: list[int], device: torch.device) -> dict:
+    """transformers' continuous batching, timed as its `generate_batch` runs (manager start and warm-up inside).
+
+    `generate_batch` takes one max_new_tokens for all requests; with per-request lengths each request goes to
+    the same manager through its public `add_request`, with `generate_batch`'s own sizing hints.
+    """
     from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
 
     model.set_attn_implementation("paged|sdpa")
-    config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=None, pad_token_id=0)
-    model.generate_batch(inputs=prompts[:8], generation_config=config)
+    config = GenerationConfig(max_new_tokens=max(output_lens), do_sample=False, eos_token_id=None, pad_token_id=0)
+    model.generate_batch(inputs=prompts[:8], generation_config=config, max_new_tokens=min(output_lens))
     _sync(device)
     start = time.perf_counter()
-    results = model.generate_batch(inputs=prompts, generation_config=config)
+    if len(set(output_lens)) == 1:
+        results = list(model.generate_batch(inputs=prompts, generation_config=config).values())
+    else:
+        hints = WorkloadHints(max_prompt_length=max(map(len, prompts)), max_generated_length=max(output_lens),
+                              num_requests=len(prompts))
+        with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5,
+                                                       workload_hints=hints) as manager:
+            for i, (ids, n) in enumerate(zip(prompts, output_lens)):
+                manager.add_request(ids, request_id=f"r{i}", max_new_tokens=n)
+            results = []
+            while len(results) < len(prompts):
+                result = manager.get_result(timeout=1)
+                if result is None and not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching stopped before every request finished")
+                if result is not None and result.is_finished():
+                    results.append(result)
     _sync(device)
-    n = sum(len(r.generated_tokens) for r in results.values())
+    seconds = time.perf_counter() - start
+    n = sum(len(r.generated_tokens) for r in results)
+    if n != sum(output_lens):
+        raise RuntimeError(f"generate_batch produced {n} tokens, not the {sum(output_lens)} asked for")
     return {"system": "transformers generate_batch (paged|sdpa)", "key": "generate_batch", "output_tokens": n,
-            "seconds": time.perf_counter() - start}
+            "seconds": seconds}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -210,12 +234,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    # the peers take one output length for all; static batches also one prompt length
-    if peers and not output_len.fixed:
-        print(f"peers skipped: they cannot give each request its own output length ({output_len})", flush=True)
-        peers = []
-    if "static" in peers and not args.input_len.fixed:
-        print(f"static peer skipped: it needs one prompt length, not {args.input_len}", flush=True)
+    # a static batch takes one prompt and one output length for all
+    if "static" in peers and not (args.input_len.fixed and output_len.fixed):
+        print(f"static peer skipped: it needs one prompt and one output length, not {args.input_len} / "
+              f"{output_len}", flush=True)
         peers.remove("static")
     # peers run as their own docs show them (no inference_mode: generate_batch updates its tensors in place)
     if "static" in peers:
@@ -223,7 +245,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append(run_static(hf_model, prompts, output_len.low, b, device))
             print(_fmt(rows[-1]), flush=True)
     if "generate_batch" in peers:
-        rows.append(run_generate_batch(hf_model, prompts, output_len.low, device))
+        rows.append(run_generate_batch(hf_model, prompts, output_lens, device))
         print(_fmt(rows[-1]), flush=True)
     hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
