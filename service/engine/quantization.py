@@ -4,6 +4,7 @@ Modes: int8 (per output channel), int4 (groups of weights sharing a scale and ze
 output channel); activations, the KV cache and the embedding/output projection keep the model's dtype.
 """
 
+import importlib.util
 import logging
 
 import torch
@@ -25,6 +26,8 @@ def check(mode: str, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse, in one line, a mode this device or dtype cannot run (before anything is loaded)."""
     if mode not in MODES:
         raise ValueError(f"unknown quantization {mode!r}: use {', '.join(MODES)}")
+    if mode != "none" and importlib.util.find_spec("torchao") is None:
+        raise ValueError(f"{mode} weights need torchao, which is not installed here: pip install torchao")
     if mode == "fp8" and device.type != "cuda":
         raise ValueError("fp8 weights need a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper); "
                          f"this device is {device.type}: use int8 or int4")

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The whole CUDA test file in one call (device tool), its full log kept, then the telemetry overhead again.
+# Second H100 call (device tool): quantized weights against bf16 on 128/128 x 256 (torchao travels in .whl),
+# then the whole CUDA test file with its full log kept.
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD LLM_BENCH_DB=sqlite:///$OUT/bench.db
+echo "== quantized weights, 128/128 x 256, every mode in one process (4 engines: a fixed KV cache each)"
+timeout 170 python3 -m service bench offline --quantization none,int8,int4,fp8 --repeats 3 --num-blocks 6000 \
+  --json $OUT/quant.json > $OUT/quant.log 2>&1
+echo "rc $?"; grep -E "throughput round|^\||^model|Error" $OUT/quant.log | cut -c1-250
 echo "== tests/test_cuda.py"
-timeout 400 python3 -m pytest -p no:cacheprovider tests/test_cuda.py -rA --durations=10 > $OUT/cuda_tests.log 2>&1
+timeout 330 python3 -m pytest -p no:cacheprovider tests/test_cuda.py -rA --durations=10 > $OUT/cuda_tests.log 2>&1
 echo "rc $?"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" $OUT/cuda_tests.log | cut -c1-240 | tail -20
-echo "== bench offline --telemetry (engine only), 128/128 x 256"
-timeout 150 python3 -m service bench offline --telemetry --peers none --json $OUT/telemetry.json 2>&1 \
-  | grep -v -i -E "warn|^\s*$|^  " | tail -8
