@@ -173,3 +173,10 @@ def test_a_query_the_database_refuses_after_opening_is_one_line_and_exit_2(tmp_p
     message = capsys.readouterr().err.strip()
     assert exited.value.code == 2
     assert message == f"error: cannot read or write {db}: no such table: bench_runs"
+
+
+@pytest.mark.parametrize("baseline, candidate", [([0, 0, 1, 1, 1, 1], [1] * 6), ([0] * 6, [1] * 6), ([1] * 6, [-1] * 6)])
+def test_a_baseline_with_zeros_or_negative_values_is_inconclusive_not_infinite(baseline, candidate):
+    v = judge(baseline, candidate, LOWER)
+    assert (v.verdict, v.ratio, v.low, v.high) == ("inconclusive", None, None, None)
+    assert v.why == "a ratio needs positive baseline and non-negative candidate values"

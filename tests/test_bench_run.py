@@ -47,6 +47,22 @@ def test_a_yaml_matrix_with_an_unknown_key_is_refused(tmp_path):
         matrix.load_yaml(str(path))
 
 
+@pytest.mark.parametrize("text, message", [
+    ("dimensions: [1, 2]", "'dimensions' must be a mapping of dimension to values"),
+    ("configs: {batch_size: 1}", "'configs' must be a list of mappings of dimension to value"),
+    ("configs: [1, 2]", "'configs' must be a list of mappings of dimension to value"),
+    ("warmup: two", "'warmup' must be an integer, not 'two'"),
+    ("iterations: 2.5", "'iterations' must be an integer, not 2.5"),
+    ("cross_product: 1", "'cross_product' must be true or false, not 1"),
+])
+def test_a_yaml_matrix_of_the_wrong_shape_is_a_one_line_error(tmp_path, text, message):
+    path = tmp_path / "m.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ValueError) as caught:
+        matrix.load_yaml(str(path))
+    assert str(caught.value) == f"{path}: {message}"
+
+
 def test_a_yaml_matrix_that_does_not_parse_is_a_one_line_error(tmp_path):
     path = tmp_path / "m.yaml"
     path.write_text("dimensions:\n  batch_size: [1\n")

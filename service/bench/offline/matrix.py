@@ -95,6 +95,15 @@ def load_yaml(path: str) -> dict:
             raise ValueError(f"{path}: not valid YAML ({getattr(exc, 'problem', None) or exc}){where}") from None
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: expected a mapping with 'dimensions' and/or 'configs'")
+    configs = doc.get("configs") or []
+    if not isinstance(doc.get("dimensions") or {}, dict):
+        raise ValueError(f"{path}: 'dimensions' must be a mapping of dimension to values")
+    if not isinstance(configs, list) or not all(isinstance(c, dict) for c in configs):
+        raise ValueError(f"{path}: 'configs' must be a list of mappings of dimension to value")
+    for key, kind, name in (("warmup", int, "an integer"), ("iterations", int, "an integer"),
+                            ("seed", int, "an integer"), ("cross_product", bool, "true or false")):
+        if key in doc and (type(doc[key]) is not kind):
+            raise ValueError(f"{path}: '{key}' must be {name}, not {doc[key]!r}")
     unknown = set(doc) - {"dimensions", "configs", "cross_product", "warmup", "iterations", "seed"}
     unknown |= set(doc.get("dimensions") or {}) - set(BY_KEY)
     for config in doc.get("configs") or []:

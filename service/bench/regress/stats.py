@@ -43,8 +43,9 @@ def judge(baseline, candidate, better: int, threshold: float = 0.05, min_iterati
     if min(nb, nc) < min_iterations:
         return Verdict("inconclusive", None, None, None, nb, nc,
                        f"too few iterations ({nb} and {nc}; {min_iterations} needed)")
-    if np.median(baseline) <= 0 or min(np.min(baseline), np.min(candidate)) < 0:
-        return Verdict("inconclusive", None, None, None, nb, nc, "a ratio needs positive values")
+    if np.min(baseline) <= 0 or np.min(candidate) < 0:  # a zero baseline resample would make the interval infinite
+        return Verdict("inconclusive", None, None, None, nb, nc,
+                       "a ratio needs positive baseline and non-negative candidate values")
     ratio, low, high = bootstrap_ratio(baseline, candidate, confidence)
     change = (ratio - 1) * better  # > 0: better
     if high < 1 or low > 1:  # the interval excludes "no change"
