@@ -18,7 +18,6 @@ import importlib
 import logging
 import multiprocessing
 import os
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -140,13 +139,20 @@ def _rank_device(config, rank: int) -> torch.device:
     return torch.device(f"cuda:{rank}") if device.startswith("cuda") else torch.device("cpu")
 
 
-def _init_group(world: int, rank: int, port: int, device: torch.device) -> None:
+def _init_group(world: int, rank: int, store: dist.TCPStore, device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks share one host: stay on loopback
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            world_size=world, rank=rank, timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, world_size=world, rank=rank,
+                            timeout=COLLECTIVE_TIMEOUT)
+
+
+def _store(world: int, port: int = 0) -> dist.TCPStore:
+    """Rank 0 (port 0) binds a free port itself and keeps it, so no other process can take it in between;
+    the other ranks connect to that port."""
+    return dist.TCPStore("127.0.0.1", port, world, is_master=port == 0, timeout=COLLECTIVE_TIMEOUT,
+                         wait_for_workers=False)
 
 
 def load_shard(config, world: int, rank: int):
@@ -173,9 +179,8 @@ class TensorParallelGroup:
 
     def __init__(self, config):
         self.world = config.tensor_parallel_size
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        self._store = _store(self.world)
+        port = self._store.port
         ctx = multiprocessing.get_context("spawn")
         self.procs = [ctx.Process(target=_worker, args=(config, self.world, r, port, os.getpid()),
                                   name=f"tp-rank-{r}", daemon=True) for r in range(1, self.world)]
@@ -183,7 +188,7 @@ class TensorParallelGroup:
             p.start()
         self.device = _rank_device(config, 0)
         try:
-            _init_group(self.world, 0, port, self.device)
+            _init_group(self.world, 0, self._store, self.device)
         except BaseException:  # the ranks would wait for rank 0 until their own timeout
             for p in self.procs:
                 p.kill()
@@ -277,7 +282,7 @@ def _gather_seconds(own: float, world: int, device: torch.device) -> list[float]
 def _worker(config, world: int, rank: int, port: int, parent: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     device = _rank_device(config, rank)
-    _init_group(world, rank, port, device)
+    _init_group(world, rank, _store(world, port), device)
     model = load_shard(config, world, rank).model
     layers, kv_heads, head_dim = _kv_shape(model)
     dtype = next(model.parameters()).dtype
