@@ -1,6 +1,8 @@
 """`bench model` and its memory calculator: parameter counts, saved activations, measured peaks, bad input, store."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import sqlalchemy as sa
@@ -173,13 +175,18 @@ def test_a_json_file_that_cannot_be_written_is_a_one_line_error(tmp_path):
     assert str(exc.value) == f"bench model: cannot write {path}: No such file or directory"
 
 
-def test_quantized_forward_is_measured_on_its_stored_weights_and_what_cannot_run_is_skipped(wide_model, tmp_path,
-                                                                                              capsys):
+def test_quantized_forward_is_measured_on_its_stored_weights_and_what_cannot_run_is_skipped(wide_model, tmp_path):
+    """In a fresh process: RSS late in a long test process carries tens of MB of allocator slack, as large as
+    these small models' whole forward pass (seen: 1.47x the prediction there, 0.98-1.03x alone)."""
     db = f"sqlite:///{tmp_path / 'bench.db'}"
-    rows = main(["--sizes", wide_model, "--context", "32", "--batch", "2", "--modes", "fwd,train",
-                 "--precision", "fp32,bf16", "--quantization", "none,int8,int4,fp8", "--warmup", "1", "--steps", "2",
-                 "--threads", "1", "--db", db, "--json", str(tmp_path / "m.json")])
-    status = {(r["case"].quantization, r["case"].precision, r["case"].mode): r["status"] for r in rows}
+    done = subprocess.run(
+        [sys.executable, "-m", "service", "bench", "model", "--sizes", wide_model, "--context", "32", "--batch", "2",
+         "--modes", "fwd,train", "--precision", "fp32,bf16", "--quantization", "none,int8,int4,fp8", "--warmup", "1",
+         "--steps", "2", "--threads", "1", "--db", db, "--json", str(tmp_path / "m.json")],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "m.json").read_text())
+    status = {(r["quantization"], r["precision"], r["mode"]): r["status"] for r in rows}
     assert [k for k, v in status.items() if v == "ok"] == [
         ("none", "fp32", "fwd"), ("none", "fp32", "train"), ("none", "bf16", "fwd"), ("none", "bf16", "train"),
         ("int8", "fp32", "fwd"), ("int8", "bf16", "fwd"), ("int4", "bf16", "fwd")]
@@ -188,30 +195,29 @@ def test_quantized_forward_is_measured_on_its_stored_weights_and_what_cannot_run
     assert status["fp8", "bf16", "fwd"].startswith("skipped: fp8 weights need a CUDA GPU")
     # 2 layers x (4 x 1024^2 attention + 3 x 1024 x 4096 MLP) quantized; embedding and output head (1000 x 1024 each)
     linear, other = 2 * (4 * 1024**2 + 3 * 1024 * 4096), 2 * 1000 * 1024 + 5 * 1024
-    ok = {(r["case"].quantization, r["case"].precision): r for r in rows if r["status"] == "ok" and r["case"].mode == "fwd"}
-    weights = {k: r.get("weight_bytes") for k, r in ok.items()}
+    ok = {(r["quantization"], r["precision"]): r for r in rows if r["status"] == "ok" and r["mode"] == "fwd"}
+    weights = {k: r["weight_bytes"] for k, r in ok.items()}
     # int8: a byte per weight and a scale per output row; int4: half a byte and a scale and zero point per 32 weights
     assert 1.0 < (weights["int8", "fp32"] - 4 * other) / linear < 1.01
     assert 1.0 < (weights["int8", "bf16"] - 2 * other) / linear < 1.01
     assert 0.5 + 4 / 32 <= (weights["int4", "bf16"] - 2 * other) / linear < 0.5 + 4 / 32 + 0.01
+    assert weights["none", "fp32"] is None
     for key in [("int8", "fp32"), ("int8", "bf16"), ("int4", "bf16")]:
         r = ok[key]
-        assert "bf16 weight copies (autocast)" not in r["estimate"].bytes
-        assert r["estimate"].bytes["parameters (as stored, quantized)"] == r["weight_bytes"]
-        assert 0.95 < r["peak_bytes"] / r["estimate"].peak < 1.3, (key, r["peak_bytes"], r["estimate"].peak)
-    assert ok["int8", "fp32"]["estimate"].bytes["dequantized weight (matmul temporary)"] == 4 * 1024 * 4096
-    assert "dequantized weight (matmul temporary)" not in ok["int4", "bf16"]["estimate"].bytes
-    assert ok["int8", "fp32"]["estimate"].peak < 0.6 * ok["none", "fp32"]["estimate"].peak
-    out = capsys.readouterr().out
-    assert f"| 32 | fwd | bf16 | off | int4 | {weights['int4', 'bf16'] / 2**20:.1f} |" in out
-    assert "| 32 | train | fp32 | off | none | - |" in out
+        assert "bf16 weight copies (autocast)" not in r["predicted"]
+        assert r["predicted"]["parameters (as stored, quantized)"] == r["weight_bytes"]
+        assert 0.95 < r["peak_bytes"] / r["predicted_bytes"] < 1.3, (key, r["peak_bytes"], r["predicted_bytes"])
+    assert ok["int8", "fp32"]["predicted"]["dequantized weight (matmul temporary)"] == 4 * 1024 * 4096
+    assert "dequantized weight (matmul temporary)" not in ok["int4", "bf16"]["predicted"]
+    assert ok["int8", "fp32"]["predicted_bytes"] < 0.6 * ok["none", "fp32"]["predicted_bytes"]
+    assert f"| 32 | fwd | bf16 | off | int4 | {weights['int4', 'bf16'] / 2**20:.1f} |" in done.stdout
+    assert "| 32 | train | fp32 | off | none | - |" in done.stdout
     runs = _rows(db, schema.runs)  # the skipped combinations are not runs
     assert [(r["status"], r["config"].get("quantization")) for r in runs] == [
         ("ok", None), ("ok", None), ("ok", None), ("ok", None), ("ok", "int8"), ("ok", "int8"), ("ok", "int4")]
     stored = {(m["run_id"], m["metric"]): m["value"] for m in _rows(db, schema.measurements)}
-    assert stored[ok["int4", "bf16"]["run_id"], "weight_bytes"] == weights["int4", "bf16"]
-    written = {(w["quantization"], w["precision"], w["mode"]): w for w in json.loads((tmp_path / "m.json").read_text())}
-    assert written["int8", "fp32", "fwd"]["weight_bytes"] == weights["int8", "fp32"]
+    assert stored[runs[6]["id"], "weight_bytes"] == weights["int4", "bf16"]
+    assert stored[runs[6]["id"], "peak_memory_bytes"] == ok["int4", "bf16"]["peak_bytes"]
 
 
 def test_calc_only_refuses_quantized_sizes(capsys):
