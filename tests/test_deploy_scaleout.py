@@ -136,6 +136,9 @@ class Fleet(Stack):
         return sum(float(v) for v in re.findall(r"^llm_requests_running\{[^}]*\} (\S+)$", text, re.M))
 
 
+DEATH_WINDOW = 0.05  # seconds after a killed replica is seen dead in which a request may still be cut
+
+
 def dead(pid: int) -> bool:
     """The process is gone or a zombie (its parent, replicas.sh, reaps it)."""
     try:
@@ -300,9 +303,11 @@ def test_sigkill_under_load_fails_only_its_in_flight_requests_and_fires_the_down
     assert failed and {r.error for r in failed} <= {"connection_lost", "truncated_stream", "http_502"}, s
     # exactly the requests the killed replica had when it died failed: HAProxy saw each cut off by the server
     # (a stream cut mid-way, or a request sent on a kept-alive connection at the instant of death: a 502)
+    # t_dead is when the poll saw the process gone; a request HAProxy handed to the dying replica within a few
+    # milliseconds of that (seen once in many runs) can still be cut with a 502 that HAProxy does not retry
     cut = [r for r in fleet.requests_log() if r["server"] == victim and r["state"][0] == "S"]
-    assert len(cut) == len(failed) and all(r["start"] < t_dead for r in cut), (cut, s)
-    later = [r for r in load.run.results if load.sent_at(r) > t_dead]
+    assert len(cut) == len(failed) and all(r["start"] < t_dead + DEATH_WINDOW for r in cut), (cut, s)
+    later = [r for r in load.run.results if load.sent_at(r) > t_dead + DEATH_WINDOW]
     assert later and all(r.ok for r in later)  # new requests succeed on the others (refused ones are retried)
 
     def down_alerts():
