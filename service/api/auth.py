@@ -38,14 +38,14 @@ def bearer_matches(request: Request, keys: list[bytes]) -> bool:
     return ok and scheme.lower() == b"bearer"
 
 
-def require_api_key(request: Request) -> None:
+async def require_api_key(request: Request) -> None:  # async: a sync dependency would hop to a worker thread
     keys = request.app.state.api_keys
     if keys and not bearer_matches(request, keys):
         raise APIError(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'",
                        code="invalid_api_key")
 
 
-def require_metrics_token(request: Request) -> None:
+async def require_metrics_token(request: Request) -> None:
     token = request.app.state.metrics_token
     if token and not bearer_matches(request, token):
         raise APIError(401, "/metrics needs 'Authorization: Bearer <metrics token>'", code="invalid_api_key")

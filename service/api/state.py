@@ -93,7 +93,7 @@ class ServerState:
         return stream
 
 
-def get_state(request: Request) -> ServerState:
+async def get_state(request: Request) -> ServerState:  # async: FastAPI runs a sync one on a worker thread
     return request.app.state.server
 
 
