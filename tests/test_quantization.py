@@ -12,7 +12,8 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from service.bench.offline.quantization import PROMPTS, agreement, greedy, prompt_ids
 from service.engine import SamplingParams
-from service.engine.models import _convert_gguf, default_gguf_path, load_model, resolve_dtype
+from service.engine.config import resolve_dtype
+from service.engine.models import _convert_gguf, default_gguf_path, load_model
 from service.engine.quantization import CPU_INT4_GROUP, weight_bytes
 from tests.conftest import LiveServer, make_engine, reference_greedy
 

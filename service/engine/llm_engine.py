@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import torch
 
 from service.engine.block_manager import BlockManager
-from service.engine.config import EngineConfig
+from service.engine.config import EngineConfig, resolve_dtype
 from service.engine.detokenizer import Detokenizer
 from service.engine.errors import EngineDeadError, InvalidRequestError
 from service.engine.model_runner import ModelRunner
-from service.engine.models import LoadedModel, load_model, resolve_dtype
+from service.engine.models import LoadedModel, load_model
 from service.engine.sampler import SampleResult
 from service.engine.sampling import SamplingParams
 from service.engine.scheduler import ScheduledBatch, Scheduler

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from service.engine import quantization as quant
-from service.engine.config import DEFAULT_MODEL, resolve_dtype  # noqa: F401 (resolve_dtype: callers import it here)
+from service.engine.config import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
 

@@ -160,7 +160,8 @@ def load_shard(config, world: int, rank: int):
 
     A checkpoint is read on the CPU; random weights are drawn on the rank's GPU (the same seed gives every
     device the same numbers, and drawing billions of them on a CPU takes minutes)."""
-    from service.engine.models import load_model, resolve_dtype
+    from service.engine.config import resolve_dtype
+    from service.engine.models import load_model
 
     device = _rank_device(config, rank)
     where = device if config.model.startswith("random:") else torch.device("cpu")

@@ -2,10 +2,7 @@
 # The single-GPU figures in one call (device tool, H100): engine against transformers' peers with the
 # telemetry overhead, the CUDA test file, the kernel and model benchmarks. Wheels the machine lacks travel in
 # .whl (see docs/benchmarks.md). Each step has its own time limit so that one slow step cannot eat the rest.
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD LLM_BENCH_DB=sqlite:///$OUT/bench.db
-quiet() { grep -v -i -E "warn|^\s*$|^  " ; }
+source tests/gpu/env.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee $OUT/gpu.txt
 echo "== 1. bench offline 256 x 128/128: engine (7 runs without and with telemetry) and peers"
 timeout 190 python3 -m service bench offline --telemetry --json $OUT/offline.json 2>&1 | tee $OUT/offline.log | quiet | tail -9

@@ -2,10 +2,7 @@
 # The H100 figures issue 17 still lacked, in one call (device tool): the mixed-length workload against
 # transformers' continuous batching, quantized weights against bf16, and bench model over more contexts,
 # fp32 and the training step. Every run lands in $OUT/bench.db. Wheels the machine lacks travel in .whl.
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD LLM_BENCH_DB=sqlite:///$OUT/bench.db
-quiet() { grep -v -i -E "warn|^\s*$|^  |it/s\]" ; }
+source tests/gpu/env.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee $OUT/gpu.txt
 echo "== 1. mixed lengths: 256 requests, input and output uniform in [100, 1024], engine and generate_batch"
 timeout 200 python3 -m service bench offline --input-len uniform:100-1024 --output-len uniform:100-1024 \

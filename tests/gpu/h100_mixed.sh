@@ -2,10 +2,7 @@
 # Third H100 call (device tool): the NaN-logits test after its change; each quantization mode in its own
 # process on 128/128 x 256 (median of 7, with the telemetry overhead; the 'none' run is also the engine's
 # 128/128 figure); the mixed-length workload as a median of 7.
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD LLM_BENCH_DB=sqlite:///$OUT/bench.db
-quiet() { grep -v -i -E "warn|^\s*$|^  |it/s\]" ; }
+source tests/gpu/env.sh
 echo "== the NaN-logits CUDA test"
 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k nan_logits > $OUT/nan.log 2>&1; echo "rc $?"
 tail -1 $OUT/nan.log

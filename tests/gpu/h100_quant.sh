@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # Fourth H100 call (device tool): quantized weights where the earlier calls ran out of time - bench model's
 # quantized forward, each mode at 16 requests (a small decode batch), and int8 at 256 given a longer limit.
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD LLM_BENCH_DB=sqlite:///$OUT/bench.db
+source tests/gpu/env.sh
 echo "== bench model: quantized forward, bf16, context 512"
 timeout 90 python3 -m service bench model --sizes small,2.7b --context 512 --modes fwd --precision bf16 \
   --quantization none,int8,int4,fp8 --warmup 2 --steps 5 --json $OUT/model_quant.json > $OUT/model_quant.log 2>&1

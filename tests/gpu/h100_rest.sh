@@ -1,8 +1,6 @@
 #!/usr/bin/env bash
 # The second single-GPU call: the CUDA tests the first call's time limit cut off, and a smaller kernel run.
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD LLM_BENCH_DB=sqlite:///$OUT/bench.db
+source tests/gpu/env.sh
 echo "== tests/test_cuda.py, the part not reached before"
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "bench_kernel or bench_model or nan or quantized or int4_needs" -rA > $OUT/cuda_rest.log 2>&1
 echo "rc $?"; grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" $OUT/cuda_rest.log | cut -c1-220 | tail -16

@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # Second H100 call (device tool): quantized weights against bf16 on 128/128 x 256 (torchao travels in .whl),
 # then the whole CUDA test file with its full log kept.
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD LLM_BENCH_DB=sqlite:///$OUT/bench.db
+source tests/gpu/env.sh
 echo "== quantized weights, 128/128 x 256, every mode in one process (4 engines: a fixed KV cache each)"
 timeout 170 python3 -m service bench offline --quantization none,int8,int4,fp8 --repeats 3 --num-blocks 6000 \
   --json $OUT/quant.json > $OUT/quant.log 2>&1

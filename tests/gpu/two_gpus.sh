@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Tensor-parallel runs on a two-GPU machine: the CUDA tests (full log kept), then bench offline 128/128 x 256
 # at N=1 and N=2 on Llama-3.2-1B's and Llama-3.1-8B's shapes (random bf16 weights, eager on both sides).
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site
+source tests/gpu/env.sh
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee $OUT/gpus.txt
 nvidia-smi topo -m >> $OUT/gpus.txt
 echo "== tests/test_cuda_tensor_parallel.py"

@@ -10,16 +10,15 @@ import gc
 import json
 import os
 import platform
-import sys
 import time
 
 import torch
 
 from service.engine import EngineConfig, LLMEngine, SamplingParams
 from service.bench.offline.lengths import Lengths, lengths_arg
-from service.bench.store import StoreError, add_db_argument, open_store
+from service.bench.store import add_db_argument, open_store_or_exit
 from service.engine.attention import ATTN_IMPLEMENTATION
-from service.engine.models import resolve_dtype
+from service.engine.config import resolve_dtype
 from service.engine.quantization import check as check_quantization
 
 
@@ -184,11 +183,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--label", default=None, help="a name for this run in the results store")
     add_db_argument(ap)
     args = ap.parse_args(argv)
-    try:
-        store = open_store(args.db)
-    except StoreError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    store = open_store_or_exit(args.db)
 
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if cuda else "cpu")

@@ -11,14 +11,13 @@ the device's busy time per step; a plain window of as many steps gives the wall 
 import argparse
 import json
 import statistics
-import sys
 import time
 
 import torch
 
 from service.bench.offline.lengths import Lengths, lengths_arg
 from service.bench.offline.offline import random_prompts, run_engine
-from service.bench.store import StoreError, add_db_argument, open_store
+from service.bench.store import add_db_argument, open_store_or_exit
 from service.engine import EngineConfig, LLMEngine, SamplingParams
 from service.engine import sampler as sampler_module
 
@@ -106,11 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--label", default=None, help="a name for this run in the results store")
     add_db_argument(ap)
     args = ap.parse_args(argv)
-    try:
-        store = open_store(args.db)
-    except StoreError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    store = open_store_or_exit(args.db)
 
     engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=256, max_num_batched_tokens=8192,
                                     gpu_memory_utilization=0.5, enable_prefix_caching=False))

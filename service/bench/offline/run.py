@@ -24,7 +24,8 @@ from service.bench.offline.offline import random_prompts
 from service.bench.store import StoreError, add_db_argument, open_store
 from service.bench.store.sampler import DeviceSampler
 from service.engine import EngineConfig, LLMEngine, SamplingParams
-from service.engine.models import load_model, resolve_dtype
+from service.engine.config import resolve_dtype
+from service.engine.models import load_model
 
 UNITS = {"wall_seconds": "s", "cpu_seconds": "s", "output_tokens_per_second": "tok/s",
          "total_tokens_per_second": "tok/s", "ttft_median_seconds": "s", "ttft_p90_seconds": "s",

@@ -4,6 +4,6 @@ SQLite by default, PostgreSQL for a team; one schema (schema.py) for both. See d
 """
 
 from service.bench.store.errors import StoreError
-from service.bench.store.store import Run, Store, add_db_argument, default_url, open_store
+from service.bench.store.store import Run, Store, add_db_argument, default_url, open_store, open_store_or_exit
 
-__all__ = ["Run", "Store", "StoreError", "add_db_argument", "default_url", "open_store"]
+__all__ = ["Run", "Store", "StoreError", "add_db_argument", "default_url", "open_store", "open_store_or_exit"]

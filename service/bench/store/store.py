@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import datetime
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -70,6 +71,15 @@ def open_store(url: str | None = None, git: dict | None = None) -> "Store":
             raise StoreError(f"{shown}: {exc}") from None
         raise StoreError(f"cannot open the results database {shown}: {_one_line(exc)}") from None
     return Store(engine, shown, git)
+
+
+def open_store_or_exit(url: str | None = None) -> "Store":
+    """open_store for a command: a store that cannot be opened ends it with the one-line reason, exit status 2."""
+    try:
+        return open_store(url)
+    except StoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 def _now() -> datetime.datetime:
