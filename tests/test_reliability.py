@@ -2,6 +2,7 @@
 serving, answers in OpenAI's error shape, and frees what each request held. Real uvicorn on loopback."""
 
 import asyncio
+import gc
 import hmac
 import http.client
 import json
@@ -353,3 +354,31 @@ def test_concurrent_submitters_on_many_threads_keep_the_shared_counts_exact(tiny
     assert facade._queued == 0 and facade.num_waiting == 0 and facade.num_streams == 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
 
+
+
+def test_a_submitted_request_counts_as_waiting_at_once_and_an_unread_one_gives_its_place_back(tiny_model):
+    """Admission checks num_waiting before each submit, so a request counts from submit, not from its first
+    read; one whose response never began reading (its generator dropped) must not stay counted."""
+    engine = make_engine(tiny_model, max_num_seqs=1)
+    facade = AsyncEngine(engine).start()
+
+    async def main():
+        unread = [facade.submit([1, 2, 3], SamplingParams(max_tokens=2)) for _ in range(3)]
+        counted = facade.num_waiting, facade.num_streams
+        del unread
+        gc.collect()
+        return counted
+
+    try:
+        counted = asyncio.run(main())
+        assert counted == (3, 3)
+        assert (facade.num_waiting, facade.num_streams) == (0, 0)
+        outs = asyncio.run(_collect(facade))
+        assert outs[-1].finished and facade.num_waiting == 0
+    finally:
+        facade.shutdown()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
+
+
+async def _collect(facade):
+    return [o async for o in facade.generate([4, 5], SamplingParams(max_tokens=3, ignore_eos=True))]

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     cut: bool = False  # set on the event loop once the reader fell too far behind
+    started: bool = False  # its reader began iterating: the request went to the engine's inbox
 
 
 class AsyncEngine:
@@ -75,9 +77,14 @@ class AsyncEngine:
         if not self.running:
             raise EngineDeadError("the engine loop is not running")
         seq = self.engine.make_sequence(prompt, params, request_id, arrival)
-        with self._lock:  # early answer; the stream checks again when it registers
+        stream = _Stream(seq.request_id, asyncio.get_running_loop())
+        with self._lock:  # counted as waiting from now: admission checks num_waiting before the next submit
             self._check_unused(seq.request_id)
-        return self._stream(seq)
+            self._streams[seq.request_id] = stream
+            self._queued += 1
+        outputs = self._stream(seq, stream)
+        weakref.finalize(outputs, self._forget, stream)  # never iterated (its response never began): give it back
+        return outputs
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -88,13 +95,16 @@ class AsyncEngine:
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
 
-    async def _stream(self, seq) -> AsyncIterator[RequestOutput]:
-        rid = seq.request_id
-        stream = _Stream(rid, asyncio.get_running_loop())
+    def _forget(self, stream: _Stream) -> None:
         with self._lock:
-            self._check_unused(rid)
-            self._streams[rid] = stream
-            self._queued += 1
+            if not stream.started and self._streams.get(stream.request_id) is stream:
+                del self._streams[stream.request_id]
+                self._queued -= 1
+
+    async def _stream(self, seq, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        rid = seq.request_id
+        with self._lock:
+            stream.started = True
         self._inbox.put(("add", seq))
         self._wake.set()
         finished = False
