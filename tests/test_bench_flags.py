@@ -6,13 +6,23 @@ from pathlib import Path
 import pytest
 
 from service.bench import soak
+from service.bench.kernel import runner as kernel
 from service.bench.loadgen import capacity, serve
+from service.bench.model import runner as model
+from service.bench.offline import offline, run
 
 SLO = ["--slo", "ttft:p95<=500ms"]
 
 
 def soak_args(argv):
     return soak.parse_args(argv)[0]
+
+
+def offline_args(argv):
+    return offline.build_parser().parse_args(argv)
+
+
+KERNEL = ["--ops", "reference", "--device", "cpu"]
 
 
 # (parser, new spelling, old spelling, attribute, value both give, the old spelling's message)
@@ -45,6 +55,20 @@ CASES = [
      "service bench soak: --warmup is deprecated and will be removed; use --warmup-seconds"),
     (soak_args, ["--out-dir", "d"], ["--out", "d"], "out", Path("d"),
      "service bench soak: --out is deprecated and will be removed; use --out-dir"),
+    (offline_args, ["--compile", "off"], ["--no-compile"], "compile", False,
+     "service bench offline: --no-compile is deprecated and will be removed; use --compile off"),
+    (offline_args, ["--cuda-graphs", "off"], ["--no-cuda-graphs"], "cuda_graphs", False,
+     "service bench offline: --no-cuda-graphs is deprecated and will be removed; use --cuda-graphs off"),
+    (offline_args, ["--iterations", "3"], ["--repeats", "3"], "repeats", 3,
+     "service bench offline: --repeats is deprecated and will be removed; use --iterations"),
+    (run.parse_args, ["--progress", "off"], ["--no-progress"], "progress", False,
+     "service bench run: --no-progress is deprecated and will be removed; use --progress off"),
+    (kernel.parse_args, KERNEL + ["--iterations", "3"], KERNEL + ["--repeats", "3"], "repeats", 3,
+     "service bench kernel: --repeats is deprecated and will be removed; use --iterations"),
+    (kernel.parse_args, KERNEL + ["--flush-l2", "off"], KERNEL + ["--no-flush"], "flush_l2", False,
+     "service bench kernel: --no-flush is deprecated and will be removed; use --flush-l2 off"),
+    (model.parse_args, ["--iterations", "3"], ["--steps", "3"], "steps", 3,
+     "service bench model: --steps is deprecated and will be removed; use --iterations"),
 ]
 
 
@@ -62,6 +86,8 @@ def test_switches_default_to_what_the_old_flags_left_on():
     assert (args.progress, args.server_metrics, args.ignore_eos, args.base_url) == (True, True, None,
                                                                                    "http://127.0.0.1:8000")
     assert capacity.parse_args(SLO).warmup == 10.0 and soak_args([]).warmup == 30.0
+    assert (offline_args([]).compile, offline_args([]).cuda_graphs) == (True, True)
+    assert kernel.parse_args(KERNEL).flush_l2 is True and run.parse_args([]).progress is True
 
 
 def test_a_switch_takes_only_on_or_off(capsys):

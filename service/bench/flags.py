@@ -1,7 +1,8 @@
 """The flags every `bench` command spells the same way, added from this one place (docs/bench-flags.md).
 
 Style: `--url` is the server; `--json PATH` and `--csv PATH` are where a command writes its result and its rows;
-a setting that is on or off is `--NAME on|off`; `--warmup N` counts iterations, `--warmup-seconds S` is a duration.
+a setting that is on or off is `--NAME on|off`; `--warmup N` and `--iterations N` count iterations (left out and
+measured), `--warmup-seconds S` is a duration.
 An old spelling keeps working for now through `deprecated_alias`, which says on stderr what replaces it.
 """
 
@@ -57,6 +58,13 @@ def add_csv(ap, help: str, dest: str | None = None) -> argparse.Action:
 def add_warmup(ap, default: int | None, help: str = "warm-up iterations, not measured") -> argparse.Action:
     shown = "" if default is None else " (default %(default)s)"
     return ap.add_argument("--warmup", type=int, default=default, metavar="N", help=help + shown)
+
+
+def add_iterations(ap, default: int | None, help: str = "measured iterations",
+                   dest: str | None = None) -> argparse.Action:
+    shown = "" if default is None else " (default %(default)s)"
+    return ap.add_argument("--iterations", type=int, default=default, metavar="N", help=help + shown,
+                           **({"dest": dest} if dest else {}))
 
 
 def add_warmup_seconds(ap, default: float, help: str, dest: str | None = None) -> argparse.Action:
