@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from service.bench import soak
-from service.bench.kernel import runner as kernel
+from service.bench.kernel import cli as kernel
 from service.bench.loadgen import capacity, serve
-from service.bench.model import runner as model
+from service.bench.model import cli as model
 from service.bench.offline import offline, run
 
 SLO = ["--slo", "ttft:p95<=500ms"]
