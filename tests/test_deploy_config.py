@@ -24,6 +24,7 @@ DEPLOY = ROOT / "deploy"
 GRAFANA = DEPLOY / "grafana"
 COMPOSE = DEPLOY / "docker-compose.yml"
 GPU_OVERRIDE = DEPLOY / "docker-compose.gpu.yml"
+SECRETS = "/run/llm-secrets"  # where secrets-init's volume is mounted (tests/test_deploy_secrets.py)
 LOAD_COMMAND = ("python -m service bench serve --url http://lb:8000 --model SmolLM2-135M-Instruct "
                 "--request-rate 2 --burstiness 1.0 --max-concurrency 16 --duration 600 --dataset builtin "
                 "--progress off")
@@ -32,23 +33,18 @@ LOAD_COMMAND = ("python -m service bench serve --url http://lb:8000 --model Smol
 
 # ---------------------------------------------------------------- helpers (the live test uses them too)
 
-TEST_GRAFANA_PASSWORD = "test-admin-password"  # the stack has no default; an operator must set one
-
-
 def run_compose_config(*files: Path, profiles: tuple[str, ...] = (), env: dict | None = None
                        ) -> subprocess.CompletedProcess:
     args = ["docker-compose"] + [a for f in files for a in ("-f", str(f))]
     args += [a for p in profiles for a in ("--profile", p)] + ["config"]
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("LLM_", "LOAD_", "GRAFANA_", "ALERT_"))}
-    # the stack refuses to start without a database password; any value validates the file
-    clean.setdefault("POSTGRES_PASSWORD", "compose-config-check")
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("LLM_", "LOAD_", "GRAFANA_", "ALERT_", "POSTGRES_"))}
     return subprocess.run(args, capture_output=True, text=True, timeout=60, env={**clean, **(env or {})})
 
 
 def compose_config(*files: Path, profiles: tuple[str, ...] = (), env: dict | None = None) -> dict:
     """The compose model after docker-compose has validated, merged and interpolated it."""
-    done = run_compose_config(*files, profiles=profiles,
-                              env={"GRAFANA_ADMIN_PASSWORD": TEST_GRAFANA_PASSWORD, **(env or {})})
+    done = run_compose_config(*files, profiles=profiles, env=env)
     assert done.returncode == 0, done.stderr
     return yaml.safe_load(done.stdout)
 
@@ -130,7 +126,7 @@ def recorded_names() -> set[str]:
 def test_compose_file_validates_with_and_without_the_gpu_override_and_load_profile():
     base = compose_config(COMPOSE)
     assert set(active(base)) == {"service", "lb", "prometheus", "alertmanager", "alert-sink", "tempo", "grafana",
-                                 "postgres"}
+                                 "postgres", "secrets-init"}
     with_load = compose_config(COMPOSE, profiles=("load",))
     assert set(active(with_load, ("load",))) == set(active(base)) | {"load"}
     gpu = compose_config(COMPOSE, GPU_OVERRIDE, profiles=("load",))
@@ -147,20 +143,8 @@ def test_docker_compose_config_rejects_an_invalid_file(tmp_path):
     broken = tmp_path / "docker-compose.yml"
     broken.write_text(COMPOSE.read_text().replace("    healthcheck:\n      test: [\"CMD\", \"wget\"",
                                                   "    healthchek:\n      test: [\"CMD\", \"wget\"", 1))
-    done = run_compose_config(broken, env={"GRAFANA_ADMIN_PASSWORD": TEST_GRAFANA_PASSWORD})
+    done = run_compose_config(broken)
     assert done.returncode != 0 and "healthchek" in done.stderr
-
-
-@needs_tools("docker-compose")
-def test_the_stack_refuses_to_start_without_a_database_password():
-    env = {k: v for k, v in os.environ.items() if k != "POSTGRES_PASSWORD"}
-    env["GRAFANA_ADMIN_PASSWORD"] = TEST_GRAFANA_PASSWORD  # so that the missing database password is what it reports
-    done = subprocess.run(["docker-compose", "-f", str(COMPOSE), "config"], capture_output=True, text=True, env=env)
-    assert done.returncode != 0 and "set POSTGRES_PASSWORD" in done.stderr
-    postgres = compose_config(COMPOSE, env={"POSTGRES_PASSWORD": "from-the-environment"})["services"]["postgres"]
-    assert postgres["environment"]["POSTGRES_PASSWORD"] == "from-the-environment"
-    assert "POSTGRES_PASSWORD" not in (DEPLOY / "grafana/provisioning/datasources/datasources.yml").read_text().replace(
-        "$POSTGRES_PASSWORD", "")  # the data source reads it from Grafana's environment
 
 
 @needs_tools("docker-compose")
@@ -169,8 +153,8 @@ def test_every_service_is_pinned_healthchecked_and_restarted():
     for name, s in services.items():
         image = s["image"]
         assert ":" in image and not image.endswith(":latest"), f"{name}: pin the image version ({image})"
-        assert s["restart"] == "unless-stopped", name
-        if name != "load":  # a batch job: healthy means nothing for it
+        assert s["restart"] == ("no" if name == "secrets-init" else "unless-stopped"), name  # a one-shot step
+        if name not in ("load", "secrets-init"):  # batch jobs: healthy means nothing for them
             assert s["healthcheck"]["test"][0] == "CMD", name
     assert "/ready" in " ".join(services["service"]["healthcheck"]["test"])
     # start order with conditions; waiting for health only where the dependent cannot work without it, so
@@ -181,18 +165,21 @@ def test_every_service_is_pinned_healthchecked_and_restarted():
                           ("load", "lb"): "service_started", ("lb", "service"): "service_started",
                           ("prometheus", "alertmanager"): "service_started",
                           ("alertmanager", "alert-sink"): "service_started",
-                          ("grafana", "prometheus"): "service_healthy", ("grafana", "tempo"): "service_started"}
+                          ("grafana", "prometheus"): "service_healthy", ("grafana", "tempo"): "service_started",
+                          ("grafana", "secrets-init"): "service_completed_successfully",
+                          ("postgres", "secrets-init"): "service_completed_successfully"}
 
 
 @needs_tools("docker-compose")
 def test_state_lives_in_named_volumes():
     config = compose_config(COMPOSE)
-    want = {"service": "/home/app/.cache/llm-service", "prometheus": "/prometheus", "alertmanager": "/alertmanager",
-            "tempo": "/var/tempo", "grafana": "/var/lib/grafana", "postgres": "/var/lib/postgresql/data"}
-    for name, target in want.items():
+    want = {"service": ["/home/app/.cache/llm-service"], "prometheus": ["/prometheus"],
+            "alertmanager": ["/alertmanager"], "tempo": ["/var/tempo"], "grafana": ["/var/lib/grafana", SECRETS],
+            "postgres": ["/var/lib/postgresql/data", SECRETS], "secrets-init": [SECRETS]}
+    for name, targets in want.items():
         named = mounts(config["services"][name], named=True)
-        assert list(named) == [target], name
-        assert named[target] in config["volumes"]
+        assert list(named) == targets, name
+        assert set(named.values()) <= set(config["volumes"])
 
 
 @needs_tools("docker-compose")
@@ -237,20 +224,13 @@ def test_grafana_provisioning_paths_match_the_mounted_volumes():
     assert bind[provider["options"]["path"]] == GRAFANA / "dashboards"
     home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert (bind[str(Path(home).parent)] / Path(home).name).is_file()
-    # anonymous viewers, and an admin password that is not the default one
+    # anonymous viewers; the admin password comes from the secrets volume (tests/test_deploy_secrets.py)
     env = grafana["environment"]
     assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
-    assert env["GF_SECURITY_ADMIN_PASSWORD"] == TEST_GRAFANA_PASSWORD  # the operator's, never a default
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in env
     # datasource URLs name compose services on their ports
     urls = {ds["uid"]: ds["url"] for ds in datasources()}
     assert urls == {"prometheus": "http://prometheus:9090", "tempo": "http://tempo:3200", "bench-postgres": "postgres:5432"}
-
-
-@needs_tools("docker-compose")
-def test_the_stack_refuses_to_start_without_a_grafana_admin_password():
-    done = run_compose_config(COMPOSE)
-    assert done.returncode != 0
-    assert "set GRAFANA_ADMIN_PASSWORD (in the environment or deploy/.env) to the Grafana admin password" in done.stderr
 
 
 @needs_tools("docker-compose")
