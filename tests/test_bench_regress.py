@@ -8,7 +8,7 @@ import pytest
 
 from service.bench.regress import cli, export, history
 from service.bench.regress.directions import direction
-from service.bench.regress.stats import find_steps, judge
+from service.bench.regress.verdicts import find_steps, judge
 from service.bench.store import open_store, schema
 from tests.test_bench_store import rows
 

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from service.bench.regress import queries
 from service.bench.regress.directions import direction
-from service.bench.regress.stats import MIN_ITERATIONS, find_steps, judge, parse_threshold
+from service.bench.regress.verdicts import MIN_ITERATIONS, find_steps, judge, parse_threshold
 from service.bench.store import StoreError, add_db_argument, open_store
 
 COLOURS = {"regressed": "bold red", "improved": "green", "unchanged": "", "inconclusive": "yellow"}
