@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 
+from service.bench import bootstrap
 from service.bench.loadgen import capacity
 from service.bench.loadgen import capacity_search as cs
 from service.bench.regress.queries import history, values
@@ -78,7 +79,7 @@ def test_slo_targets_parse_with_percentile_unit_and_goodput_form():
 def test_a_percentile_far_from_the_limit_is_called_and_a_straddling_one_is_close():
     rng = np.random.default_rng(1)
     x = rng.normal(0.400, 0.020, 200)  # p95 about 433 ms
-    value, low, high = cs.percentile_ci(x, 95)
+    value, low, high = bootstrap.percentile_ci(x, 95)
     assert value == pytest.approx(np.percentile(x, 95)) and low < value < high and high - low < 0.03
     verdict = lambda limit: cs.judge([cs.Target("ttft", 95.0, limit)], {"ttft": x})[0].verdict
     assert (verdict(0.600), verdict(0.300), verdict(value)) == ("pass", "fail", "close")

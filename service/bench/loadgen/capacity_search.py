@@ -9,10 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from service.bench.bootstrap import CONFIDENCE, percentile_ci
 from service.bench.loadgen.stats import SLO_METRICS
-
-CONFIDENCE = 0.95  # of the intervals a verdict is judged by
-BOOTSTRAP_RESAMPLES = 2000
 
 
 @dataclass(frozen=True)
@@ -52,20 +50,6 @@ def parse_precision(text: str) -> float:
 
 
 # --- one probe's verdict ------------------------------------------------------------------------------------
-
-def percentile_ci(values, q: float, confidence: float = CONFIDENCE, resamples: int = BOOTSTRAP_RESAMPLES,
-                  seed: int = 0) -> tuple[float, float, float]:
-    """The q-th percentile of the values and a percentile-bootstrap confidence interval for it (seeded)."""
-    x = np.asarray(values, dtype=float)
-    x = x[np.isfinite(x)]
-    if x.size == 0:
-        return math.nan, math.nan, math.nan
-    rng = np.random.default_rng(seed)
-    draws = np.percentile(x[rng.integers(0, x.size, (resamples, x.size))], q, axis=1)
-    tail = (1 - confidence) / 2 * 100
-    lo, hi = np.percentile(draws, [tail, 100 - tail])
-    return float(np.percentile(x, q)), float(lo), float(hi)
-
 
 def wilson_ci(successes: int, n: int, confidence: float = CONFIDENCE) -> tuple[float, float, float]:
     """A share and its Wilson score interval (honest near 0 and 1, where a bootstrap collapses to a point)."""

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from service.bench.bootstrap import median_ratio_ci
+
 MIN_ITERATIONS = 5
-BOOTSTRAP_RESAMPLES = 2000
 
 
 @dataclass(frozen=True)
@@ -24,18 +25,6 @@ class Verdict:
     why: str
 
 
-def bootstrap_ratio(baseline, candidate, confidence: float = 0.95, resamples: int = BOOTSTRAP_RESAMPLES,
-                    seed: int = 0) -> tuple[float, float, float]:
-    """The median ratio and its percentile-bootstrap interval; both samples resampled independently."""
-    b, c = np.asarray(baseline, dtype=float), np.asarray(candidate, dtype=float)
-    rng = np.random.default_rng(seed)  # fixed: the same data always gets the same verdict
-    boot_b = np.median(b[rng.integers(0, b.size, (resamples, b.size))], axis=1)
-    boot_c = np.median(c[rng.integers(0, c.size, (resamples, c.size))], axis=1)
-    tail = (1 - confidence) / 2 * 100
-    low, high = np.percentile(boot_c / boot_b, [tail, 100 - tail])
-    return float(np.median(c) / np.median(b)), float(low), float(high)
-
-
 def judge(baseline, candidate, better: int, threshold: float = 0.05, min_iterations: int = MIN_ITERATIONS,
           confidence: float = 0.95) -> Verdict:
     """`better`: +1 when higher is better, -1 when lower is better."""
@@ -46,7 +35,7 @@ def judge(baseline, candidate, better: int, threshold: float = 0.05, min_iterati
     if np.min(baseline) <= 0 or np.min(candidate) < 0:  # a zero baseline resample would make the interval infinite
         return Verdict("inconclusive", None, None, None, nb, nc,
                        "a ratio needs positive baseline and non-negative candidate values")
-    ratio, low, high = bootstrap_ratio(baseline, candidate, confidence)
+    ratio, low, high = median_ratio_ci(baseline, candidate, confidence)
     change = (ratio - 1) * better  # > 0: better
     if high < 1 or low > 1:  # the interval excludes "no change"
         clearly_better = (low > 1) == (better > 0)
