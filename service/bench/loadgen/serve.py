@@ -25,6 +25,7 @@ from service.bench.loadgen.client import CHAT, COMPLETIONS
 from service.bench.loadgen.runner import LoadSpec, run_load
 from service.bench.loadgen.record import record_run
 from service.bench.loadgen.summary import summarize
+from service.bench.slo import parse as parse_slo
 from service.bench.store import StoreError, add_db_argument, open_store
 
 
@@ -73,7 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_prompt_arguments(ap)
     a = ap.add_argument_group("results").add_argument
     a("--slo", action="append", default=[], metavar="METRIC:VALUE",
-      help="repeatable: ttft, tpot, itl (a request's largest gap) or e2e, in ms or s, e.g. ttft:500ms")
+      help="repeatable: a bound on every request, for goodput: ttft, tpot, itl (a request's largest gap) or "
+           "e2e, in ms or s, e.g. ttft:500ms (grammar: service/bench/slo.py)")
     a("--percentiles", default="50,90,95,99", help="default %(default)s")
     a("--result-json", default=None)
     a("--result-csv", default=None)
@@ -217,7 +219,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return replot(args, console)
     try:
         percentiles = stats.parse_percentiles(args.percentiles)
-        slos = [stats.parse_slo(s) for s in args.slo]
+        slos = [parse_slo(s) for s in args.slo]
+        if any(s.percentile is not None for s in slos):
+            raise ValueError("bench serve bounds every request (--slo ttft:500ms) and counts goodput by them; "
+                             "a percentile target (ttft:p95<=500ms) is for bench capacity")
         sweep = parse_sweep(args.sweep) if args.sweep else None
         workload, prompt_kind = make_workload(args, args.seed)
         if prompt_kind == "ids" and args.endpoint == CHAT:
