@@ -46,3 +46,8 @@ def median_ratio_ci(baseline, candidate, confidence: float = CONFIDENCE, resampl
     low, high = central(boot_c / boot_b, confidence)
     return float(np.median(c) / np.median(b)), low, high
 
+
+
+def log_median_sd(values, resamples: int = RESAMPLES, seed: int = 0) -> float:
+    """The standard error of log(median(values)): how far a run's median moves with the noise inside the run."""
+    return float(np.std(np.log(draws(values, np.median, np.random.default_rng(seed), resamples)), ddof=1))

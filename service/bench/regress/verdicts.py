@@ -1,51 +1,104 @@
-"""Verdicts from per-iteration samples: the median ratio candidate/baseline with a bootstrap 95% interval.
+"""Verdicts from measured runs: the ratio candidate/baseline with a 95% interval that holds the noise between runs.
 
-regressed: the interval lies wholly on the worse side of 1 and the median moved by more than the threshold;
+Each side is one or more runs of a configuration (`bench run --repeats`, or runs pooled under one label). A run's
+median is its value; the runs' spread around their side's mean (in logs, pooled over both sides) is the noise
+between runs, and the ratio's interval is Student's t on it (at least the noise inside a run, from a bootstrap
+of each run's median, so a few runs that agree by chance cannot make it narrower than that).
+
+regressed: the interval lies wholly on the worse side of 1 and the ratio moved by more than the threshold;
 improved: the same on the better side; unchanged: the whole interval lies within +-threshold; inconclusive:
 too few iterations, or an interval too wide to tell (it reaches past the threshold but not clearly).
+With one run on each side no between-run noise is known: the interval is the bootstrap of the iterations (the
+noise inside a run only), every verdict says so, and a change beyond it is "maybe regressed" / "maybe improved",
+never "regressed" (which alone makes `bench regress` exit 1).
 """
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from service.bench.bootstrap import median_ratio_ci
+from service.bench.bootstrap import log_median_sd, median_ratio_ci
 
 MIN_ITERATIONS = 5
+# Student's t, two-sided 95%, by degrees of freedom (numpy has no t quantile; 30 and beyond: within 2% of 2.042)
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+       11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+       20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
+       29: 2.045, 30: 2.042}
+NO_NOISE = "no between-run noise known (one run on each side; bench run --repeats measures it)"
 
 
 @dataclass(frozen=True)
 class Verdict:
-    verdict: str  # improved, regressed, unchanged, inconclusive
-    ratio: float | None  # median(candidate) / median(baseline)
-    low: float | None  # the confidence interval of the ratio
+    verdict: str  # improved, regressed, unchanged, inconclusive; maybe improved, maybe regressed (one run each)
+    ratio: float | None  # candidate / baseline: of the medians (one run each), else of the runs' geometric means
+    low: float | None  # the 95% interval of the ratio
     high: float | None
-    n_baseline: int
+    n_baseline: int  # iterations, over all runs of the side
     n_candidate: int
     why: str
+    runs_baseline: int = 1
+    runs_candidate: int = 1
+    noise: float | None = None  # the standard deviation of log(run median) used; None: no between-run noise known
+
+
+def _classify(ratio: float, low: float, high: float, better: int, threshold: float) -> tuple[str, str]:
+    change = (ratio - 1) * better  # > 0: better
+    if (high < 1 or low > 1) and abs(ratio - 1) > threshold:  # the interval excludes "no change", by enough
+        clearly_better = (low > 1) == (better > 0)
+        return ("improved" if clearly_better else "regressed"), \
+            f"{abs(ratio - 1):.1%} {'better' if change > 0 else 'worse'}, beyond the {threshold:.0%} threshold"
+    if 1 - threshold <= low and high <= 1 + threshold:
+        return "unchanged", f"within {threshold:.0%}"
+    return "inconclusive", f"too noisy: the interval [{low:.3f}, {high:.3f}] reaches past {threshold:.0%}"
+
+
+def _unusable(baseline, candidate, min_iterations: int) -> str | None:
+    nb, nc = min(map(len, baseline)), min(map(len, candidate))
+    if min(nb, nc) < min_iterations:
+        return f"too few iterations ({nb} and {nc}; {min_iterations} needed)"
+    if min(map(np.min, baseline)) <= 0 or min(map(np.min, candidate)) < 0:  # a zero baseline: an infinite ratio
+        return "a ratio needs positive baseline and non-negative candidate values"
+    return None
 
 
 def judge(baseline, candidate, better: int, threshold: float = 0.05, min_iterations: int = MIN_ITERATIONS,
           confidence: float = 0.95) -> Verdict:
-    """`better`: +1 when higher is better, -1 when lower is better."""
+    """One run against one: the bootstrap interval of the median ratio, which knows only the noise inside a run.
+    `better`: +1 when higher is better, -1 when lower is better."""
     nb, nc = len(baseline), len(candidate)
-    if min(nb, nc) < min_iterations:
-        return Verdict("inconclusive", None, None, None, nb, nc,
-                       f"too few iterations ({nb} and {nc}; {min_iterations} needed)")
-    if np.min(baseline) <= 0 or np.min(candidate) < 0:  # a zero baseline resample would make the interval infinite
-        return Verdict("inconclusive", None, None, None, nb, nc,
-                       "a ratio needs positive baseline and non-negative candidate values")
+    if (why := _unusable([baseline], [candidate], min_iterations)):
+        return Verdict("inconclusive", None, None, None, nb, nc, why)
     ratio, low, high = median_ratio_ci(baseline, candidate, confidence)
-    change = (ratio - 1) * better  # > 0: better
-    if high < 1 or low > 1:  # the interval excludes "no change"
-        clearly_better = (low > 1) == (better > 0)
-        if abs(ratio - 1) > threshold:
-            return Verdict("improved" if clearly_better else "regressed", ratio, low, high, nb, nc,
-                           f"{abs(ratio - 1):.1%} {'better' if change > 0 else 'worse'}, beyond the {threshold:.0%} threshold")
-    if 1 - threshold <= low and high <= 1 + threshold:
-        return Verdict("unchanged", ratio, low, high, nb, nc, f"within {threshold:.0%}")
-    return Verdict("inconclusive", ratio, low, high, nb, nc,
-                   f"too noisy: the interval [{low:.3f}, {high:.3f}] reaches past {threshold:.0%}")
+    verdict, why = _classify(ratio, low, high, better, threshold)
+    return Verdict(verdict, ratio, low, high, nb, nc, why)
+
+
+def judge_runs(baseline: list, candidate: list, better: int, threshold: float = 0.05,
+               min_iterations: int = MIN_ITERATIONS) -> Verdict:
+    """Runs against runs (each a list of iteration values); the interval holds the noise between runs."""
+    k, j = len(baseline), len(candidate)
+    nb, nc = sum(map(len, baseline)), sum(map(len, candidate))
+    if (why := _unusable(baseline, candidate, min_iterations)):
+        return Verdict("inconclusive", None, None, None, nb, nc, why, k, j)
+    if k + j < 3:
+        v = judge(baseline[0], candidate[0], better, threshold, min_iterations)
+        verdict = {"regressed": "maybe regressed", "improved": "maybe improved"}.get(v.verdict, v.verdict)
+        return Verdict(verdict, v.ratio, v.low, v.high, nb, nc, f"{v.why}; {NO_NOISE}", k, j)
+    logs_b = np.log([np.median(r) for r in baseline])
+    logs_c = np.log([np.median(r) for r in candidate])
+    df = k + j - 2
+    between = math.sqrt((((logs_b - logs_b.mean()) ** 2).sum() + ((logs_c - logs_c.mean()) ** 2).sum()) / df)
+    within = math.sqrt(np.mean([log_median_sd(r) ** 2 for r in (*baseline, *candidate)]))
+    noise = max(between, within)
+    half = T95.get(df, T95[30]) * noise * math.sqrt(1 / k + 1 / j)
+    shift = logs_c.mean() - logs_b.mean()
+    ratio, low, high = math.exp(shift), math.exp(shift - half), math.exp(shift + half)
+    verdict, why = _classify(ratio, low, high, better, threshold)
+    source = "between" if between >= within else "inside"
+    why += f"; runs {k} and {j}, noise {noise:.1%} ({source} runs)"
+    return Verdict(verdict, ratio, low, high, nb, nc, why, k, j, noise)
 
 
 def find_steps(values: list[float], threshold: float = 0.05, window: int = 3) -> list[tuple[int, float]]:
