@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 
+from service.bench import bootstrap, slo
 from service.bench.loadgen import capacity
 from service.bench.loadgen import capacity_search as cs
 from service.bench.regress.queries import history, values
@@ -63,13 +64,13 @@ def test_a_noisy_pass_above_the_first_failure_is_not_the_capacity():
 # --- verdicts and their uncertainty ---------------------------------------------------------------------------
 
 def test_slo_targets_parse_with_percentile_unit_and_goodput_form():
-    assert cs.parse_target("ttft:p95<=500ms") == cs.Target("ttft", 95.0, 0.5)
-    assert cs.parse_target(" tpot : p99.9 <= 0.05s") == cs.Target("tpot", 99.9, 0.05)
-    assert cs.parse_target("e2e<=2000") == cs.Target("e2e", None, 2.0)
-    assert str(cs.parse_target("itl:p90<=80ms")) == "itl:p90<=80ms"
+    assert slo.parse("ttft:p95<=500ms") == slo.SLO("ttft", 0.5, percentile=95.0)
+    assert slo.parse(" tpot : p99.9 <= 0.05s") == slo.SLO("tpot", 0.05, percentile=99.9)
+    assert slo.parse("e2e<=2000") == slo.SLO("e2e", 2.0, percentile=None)
+    assert str(slo.parse("itl:p90<=80ms")) == "itl:p90<=80ms"
     for bad in ("ttft:p95<500ms", "latency:p95<=1s", "ttft:p100<=1s", "ttft:p95<=0ms", "ttft:p95<=fast"):
         with pytest.raises(ValueError, match="SLO"):
-            cs.parse_target(bad)
+            slo.parse(bad)
     assert cs.parse_precision("5%") == 0.05 and cs.parse_precision("0.1") == 0.1
     with pytest.raises(ValueError, match="precision"):
         cs.parse_precision("150%")
@@ -78,9 +79,9 @@ def test_slo_targets_parse_with_percentile_unit_and_goodput_form():
 def test_a_percentile_far_from_the_limit_is_called_and_a_straddling_one_is_close():
     rng = np.random.default_rng(1)
     x = rng.normal(0.400, 0.020, 200)  # p95 about 433 ms
-    value, low, high = cs.percentile_ci(x, 95)
+    value, low, high = bootstrap.percentile_ci(x, 95)
     assert value == pytest.approx(np.percentile(x, 95)) and low < value < high and high - low < 0.03
-    verdict = lambda limit: cs.judge([cs.Target("ttft", 95.0, limit)], {"ttft": x})[0].verdict
+    verdict = lambda limit: cs.judge([slo.SLO("ttft", limit, percentile=95.0)], {"ttft": x})[0].verdict
     assert (verdict(0.600), verdict(0.300), verdict(value)) == ("pass", "fail", "close")
 
 

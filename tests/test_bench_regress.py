@@ -1,5 +1,5 @@
-"""bench regress: verdicts with known answers, step detection, and the commands over a real store
-(each store test on SQLite and on PostgreSQL)."""
+"""bench regress: verdicts with known answers (one run each side, and repeated runs whose spread is the noise between
+runs), step detection, and the commands over a real store (each store test on SQLite and on PostgreSQL)."""
 
 import json
 
@@ -8,7 +8,8 @@ import pytest
 
 from service.bench.regress import cli, export, history
 from service.bench.regress.directions import direction
-from service.bench.regress.stats import find_steps, judge
+from service.bench.bootstrap import median_ratio_ci
+from service.bench.regress.verdicts import find_steps, judge, judge_runs
 from service.bench.store import open_store, schema
 from tests.test_bench_store import rows
 
@@ -55,6 +56,52 @@ def test_a_wide_interval_is_inconclusive():
     assert v.verdict == "inconclusive" and v.why.startswith("too noisy")
 
 
+def runs_at(levels, rng, cv=0.002, iterations=10) -> list[np.ndarray]:
+    """One run per level: its iterations scatter around the level by `cv` (the noise inside a run)."""
+    return [level * rng.normal(1, cv, iterations) for level in levels]
+
+
+def test_a_difference_inside_the_between_run_noise_is_unchanged_though_outside_the_within_run_interval():
+    rng = np.random.default_rng(20)
+    # runs scatter by about 2% from run to run, iterations by 0.2% inside a run; the newest candidate run is 6% slow
+    base = runs_at([1.00, 1.02, 0.98, 1.01, 0.99, 1.00], rng)
+    cand = runs_at([1.00, 0.99, 1.02, 0.98, 1.01, 1.06], rng)
+    ratio, low, high = median_ratio_ci(base[-1], cand[-1])
+    assert low > 1.05  # the within-run interval of the newest pair excludes no change, by more than the threshold
+    assert judge(base[-1], cand[-1], LOWER).verdict == "regressed"  # so one run against one cries wolf
+    v = judge_runs(base, cand, LOWER)
+    assert v.verdict == "unchanged" and v.low < 1 < v.high and (v.runs_baseline, v.runs_candidate) == (6, 6)
+    assert v.why.startswith("within 5%; runs 6 and 6, noise ") and v.why.endswith("(between runs)")
+    assert 0.015 < v.noise < 0.03  # the run-to-run spread, ten times the noise inside a run
+
+
+def test_a_clear_regression_over_repeated_runs_is_called_regressed():
+    rng = np.random.default_rng(21)
+    for _ in range(20):
+        base, cand = runs_at(rng.normal(1, 0.03, 3), rng), runs_at(rng.normal(1.5, 0.045, 3), rng)
+        v = judge_runs(base, cand, LOWER)
+        assert v.verdict == "regressed" and v.low > 1.3, v
+
+
+def test_a_smaller_consistent_slowdown_is_never_called_unchanged():
+    rng = np.random.default_rng(22)
+    verdicts = []
+    for _ in range(200):  # 8% slower, runs scattering by 2%: three runs a side cannot always tell, never clear it
+        base, cand = runs_at(rng.normal(1, 0.02, 3), rng), runs_at(rng.normal(1.08, 0.0216, 3), rng)
+        verdicts.append(judge_runs(base, cand, LOWER).verdict)
+    assert (verdicts.count("regressed"), verdicts.count("inconclusive")) == (181, 19)
+
+
+def test_unchanged_reruns_with_more_noise_between_runs_than_inside_are_not_called_regressed():
+    rng = np.random.default_rng(23)
+    verdicts = [judge_runs(runs_at(rng.normal(1, 0.02, 3), rng), runs_at(rng.normal(1, 0.02, 3), rng), LOWER).verdict
+                for _ in range(200)]
+    assert (verdicts.count("unchanged"), verdicts.count("inconclusive")) == (97, 103)  # no regressed, no improved
+    # one run against one, the within-run bootstrap calls 7 in 200 of such reruns regressed
+    pairs = [(runs_at([rng.normal(1, 0.02)], rng)[0], runs_at([rng.normal(1, 0.02)], rng)[0]) for _ in range(200)]
+    assert sum(judge(b, c, LOWER).verdict == "regressed" for b, c in pairs) == 7
+
+
 def test_a_step_is_named_at_its_commit_and_one_noisy_run_is_not():
     assert find_steps([1, 1, 1.5, 1, 1, 1.2, 1.2, 1.2]) == [(5, pytest.approx(0.2))]
     assert find_steps([1, 1, 1, 1, 1.5, 1, 1, 1]) == []
@@ -68,14 +115,16 @@ def test_metric_directions_come_from_their_units():
             ] == [1, -1, -1, 0, -1, 1, 0, 1, -1, 0]
 
 
-def record(url, label, scale, commit="c0ffee00", iterations=10, seed=0, config=None):
+def record(url, label, scale, commit="c0ffee00", iterations=10, seed=0, config=None, runs=1):
+    """`runs` runs of one configuration (as bench run --repeats stores them); the id of the last."""
     rng = np.random.default_rng(seed)
     store = open_store(url, {"commit": commit})
-    with store.run(kind="run", config=config or {"batch_size": 4}, label=label, name="b4") as run:
-        for i in range(iterations):
-            run.measure("wall_seconds", rng.normal(1.0, 0.01) * scale, unit="s", iteration=i)
-            run.measure("output_tokens_per_second", rng.normal(100, 1) / scale, unit="tok/s", iteration=i)
-            run.measure("steps", 7, iteration=i)
+    for _ in range(runs):
+        with store.run(kind="run", config=config or {"batch_size": 4}, label=label, name="b4") as run:
+            for i in range(iterations):
+                run.measure("wall_seconds", rng.normal(1.0, 0.01) * scale, unit="s", iteration=i)
+                run.measure("output_tokens_per_second", rng.normal(100, 1) / scale, unit="tok/s", iteration=i)
+                run.measure("steps", 7, iteration=i)
     return run.id
 
 
@@ -87,9 +136,9 @@ def regress(url, *argv):
 
 
 def test_regress_exits_1_on_a_slower_candidate_and_0_on_an_unchanged_one(store_url, capsys):
-    record(store_url, "base", 1.0, seed=1)
-    record(store_url, "slow", 1.10, seed=2)
-    record(store_url, "same", 1.0, seed=3)
+    record(store_url, "base", 1.0, seed=1, runs=3)
+    record(store_url, "slow", 1.10, seed=2, runs=3)
+    record(store_url, "same", 1.0, seed=3, runs=3)
     assert regress(store_url, "--baseline", "base", "--candidate", "slow") == 1
     out = capsys.readouterr().out
     assert out.count("regressed") >= 2 and "2 regressed" in out and "steps" not in out
@@ -102,13 +151,24 @@ def test_regress_exits_1_on_a_slower_candidate_and_0_on_an_unchanged_one(store_u
 
 
 def test_regress_matches_by_run_id_and_commit_and_writes_markdown(store_url, capsys):
-    a = record(store_url, None, 1.0, commit="aaaa1111", seed=1)
-    record(store_url, None, 1.2, commit="bbbb2222", seed=2)
+    a = record(store_url, None, 1.0, commit="aaaa1111", seed=1, runs=2)
+    record(store_url, None, 1.2, commit="bbbb2222", seed=2, runs=2)
     assert regress(store_url, "--baseline", "aaaa", "--candidate", "bbbb2222", "--markdown") == 1
     out = capsys.readouterr().out
-    assert "| configuration | metric | baseline | candidate | ratio [95% CI] | verdict | why |" in out
-    assert "| b4 | wall_seconds |" in out and "**regressed**" in out
-    assert regress(store_url, "--baseline", str(a), "--candidate", str(a)) == 0
+    assert "| configuration | metric | runs | baseline | candidate | ratio [95% CI] | verdict | why |" in out
+    assert "| b4 | wall_seconds | 2:2 |" in out and "**regressed**" in out
+    assert regress(store_url, "--baseline", str(a), "--candidate", str(a)) == 0  # a run id: that one run
+
+
+def test_one_run_on_each_side_says_no_between_run_noise_is_known_and_never_exits_1(store_url, capsys):
+    record(store_url, "base", 1.0, seed=1)
+    record(store_url, "slow", 1.2, seed=2)
+    assert regress(store_url, "--baseline", "base", "--candidate", "slow", "--metrics", "wall_seconds",
+                   "--markdown") == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| b4 |"))
+    assert row.startswith("| b4 | wall_seconds | 1:1 |") and row.endswith(
+        "| maybe regressed | 20.2% worse, beyond the 5% threshold; no between-run noise known (one run on each side; "
+        "bench run --repeats measures it) |")
 
 
 @pytest.mark.parametrize("argv, message", [

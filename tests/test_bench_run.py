@@ -86,23 +86,28 @@ def run_matrix(db, tmp_path, *extra):
     return run.main([str(path), "--db", db, "--progress", "off", "--sample-interval", "0.02", *extra])
 
 
-def test_a_matrix_run_records_every_measured_iteration_and_resumes(tmp_path, store_url):
-    configs = run_matrix(store_url, tmp_path)
+def test_a_matrix_run_records_every_measured_iteration_of_every_repeat_and_resumes(tmp_path, store_url):
+    configs = run_matrix(store_url, tmp_path, "--repeats", "2")
     assert [c["skip"] for c in configs] == [None, "CUDA graphs need a CUDA device"]
     rows = measurements(store_url)
+    first, second = configs[0]["run_ids"]
+    assert second == first + 1 and configs[1]["run_ids"] == []
     assert {r["name"] for r in rows} == {"tiny-cpu-b2-in8-out3-torch-eager-fp32"}
     assert {r["status"] for r in rows} == {"ok"}
     assert sorted({r["metric"] for r in rows}) == sorted(run.UNITS)
-    assert sorted((r["metric"], r["iteration"]) for r in rows) == sorted((m, i) for m in run.UNITS for i in (0, 1))
+    assert sorted((r["id"], r["metric"], r["iteration"]) for r in rows) == sorted(
+        (run_id, m, i) for run_id in (first, second) for m in run.UNITS for i in (0, 1))
     assert {r["value"] for r in rows if r["metric"] == "steps"} == {3.0}  # one prefill step, then 2 decode steps
     with sa.create_engine(store_url.replace("postgresql://", "postgresql+psycopg://")).connect() as conn:
         metrics = set(conn.execute(sa.select(schema.samples.c.metric).distinct()).scalars())
     assert {"cpu_percent", "process_cpu_percent", "rss_bytes"} <= metrics
 
-    again = run_matrix(store_url, tmp_path)  # resumes: nothing left to run
-    assert again[0]["done"] == rows[0]["id"] and "run_id" not in again[0]
-    forced = run_matrix(store_url, tmp_path, "--force")
-    assert forced[0]["run_id"] == rows[0]["id"] + 1
+    again = run_matrix(store_url, tmp_path, "--repeats", "2")  # resumes: nothing left to run
+    assert again[0]["done"] == [second, first] and again[0]["run_ids"] == []
+    one_more = run_matrix(store_url, tmp_path, "--repeats", "3")  # the third repeat only
+    assert one_more[0]["run_ids"] == [second + 1]
+    forced = run_matrix(store_url, tmp_path, "--force", "--repeats", "1")
+    assert forced[0]["run_ids"] == [second + 2]
 
 
 def test_a_dry_run_lists_the_configurations_without_a_database(tmp_path, capsys):
@@ -110,7 +115,8 @@ def test_a_dry_run_lists_the_configurations_without_a_database(tmp_path, capsys)
                         "--db", str(tmp_path / "never.db")])
     assert [c["skip"] for c in configs] == ["torch.compile of the decoder layers runs on CUDA only"] * 2
     assert not (tmp_path / "never.db").exists()
-    assert "skipped, torch.compile" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "skipped, torch.compile" in out and "3 runs each" in out  # three repeats unless told otherwise
 
 
 def test_a_database_of_a_newer_schema_stops_bench_run_before_any_work(tmp_path, capsys):

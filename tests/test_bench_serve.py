@@ -129,7 +129,7 @@ def test_cli_writes_json_csv_and_a_sweep_with_plots(server, tmp_path):
 
 
 def test_cli_rejects_an_unbounded_or_impossible_run(server, capsys):
-    for argv in (["--duration", "5"], ["--endpoint", CHAT, "--random-prompt", "ids"], ["--slo", "ttft:soon"],
+    for argv in (["--duration", "5"], ["--endpoint", CHAT, "--random-prompt", "ids"], ["--slo", "ttft:soon"], ["--slo", "ttft:p95<=500ms"],
                  ["--sweep", "speed:1,2"], ["--sweep", "rate:1,inf"], ["--sweep", "concurrency:1.5"]):
         with pytest.raises(SystemExit) as exc:
             serve.main(["--url", server.url, "--progress", "off"] + argv)

@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 
+from service.bench import slo
 from service.bench.loadgen import arrivals, datasets, stats
 from service.bench.loadgen.client import RequestResult
 from service.bench.loadgen.summary import max_in_flight, summarize
@@ -41,14 +42,25 @@ def test_tpot_excludes_the_first_token_and_is_undefined_below_two_tokens():
     ("ttft:500ms", "ttft", 0.5), ("tpot:0.05s", "tpot", 0.05), ("e2e:2s", "e2e", 2.0), ("itl=30", "itl", 0.03),
     ("TTFT: 1.5 s", "ttft", 1.5)])
 def test_parse_slo(text, metric, seconds):
-    slo = stats.parse_slo(text)
-    assert slo.metric == metric and slo.seconds == pytest.approx(seconds)
+    parsed = slo.parse(text)
+    assert parsed.metric == metric and parsed.seconds == pytest.approx(seconds)
 
 
 @pytest.mark.parametrize("text", ["latency:1s", "ttft:-5ms", "ttft:0ms", "ttft:fast", "ttft", "ttft:5min"])
 def test_parse_slo_rejects_nonsense(text):
     with pytest.raises(ValueError):
-        stats.parse_slo(text)
+        slo.parse(text)
+
+
+def test_one_slo_grammar_says_a_per_request_bound_and_a_percentile_target():
+    bound, target = slo.parse("ttft:500ms"), slo.parse("ttft:p95<=500ms")
+    assert (bound, target) == (slo.SLO("ttft", 0.5), slo.SLO("ttft", 0.5, percentile=95.0))
+    assert slo.parse("ttft<=500ms") == slo.parse("ttft=0.5s") == bound
+    assert (str(bound), str(target)) == ("ttft<=500ms", "ttft:p95<=500ms")
+    assert slo.parse(str(target)) == target and slo.parse(str(bound)) == bound
+    for bad in ("ttft:p95:500ms", "ttft:p95=500ms", "ttft:p95<500ms"):  # a percentile is always a target: <=
+        with pytest.raises(ValueError, match="SLO"):
+            slo.parse(bad)
 
 
 def test_goodput_counts_requests_within_every_slo_per_second():
@@ -57,13 +69,13 @@ def test_goodput_counts_requests_within_every_slo_per_second():
     max_itl = np.array([0.02, 0.02, 0.2, math.nan, 0.5])
     e2e = np.array([1.0, 1.0, 1.0, 0.3, 1.0])
     ok = np.array([True, True, True, True, False])  # the last one failed
-    slos = [stats.parse_slo("ttft:500ms"), stats.parse_slo("tpot:50ms")]
-    met = stats.meets_slos(slos, ttft, tpot, max_itl, e2e, ok)
+    slos = [slo.parse("ttft:500ms"), slo.parse("tpot:50ms")]
+    met = slo.meets(slos, ttft, tpot, max_itl, e2e, ok)
     assert met.tolist() == [True, False, False, True, False]
-    assert stats.goodput(met, duration=4.0) == 0.5
-    itl = stats.meets_slos([stats.parse_slo("itl:100ms")], ttft, tpot, max_itl, e2e, ok)
+    assert slo.goodput(met, duration=4.0) == 0.5
+    itl = slo.meets([slo.parse("itl:100ms")], ttft, tpot, max_itl, e2e, ok)
     assert itl.tolist() == [True, True, False, True, False]
-    assert stats.goodput(met, duration=0.0) == 0.0
+    assert slo.goodput(met, duration=0.0) == 0.0
 
 
 @pytest.mark.parametrize("rate, burstiness", [(4.0, 1.0), (4.0, 0.25), (10.0, 4.0)])
@@ -154,7 +166,7 @@ def test_summary_of_synthetic_requests():
                _result(1, 0.5, 1.5, [0.1, 0.2]),  # ttft 0.1, tpot 0.9
                _result(2, 1.0, 1.01, [], error="http_503"),
                _result(3, 1.5, 2.0, [0.3], ready=1.4)]  # one token: no TPOT; sent 100 ms after it could be
-    s = summarize(results, duration=2.0, percentiles=(50, 99), slos=[stats.parse_slo("tpot:500ms")])
+    s = summarize(results, duration=2.0, percentiles=(50, 99), slos=[slo.parse("tpot:500ms")])
     assert s["requests.sent"] == 4 and s["requests.completed"] == 3 and s["requests.failed"] == 1
     assert s["errors.http_503"] == 1 and s["output_tokens"] == 8 and s["input_tokens"] == 30
     assert s["request_throughput"] == 1.5 and s["output_throughput"] == 4.0 and s["total_throughput"] == 19.0

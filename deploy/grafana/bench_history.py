@@ -65,7 +65,8 @@ def bench_history(dashboard, row) -> dict:
         v.baseline_median, v.candidate_median, v.ratio, v.ratio_low, v.ratio_high, v.verdict, v.created_at AS judged
         FROM bench_verdicts v JOIN bench_runs c ON c.id = v.candidate_run_id
         WHERE v.created_at = (SELECT max(created_at) FROM bench_verdicts)
-        ORDER BY CASE v.verdict WHEN 'regressed' THEN 0 WHEN 'inconclusive' THEN 1 WHEN 'improved' THEN 2 ELSE 3 END,
+        ORDER BY CASE v.verdict WHEN 'regressed' THEN 0 WHEN 'maybe regressed' THEN 1 WHEN 'inconclusive' THEN 2
+        WHEN 'improved' THEN 3 ELSE 4 END,
         c.name, v.metric"""
     samples = """SELECT s.t AS seconds, s.value AS "${sample}" FROM bench_samples s
         WHERE s.run_id = ${run:raw} AND s.metric = ${sample:sqlstring} ORDER BY 1"""
@@ -74,7 +75,9 @@ def bench_history(dashboard, row) -> dict:
         r.versions->>'torch' AS torch, r.label FROM bench_runs r WHERE r.id = ${run:raw}"""
     verdict_colours = {"type": "value", "options": {"regressed": {"color": "red", "index": 0},
                                                      "improved": {"color": "green", "index": 1},
-                                                     "inconclusive": {"color": "yellow", "index": 2}}}
+                                                     "inconclusive": {"color": "yellow", "index": 2},
+                                                     "maybe regressed": {"color": "orange", "index": 3},
+                                                     "maybe improved": {"color": "light-green", "index": 4}}}
     panels = [
         row("Across commits"),
         panel("timeseries", "${metric} per run (median of its iterations)",

@@ -30,6 +30,7 @@ from service.bench.loadgen.runner import LoadSpec
 from service.bench.loadgen.serve import (add_prompt_arguments, add_server_arguments, add_server_metrics_argument,
                                          discover_model, make_workload)
 from service.bench.loadgen.summary import summarize
+from service.bench.slo import meets, parse as parse_slo
 from service.bench.store import StoreError, add_db_argument, open_store
 
 EXIT = {"found": 0, "unmeasurable": 1, "usage": 2, "none_meets": 3, "all_meet": 4}
@@ -43,7 +44,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_server_arguments(ap)
     a = ap.add_argument_group("objectives").add_argument
     a("--slo", action="append", default=[], metavar="METRIC:pXX<=VALUE",
-      help="repeatable, required: ttft, tpot, itl or e2e, e.g. ttft:p95<=500ms, tpot:p95<=50ms")
+      help="repeatable, required: ttft, tpot, itl or e2e, e.g. ttft:p95<=500ms, tpot:p95<=50ms; with --target "
+           "a bound on every request, e.g. ttft:500ms (grammar: service/bench/slo.py)")
     a("--target", type=float, default=None, metavar="RATIO",
       help="goodput mode: the share of requests meeting every SLO (percentiles ignored) must be >= RATIO, e.g. 0.99")
     a = ap.add_argument_group("search").add_argument
@@ -87,7 +89,7 @@ class Usage(ValueError):
 
 
 def _setup(args: argparse.Namespace):
-    targets = [cs.parse_target(s) for s in args.slo]
+    targets = [parse_slo(s) for s in args.slo]
     if not targets:
         raise Usage("give at least one --slo, e.g. --slo ttft:p95<=500ms")
     if args.target is None and any(t.percentile is None for t in targets):
@@ -130,9 +132,8 @@ def judge_point(targets, target_ratio, probes: list[Probe], decide: bool):
     """Pool the measured requests of a load's probes and judge them; None when nothing was measured."""
     measured = [r for p in probes for r in p.measured]
     samples, max_itl, _ = _samples(measured)
-    slos = [stats.SLO(t.metric, t.seconds) for t in targets]
     ok = [r for r in measured if r.ok]
-    met_ok = stats.meets_slos(slos, samples["ttft"], samples["tpot"], max_itl, samples["e2e"], np.ones(len(ok), bool))
+    met_ok = meets(targets, samples["ttft"], samples["tpot"], max_itl, samples["e2e"], np.ones(len(ok), bool))
     met = np.concatenate([met_ok, np.zeros(len(measured) - len(ok), bool)])  # a failed request met nothing
     checks = cs.judge(targets, samples, met, target_ratio)
     verdict = cs.overall(checks, decide)
@@ -154,9 +155,8 @@ def measure(args, model, targets, load, seed, steady, read_server) -> tuple[dict
             break
     measured = [r for p in probes for r in p.measured]
     span = sum((max(r.ended for r in p.measured) - min(r.sent for r in p.measured)) for p in probes if p.measured)
-    slos = [stats.SLO(t.metric, t.seconds) for t in targets]
     percentiles = sorted({50.0, 90.0, 95.0, 99.0} | {t.percentile for t in targets if t.percentile})
-    summary = summarize(measured, span, percentiles, slos, load if args.by == "rate" else math.inf)
+    summary = summarize(measured, span, percentiles, targets, load if args.by == "rate" else math.inf)
     return {"load": load, "verdict": verdict, "close_call": len(probes) > 1, "probes": len(probes),
             "stopped": next((p.stopped for p in probes if p.stopped), None),
             "sent": sum(len(p.results) for p in probes), "measured": len(measured),

@@ -1,45 +1,15 @@
-"""The pure logic of `bench capacity`: SLO targets, a probe's verdict with its uncertainty, saturation, the search.
+"""The pure logic of `bench capacity`: a probe's verdict on the SLOs with its uncertainty, saturation, the search.
 
 No I/O here: every function takes numbers and returns numbers, so the search is tested with known answers.
 """
 
 import math
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from service.bench.loadgen.stats import SLO_METRICS
-
-CONFIDENCE = 0.95  # of the intervals a verdict is judged by
-BOOTSTRAP_RESAMPLES = 2000
-
-
-@dataclass(frozen=True)
-class Target:
-    """One latency objective: `metric` at `percentile` (None: per request, for goodput) within `seconds`."""
-    metric: str  # ttft, tpot, itl, e2e
-    percentile: float | None
-    seconds: float
-
-    def __str__(self) -> str:
-        p = "" if self.percentile is None else f":p{self.percentile:g}"
-        return f"{self.metric}{p}<={self.seconds * 1000:g}ms"
-
-
-def parse_target(text: str) -> Target:
-    """'ttft:p95<=500ms', 'tpot:p99<=0.05s', 'e2e<=2s' (no percentile: per request, for --target); ms by default."""
-    m = re.fullmatch(r"\s*(\w+)\s*(?::\s*p(\d+(?:\.\d+)?))?\s*<=\s*([0-9.]+(?:[eE][+-]?\d+)?)\s*(ms|s)?\s*", text)
-    if not m or m.group(1).lower() not in SLO_METRICS:
-        raise ValueError(f"an SLO is METRIC:pXX<=VALUE (or METRIC<=VALUE with --target) with METRIC one of "
-                         f"{', '.join(SLO_METRICS)} and VALUE like 500ms or 2s, got {text!r}")
-    percentile = float(m.group(2)) if m.group(2) else None
-    if percentile is not None and not 0 < percentile < 100:
-        raise ValueError(f"an SLO percentile is between 0 and 100 (exclusive), got {text!r}")
-    value = float(m.group(3))
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"an SLO value must be a positive number, got {text!r}")
-    return Target(m.group(1).lower(), percentile, value / 1000 if m.group(4) in (None, "ms") else value)
+from service.bench.bootstrap import CONFIDENCE, percentile_ci
+from service.bench.slo import SLO
 
 
 def parse_precision(text: str) -> float:
@@ -52,20 +22,6 @@ def parse_precision(text: str) -> float:
 
 
 # --- one probe's verdict ------------------------------------------------------------------------------------
-
-def percentile_ci(values, q: float, confidence: float = CONFIDENCE, resamples: int = BOOTSTRAP_RESAMPLES,
-                  seed: int = 0) -> tuple[float, float, float]:
-    """The q-th percentile of the values and a percentile-bootstrap confidence interval for it (seeded)."""
-    x = np.asarray(values, dtype=float)
-    x = x[np.isfinite(x)]
-    if x.size == 0:
-        return math.nan, math.nan, math.nan
-    rng = np.random.default_rng(seed)
-    draws = np.percentile(x[rng.integers(0, x.size, (resamples, x.size))], q, axis=1)
-    tail = (1 - confidence) / 2 * 100
-    lo, hi = np.percentile(draws, [tail, 100 - tail])
-    return float(np.percentile(x, q)), float(lo), float(hi)
-
 
 def wilson_ci(successes: int, n: int, confidence: float = CONFIDENCE) -> tuple[float, float, float]:
     """A share and its Wilson score interval (honest near 0 and 1, where a bootstrap collapses to a point)."""
@@ -104,7 +60,7 @@ def _verdict(value: float, low: float, high: float, limit: float, higher_is_bett
     return "pass" if sure_ok else "fail" if sure_bad else "close"
 
 
-def judge(targets: list[Target], samples: dict[str, np.ndarray], met: np.ndarray | None = None,
+def judge(targets: list[SLO], samples: dict[str, np.ndarray], met: np.ndarray | None = None,
           target_ratio: float | None = None, confidence: float = CONFIDENCE) -> list[Check]:
     """Hold a probe's measured requests against the objectives.
 

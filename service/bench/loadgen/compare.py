@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from service.bench.regress.directions import direction
-from service.bench.regress.stats import parse_threshold
+from service.bench.regress.verdicts import parse_threshold
 
 # settings that may differ without making two runs incomparable
 INCIDENTAL_SETTINGS = {"label", "started_at", "command", "client", "base_url", "model", "slo", "percentiles"}

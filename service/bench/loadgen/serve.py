@@ -26,6 +26,7 @@ from service.bench.loadgen.client import CHAT, COMPLETIONS
 from service.bench.loadgen.runner import LoadSpec, run_load
 from service.bench.loadgen.record import record_run
 from service.bench.loadgen.summary import summarize
+from service.bench.slo import parse as parse_slo
 from service.bench.store import StoreError, add_db_argument, open_store
 
 
@@ -85,7 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g = ap.add_argument_group("results")
     a = g.add_argument
     a("--slo", action="append", default=[], metavar="METRIC:VALUE",
-      help="repeatable: ttft, tpot, itl (a request's largest gap) or e2e, in ms or s, e.g. ttft:500ms")
+      help="repeatable: a bound on every request, for goodput: ttft, tpot, itl (a request's largest gap) or "
+           "e2e, in ms or s, e.g. ttft:500ms (grammar: service/bench/slo.py)")
     a("--percentiles", default="50,90,95,99", help="default %(default)s")
     flags.deprecated_alias(g, "--result-json", flags.add_json(g, dest="result_json"))
     flags.deprecated_alias(g, "--result-csv", flags.add_csv(g, "write one row per request here", dest="result_csv"))
@@ -229,7 +231,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return replot(args, console)
     try:
         percentiles = stats.parse_percentiles(args.percentiles)
-        slos = [stats.parse_slo(s) for s in args.slo]
+        slos = [parse_slo(s) for s in args.slo]
+        if any(s.percentile is not None for s in slos):
+            raise ValueError("bench serve bounds every request (--slo ttft:500ms) and counts goodput by them; "
+                             "a percentile target (ttft:p95<=500ms) is for bench capacity")
         sweep = parse_sweep(args.sweep) if args.sweep else None
         workload, prompt_kind = make_workload(args, args.seed)
         if prompt_kind == "ids" and args.endpoint == CHAT:

@@ -11,6 +11,7 @@ import numpy as np
 
 from service.bench.loadgen import stats
 from service.bench.loadgen.client import RequestResult
+from service.bench.slo import goodput, meets
 
 
 def _ms(values) -> np.ndarray:
@@ -59,11 +60,11 @@ def summarize(results: list[RequestResult], duration: float, percentiles=stats.D
     s["total_throughput"] = per_second(float(out_tokens.sum()) + in_tokens)
     if slos:
         max_itl = np.array([max(r.itl) if r.itl else np.nan for r in ok], dtype=float)
-        met = stats.meets_slos(slos, ttft, tpot, max_itl, e2e, np.ones(len(ok), dtype=bool))
-        s["goodput"] = stats.goodput(met, duration)
+        met = meets(slos, ttft, tpot, max_itl, e2e, np.ones(len(ok), dtype=bool))
+        s["goodput"] = goodput(met, duration)
         s["goodput_ratio"] = float(met.sum()) / len(results) if results else 0.0
         for slo in slos:
-            alone = stats.meets_slos([slo], ttft, tpot, max_itl, e2e, np.ones(len(ok), dtype=bool))
+            alone = meets([slo], ttft, tpot, max_itl, e2e, np.ones(len(ok), dtype=bool))
             s[f"slo_attainment.{slo.metric}"] = float(alone.sum()) / len(results) if results else 0.0
     for name, values in (("ttft_ms", _ms(ttft)), ("tpot_ms", _ms(tpot)), ("itl_ms", _ms(gaps)), ("e2e_ms", _ms(e2e))):
         s.update({f"{name}.{k}": v for k, v in stats.distribution(values, percentiles).items()})

@@ -85,7 +85,7 @@ def expand(dims: dict[str, list], cross_product: bool) -> list[dict]:
 
 
 def load_yaml(path: str) -> dict:
-    """{dimensions: {key: [values]}, configs: [{key: value}], cross_product, warmup, iterations}."""
+    """{dimensions: {key: [values]}, configs: [{key: value}], cross_product, warmup, iterations, repeats, seed}."""
     with open(path) as f:
         try:
             doc = yaml.safe_load(f) or {}
@@ -100,11 +100,11 @@ def load_yaml(path: str) -> dict:
         raise ValueError(f"{path}: 'dimensions' must be a mapping of dimension to values")
     if not isinstance(configs, list) or not all(isinstance(c, dict) for c in configs):
         raise ValueError(f"{path}: 'configs' must be a list of mappings of dimension to value")
-    for key, kind, name in (("warmup", int, "an integer"), ("iterations", int, "an integer"),
+    for key, kind, name in (("warmup", int, "an integer"), ("iterations", int, "an integer"), ("repeats", int, "an integer"),
                             ("seed", int, "an integer"), ("cross_product", bool, "true or false")):
         if key in doc and (type(doc[key]) is not kind):
             raise ValueError(f"{path}: '{key}' must be {name}, not {doc[key]!r}")
-    unknown = set(doc) - {"dimensions", "configs", "cross_product", "warmup", "iterations", "seed"}
+    unknown = set(doc) - {"dimensions", "configs", "cross_product", "warmup", "iterations", "repeats", "seed"}
     unknown |= set(doc.get("dimensions") or {}) - set(BY_KEY)
     for config in doc.get("configs") or []:
         unknown |= set(config) - set(BY_KEY)

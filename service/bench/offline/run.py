@@ -1,9 +1,13 @@
 """`bench run`: a matrix of engine configurations, each measured over warm-up and timed iterations into the store.
 
+Every configuration runs --repeats times (3 by default), each repeat a stored run with a new engine, in rounds (the
+whole matrix once, then again), so that the repeats are spread over time: their spread is the noise between runs
+that `bench regress` judges a difference against (repeats share the process and its loaded weights).
+
 Per measured iteration: wall time, process CPU time, output and total tokens/s, TTFT and inter-token times from the engine's own
 per-request timings, steps and peak memory; a device sampler records CPU/RSS/GPU readings meanwhile. A
-configuration already stored for this commit, machine and label is skipped (a killed matrix resumes); --force
-reruns it.
+configuration's repeats already stored for this commit, machine and label are not run again (a killed matrix
+resumes); --force runs them all again.
 """
 
 import argparse
@@ -42,6 +46,9 @@ def parse_args(argv):
     ap.add_argument("--cross-product", action="store_true", default=None, help="every combination of the dimensions")
     flags.add_warmup(ap, None, "warm-up iterations per configuration (default 3)")
     flags.add_iterations(ap, None, "measured iterations per configuration (default 10)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="stored runs per configuration, in rounds over the matrix (default 3; bench regress learns "
+                         "the noise between runs from them)")
     ap.add_argument("--seed", type=int, default=None, help="seeds prompts and lengths (default 0)")
     ap.add_argument("--sample-interval", type=float, default=0.1, help="device sampler period in s (default %(default)s)")
     ap.add_argument("--label", default=None, help="a name for these runs (bench regress can pick them by it)")
@@ -62,9 +69,10 @@ def plan(args) -> tuple[list[dict], dict]:
              if getattr(args, d.key) is not None}
     pick = lambda flag, key, default: flag if flag is not None else doc.get(key, default)  # noqa: E731
     settings = {"warmup": pick(args.warmup, "warmup", 3), "iterations": pick(args.iterations, "iterations", 10),
-                "seed": pick(args.seed, "seed", 0), "cross_product": bool(pick(args.cross_product, "cross_product", False))}
-    if settings["iterations"] < 1 or settings["warmup"] < 0:
-        raise ValueError("--iterations must be >= 1 and --warmup >= 0")
+                "repeats": pick(args.repeats, "repeats", 3), "seed": pick(args.seed, "seed", 0),
+                "cross_product": bool(pick(args.cross_product, "cross_product", False))}
+    if settings["iterations"] < 1 or settings["warmup"] < 0 or settings["repeats"] < 1:
+        raise ValueError("--iterations and --repeats must be >= 1 and --warmup >= 0")
     configs = matrix.build(dims, doc.get("configs") or [], settings["cross_product"], torch.cuda.is_available(),
                            {"seed": settings["seed"]})
     return configs, settings
@@ -160,38 +168,43 @@ def main(argv: list[str] | None = None) -> list[dict]:
     except (ValueError, OSError, StoreError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    repeats = settings["repeats"]
     for c in configs:
-        if c["skip"] is None and store and not args.force:
-            c["done"] = store.find_done("run", c["hash"], args.label)
-    todo = [c for c in configs if c["skip"] is None and not c.get("done")]
-    console.print(f"bench run: {len(configs)} configurations, {len(todo)} to run "
-                  f"({settings['warmup']} warm-up + {settings['iterations']} measured iterations each)"
+        c["done"] = store.find_done("run", c["hash"], args.label) if c["skip"] is None and store and not args.force else []
+        c["to_run"], c["run_ids"], c["values"] = 0 if c["skip"] else max(0, repeats - len(c["done"])), [], {}
+    todo = [c for c in configs if c["to_run"]]
+    console.print(f"bench run: {len(configs)} configurations, {len(todo)} to run, {repeats} runs each "
+                  f"({settings['warmup']} warm-up + {settings['iterations']} measured iterations a run)"
                   + (f"; results in {store.url}" if store else ""))
     for c in configs:
-        why = c["skip"] or (f"already stored as run {c['done']} (--force reruns)" if c.get("done") else None)
+        why = c["skip"] or (f"already stored as runs {', '.join(map(str, c['done'][:repeats]))} (--force reruns)"
+                            if c["skip"] is None and not c["to_run"] else None)
         if why or args.dry_run:
             console.print(f"  {c['name']} (hash {c['hash']})" + (f": skipped, {why}" if why else ""), markup=False)
     if args.dry_run:
         return configs
-    per_config = settings["warmup"] + settings["iterations"]
+    per_run = settings["warmup"] + settings["iterations"]
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("ETA"), TimeRemainingColumn(), console=console, disable=not args.progress)
     with bar:
-        task = bar.add_task("iterations", total=len(todo) * per_config)
-        for c in todo:
-            bar.update(task, description=c["name"])
-            try:
-                with store.run(kind="run", config=c["config"], label=args.label, name=c["name"]) as run, \
-                        DeviceSampler(run, args.sample_interval):
-                    c["run_id"] = run.id
-                    c["values"] = measure(run, c["config"], settings, Models.shared, lambda: bar.advance(task))
-            except StoreError as exc:  # the database went away: nothing more can be kept
-                print(f"error: {exc}", file=sys.stderr)
-                sys.exit(2)
-            except Exception as exc:  # stored as failed by the store; the matrix goes on
-                c["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
-                console.print(f"[red]{c['name']} failed:[/red] {c['error']}")
-                bar.update(task, completed=(todo.index(c) + 1) * per_config)
+        task = bar.add_task("iterations", total=sum(c["to_run"] for c in todo) * per_run)
+        for round_ in range(max((c["to_run"] for c in todo), default=0)):  # rounds spread each one's repeats in time
+            for c in (c for c in todo if c["to_run"] > round_ and not c.get("error")):
+                bar.update(task, description=f"{c['name']} ({round_ + 1}/{c['to_run']})")
+                try:
+                    with store.run(kind="run", config=c["config"], label=args.label, name=c["name"]) as run, \
+                            DeviceSampler(run, args.sample_interval):
+                        c["run_ids"].append(run.id)
+                        values = measure(run, c["config"], settings, Models.shared, lambda: bar.advance(task))
+                    for metric, v in values.items():
+                        c["values"].setdefault(metric, []).append(v)
+                except StoreError as exc:  # the database went away: nothing more can be kept
+                    print(f"error: {exc}", file=sys.stderr)
+                    sys.exit(2)
+                except Exception as exc:  # stored as failed by the store; the matrix goes on without this one
+                    c["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                    console.print(f"[red]{c['name']} failed:[/red] {c['error']}")
+                    bar.advance(task, (c["to_run"] - round_ - 1) * per_run)  # its later repeats will not run
     summary(console, configs)
     return configs
 
@@ -200,14 +213,18 @@ Models.shared = Models()
 
 
 def summary(console: Console, configs: list[dict]) -> None:
-    table = Table(title="bench run: medians over the measured iterations", title_justify="left")
-    for col in ("configuration", "hash", "run", "wall s", "output tok/s", "TTFT ms", "ITL ms", "status"):
-        table.add_column(col, justify="left" if col in ("configuration", "status") else "right")
+    table = Table(title="bench run: medians over the measured iterations of every run", title_justify="left")
+    for col in ("configuration", "hash", "runs", "wall s", "wall: runs apart", "output tok/s", "TTFT ms", "ITL ms",
+                "status"):
+        table.add_column(col, justify="left" if col in ("configuration", "runs", "status") else "right")
     for c in configs:
         v = c.get("values") or {}
-        med = lambda k, scale=1.0: f"{np.median(v[k]) * scale:,.2f}" if k in v else "-"  # noqa: E731
-        status = c["skip"] and "skipped" or c.get("error") and "failed" or ("stored earlier" if c.get("done") else "ok")
-        table.add_row(c["name"], c["hash"], str(c.get("run_id") or c.get("done") or "-"), med("wall_seconds"),
+        med = lambda k, scale=1.0: f"{np.median(np.concatenate(v[k])) * scale:,.2f}" if k in v else "-"  # noqa: E731
+        walls = [np.median(w) for w in v.get("wall_seconds", [])]
+        spread = f"{max(walls) / min(walls) - 1:.1%}" if len(walls) > 1 else "-"  # largest over smallest run median
+        status = c["skip"] and "skipped" or c.get("error") and "failed" or ("ok" if c["run_ids"] else "stored earlier")
+        ids = c["run_ids"] or c["done"]
+        table.add_row(c["name"], c["hash"], ",".join(map(str, ids)) or "-", med("wall_seconds"), spread,
                       med("output_tokens_per_second"), med("ttft_median_seconds", 1e3), med("itl_median_seconds", 1e3),
                       status)
     console.print(table)

@@ -1,9 +1,10 @@
 """`bench regress`: did the candidate get worse than the baseline, per configuration and metric, beyond noise?
 
 REF is a run id, a commit (or a prefix of one) or a label; configurations are matched by their hash (two run
-ids are compared even when their configurations differ). Exit 1 on a regression, 0 otherwise, 2 on unusable
-input. `--history N` instead walks each configuration's last N commits and names the commits where a metric
-stepped.
+ids are compared even when their configurations differ). The repeated runs of a configuration under a REF
+(`bench run --repeats`) give the noise between runs; with one run on each side none is known and the verdicts
+say so (a change is then at most "maybe regressed"). Exit 1 on a regression, 0 otherwise, 2 on unusable input.
+`--history N` instead walks each configuration's last N commits and names the commits where a metric stepped.
 """
 
 import argparse
@@ -16,10 +17,11 @@ from rich.table import Table
 
 from service.bench.regress import queries
 from service.bench.regress.directions import direction
-from service.bench.regress.stats import MIN_ITERATIONS, find_steps, judge, parse_threshold
+from service.bench.regress.verdicts import MIN_ITERATIONS, find_steps, judge_runs, parse_threshold
 from service.bench.store import StoreError, add_db_argument, open_store
 
-COLOURS = {"regressed": "bold red", "improved": "green", "unchanged": "", "inconclusive": "yellow"}
+COLOURS = {"regressed": "bold red", "maybe regressed": "red", "improved": "green", "maybe improved": "green",
+           "unchanged": "", "inconclusive": "yellow"}
 
 
 def parse_args(argv):
@@ -46,28 +48,35 @@ def _judged(metrics: dict, only: list[str] | None) -> list[str]:
 
 
 def compare(store, args, threshold: float, only) -> list[dict]:
-    base, cand = queries.resolve(store, args.baseline, args.kind), queries.resolve(store, args.candidate, args.kind)
+    base = queries.resolve_groups(store, args.baseline, args.kind)
+    cand = queries.resolve_groups(store, args.candidate, args.kind)
     if args.baseline.isdigit() and args.candidate.isdigit() and len(base) == len(cand) == 1:
         pairs = [(base[0], cand[0])]  # two runs named by id: compared whatever their configurations
     else:
-        by_hash = {b["config_hash"]: b for b in base}
-        pairs = [(by_hash[c["config_hash"]], c) for c in reversed(cand) if c["config_hash"] in by_hash]
+        by_hash = {b[0]["config_hash"]: b for b in base}
+        pairs = [(by_hash[c[0]["config_hash"]], c) for c in reversed(cand) if c[0]["config_hash"] in by_hash]
     if not pairs:
         raise StoreError(f"empty comparison: the baseline's {len(base)} and the candidate's {len(cand)} "
                          "configurations have none in common")
-    values = queries.values(store, [r["id"] for pair in pairs for r in pair])
+    values = queries.values(store, [r["id"] for pair in pairs for group in pair for r in group])
     rows = []
     for b, c in pairs:
-        vb, vc = values[b["id"]], values[c["id"]]
-        for metric in _judged(set(vb) & set(vc), only):
-            unit, xb = vb[metric]
-            v = judge(xb, vc[metric][1], direction(metric), threshold, args.min_iterations)
-            rows.append({"configuration": c["name"], "config_hash": c["config_hash"], "baseline_run": b["id"],
-                         "candidate_run": c["id"], "metric": metric, "unit": unit, "baseline": float(np.median(xb)),
-                         "candidate": float(np.median(vc[metric][1])), **v.__dict__})
+        vb, vc = [values[r["id"]] for r in b], [values[r["id"]] for r in c]
+        for metric in _judged(set.intersection(*(set(v) for v in vb + vc)), only):
+            xb, xc = [v[metric][1] for v in vb], [v[metric][1] for v in vc]
+            verdict = judge_runs(xb, xc, direction(metric), threshold, args.min_iterations)
+            rows.append({"configuration": c[0]["name"], "config_hash": c[0]["config_hash"],
+                         "baseline_run": b[0]["id"], "candidate_run": c[0]["id"], "metric": metric,
+                         "unit": vb[0][metric][0], "baseline": _typical(xb), "candidate": _typical(xc),
+                         **verdict.__dict__})
     if not rows:
         raise StoreError("empty comparison: the matched runs share no metric with a known better direction")
     return rows
+
+
+def _typical(runs: list) -> float:
+    """A side's value: the median of its one run, or the geometric mean of its runs' medians (as the ratio)."""
+    return float(np.exp(np.mean(np.log([np.median(r) for r in runs])))) if len(runs) > 1 else float(np.median(runs[0]))
 
 
 def _ci(row) -> str:
@@ -75,20 +84,20 @@ def _ci(row) -> str:
 
 
 def print_rows(console: Console, rows: list[dict], markdown: bool) -> None:
-    head = ["configuration", "metric", "baseline", "candidate", "ratio [95% CI]", "verdict", "why"]
-    cells = [[r["configuration"], r["metric"], f"{r['baseline']:.4g}", f"{r['candidate']:.4g}", _ci(r), r["verdict"],
-              r["why"]] for r in rows]
+    head = ["configuration", "metric", "runs", "baseline", "candidate", "ratio [95% CI]", "verdict", "why"]
+    cells = [[r["configuration"], r["metric"], f"{r['runs_baseline']}:{r['runs_candidate']}", f"{r['baseline']:.4g}",
+              f"{r['candidate']:.4g}", _ci(r), r["verdict"], r["why"]] for r in rows]
     if markdown:
         print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
         for row in cells:
-            row[5] = f"**{row[5]}**" if row[5] in ("regressed", "improved") else row[5]
+            row[6] = f"**{row[6]}**" if row[6] in ("regressed", "improved") else row[6]
             print("| " + " | ".join(row) + " |")
         return
     table = Table(title_justify="left")
     for col in head:
-        table.add_column(col, justify="right" if col in ("baseline", "candidate") else "left")
+        table.add_column(col, justify="right" if col in ("runs", "baseline", "candidate") else "left")
     for row in cells:
-        row[5] = f"[{COLOURS[row[5]]}]{row[5]}[/]" if COLOURS[row[5]] else row[5]
+        row[6] = f"[{COLOURS[row[6]]}]{row[6]}[/]" if COLOURS[row[6]] else row[6]
         table.add_row(*row)
     console.print(table)
 
@@ -138,8 +147,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print_rows(console, rows, args.markdown)
     counts = {v: sum(r["verdict"] == v for r in rows) for v in COLOURS}
     summary = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
-    (print if args.markdown else console.print)(f"\n{summary} (threshold {threshold:.0%}, 95% bootstrap interval "
-                                               "of the median ratio)")
+    (print if args.markdown else console.print)(
+        f"\n{summary} (threshold {threshold:.0%}; 95% interval of the ratio: Student's t over the runs' medians, "
+        "or with one run on each side the bootstrap of its iterations)")
     if counts["regressed"]:
         sys.exit(1)
     return rows

@@ -1,6 +1,8 @@
 """Reading the results store: runs picked by a REF (run id, commit or label), their measurements, the history.
 
-Only successful runs are compared; within a REF the newest run of each configuration stands for it.
+Only successful runs are compared. Within a REF a configuration's runs are its newest run and every other run of
+it there at the same commit on the same machine (`bench run --repeats`, or several invocations under one label):
+their spread is the noise between runs. A run id names that one run.
 """
 
 import datetime
@@ -18,7 +20,12 @@ def _select_runs():
 
 
 def resolve(store, ref: str, kind: str | None = None) -> list[dict]:
-    """The runs a REF names, newest first, one per configuration: a run id, a commit (or its prefix) or a label."""
+    """The newest run of each configuration a REF names (a run id, a commit or its prefix, a label), newest first."""
+    return [group[0] for group in resolve_groups(store, ref, kind)]
+
+
+def resolve_groups(store, ref: str, kind: str | None = None) -> list[list[dict]]:
+    """Per configuration, newest first: its newest run under the REF and the others at that commit and machine."""
     queries = []
     if ref.isdigit():
         queries.append(("run id", _select_runs().where(r.id == int(ref))))
@@ -34,10 +41,13 @@ def resolve(store, ref: str, kind: str | None = None) -> list[dict]:
                 raise StoreError(f"the commit prefix {ref!r} is ambiguous: "
                                  + ", ".join(sorted({f['git_commit'][:12] for f in found})))
             if found:
-                newest = {}
+                groups: dict[str, list[dict]] = {}
                 for row in found:
-                    newest.setdefault(row["config_hash"], row)
-                return list(newest.values())
+                    group = groups.setdefault(row["config_hash"], [row])
+                    if row is not group[0] and (row["git_commit"], row["machine_id"]) == (
+                            group[0]["git_commit"], group[0]["machine_id"]):
+                        group.append(row)
+                return list(groups.values())
     raise StoreError(f"no successful run matches {ref!r} (a run id, a commit or a label)"
                      + (f" of kind {kind!r}" if kind else ""))
 

@@ -179,14 +179,14 @@ class Store:
             if lost is not None:
                 raise lost
 
-    def find_done(self, kind: str, config_hash: str, label: str | None = None) -> int | None:
-        """The id of a finished run of this configuration at the current commit on this machine, if any."""
+    def find_done(self, kind: str, config_hash: str, label: str | None = None) -> list[int]:
+        """The ids of the finished runs of this configuration at the current commit on this machine, newest first."""
         git = provenance.git_info(self.git)
         r = schema.runs.c
         query = (sa.select(r.id).where(r.kind == kind, r.config_hash == config_hash, r.status == "ok",
                                        r.git_commit == git["commit"],
                                        r.machine_id == provenance.machine_id(provenance.machine_info()))
-                 .order_by(r.id.desc()).limit(1))
+                 .order_by(r.id.desc()))
         query = query.where(r.label.is_(None) if label is None else r.label == label)
         with self.begin() as conn:
-            return conn.execute(query).scalar()
+            return list(conn.execute(query).scalars())
