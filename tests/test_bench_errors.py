@@ -10,9 +10,9 @@ import json
 import pytest
 
 from service.bench.loadgen import serve
-from service.bench.loadgen.datasets import RandomWorkload
-from service.bench.loadgen.runner import LoadSpec, run_load
-from service.bench.loadgen.summary import summarize
+from service.bench.loadgen.workload.datasets import RandomWorkload
+from service.bench.loadgen.send.dispatch import LoadSpec, run_load
+from service.bench.loadgen.results.summary import summarize
 from tests.conftest import free_port
 
 

@@ -6,33 +6,34 @@ import math
 import numpy as np
 import pytest
 
-from service.bench.loadgen import arrivals, datasets, stats
-from service.bench.loadgen.client import RequestResult
-from service.bench.loadgen.summary import max_in_flight, summarize
+from service.bench.loadgen.workload import arrivals, datasets
+from service.bench.loadgen.results import latency
+from service.bench.loadgen.send.request import RequestResult
+from service.bench.loadgen.results.summary import max_in_flight, summarize
 
 
 def test_percentiles_are_numpy_linear_with_known_values():
-    d = stats.distribution([4.0, 1.0, 3.0, 2.0], (50, 90, 99))
+    d = latency.distribution([4.0, 1.0, 3.0, 2.0], (50, 90, 99))
     # rank p/100 * (n - 1) on the sorted values 1, 2, 3, 4: p90 -> rank 2.7 -> 3 + 0.7 * (4 - 3)
     assert d == pytest.approx({"mean": 2.5, "median": 2.5, "p90": 3.7, "p99": 3.97})
-    hundred = stats.distribution(np.arange(1, 101), (50, 95, 99.9))
+    hundred = latency.distribution(np.arange(1, 101), (50, 95, 99.9))
     assert hundred == pytest.approx({"mean": 50.5, "median": 50.5, "p95": 95.05, "p99.9": 99.901})
 
 
 def test_undefined_values_are_left_out_and_nothing_gives_none():
-    assert stats.distribution([1.0, math.nan, 3.0], (90,)) == pytest.approx({"mean": 2.0, "median": 2.0, "p90": 2.8})
-    assert stats.distribution([], (50, 99)) == {"mean": None, "median": None, "p99": None}
+    assert latency.distribution([1.0, math.nan, 3.0], (90,)) == pytest.approx({"mean": 2.0, "median": 2.0, "p90": 2.8})
+    assert latency.distribution([], (50, 99)) == {"mean": None, "median": None, "p99": None}
 
 
 def test_parse_percentiles():
-    assert stats.parse_percentiles("50,90,99.9") == (50.0, 90.0, 99.9)
+    assert latency.parse_percentiles("50,90,99.9") == (50.0, 90.0, 99.9)
     for bad in ("", "101", "-1", "50,x"):
         with pytest.raises(ValueError):
-            stats.parse_percentiles(bad)
+            latency.parse_percentiles(bad)
 
 
 def test_tpot_excludes_the_first_token_and_is_undefined_below_two_tokens():
-    t = stats.tpot(e2e=[1.0, 0.5, 0.3, 2.0], ttft=[0.1, 0.5, 0.3, 0.5], output_tokens=[10, 1, 0, 4])
+    t = latency.tpot(e2e=[1.0, 0.5, 0.3, 2.0], ttft=[0.1, 0.5, 0.3, 0.5], output_tokens=[10, 1, 0, 4])
     assert t[0] == pytest.approx(0.1) and t[3] == pytest.approx(0.5)
     assert math.isnan(t[1]) and math.isnan(t[2])
 
@@ -41,14 +42,14 @@ def test_tpot_excludes_the_first_token_and_is_undefined_below_two_tokens():
     ("ttft:500ms", "ttft", 0.5), ("tpot:0.05s", "tpot", 0.05), ("e2e:2s", "e2e", 2.0), ("itl=30", "itl", 0.03),
     ("TTFT: 1.5 s", "ttft", 1.5)])
 def test_parse_slo(text, metric, seconds):
-    slo = stats.parse_slo(text)
+    slo = latency.parse_slo(text)
     assert slo.metric == metric and slo.seconds == pytest.approx(seconds)
 
 
 @pytest.mark.parametrize("text", ["latency:1s", "ttft:-5ms", "ttft:0ms", "ttft:fast", "ttft", "ttft:5min"])
 def test_parse_slo_rejects_nonsense(text):
     with pytest.raises(ValueError):
-        stats.parse_slo(text)
+        latency.parse_slo(text)
 
 
 def test_goodput_counts_requests_within_every_slo_per_second():
@@ -57,13 +58,13 @@ def test_goodput_counts_requests_within_every_slo_per_second():
     max_itl = np.array([0.02, 0.02, 0.2, math.nan, 0.5])
     e2e = np.array([1.0, 1.0, 1.0, 0.3, 1.0])
     ok = np.array([True, True, True, True, False])  # the last one failed
-    slos = [stats.parse_slo("ttft:500ms"), stats.parse_slo("tpot:50ms")]
-    met = stats.meets_slos(slos, ttft, tpot, max_itl, e2e, ok)
+    slos = [latency.parse_slo("ttft:500ms"), latency.parse_slo("tpot:50ms")]
+    met = latency.meets_slos(slos, ttft, tpot, max_itl, e2e, ok)
     assert met.tolist() == [True, False, False, True, False]
-    assert stats.goodput(met, duration=4.0) == 0.5
-    itl = stats.meets_slos([stats.parse_slo("itl:100ms")], ttft, tpot, max_itl, e2e, ok)
+    assert latency.goodput(met, duration=4.0) == 0.5
+    itl = latency.meets_slos([latency.parse_slo("itl:100ms")], ttft, tpot, max_itl, e2e, ok)
     assert itl.tolist() == [True, True, False, True, False]
-    assert stats.goodput(met, duration=0.0) == 0.0
+    assert latency.goodput(met, duration=0.0) == 0.0
 
 
 @pytest.mark.parametrize("rate, burstiness", [(4.0, 1.0), (4.0, 0.25), (10.0, 4.0)])
@@ -154,7 +155,7 @@ def test_summary_of_synthetic_requests():
                _result(1, 0.5, 1.5, [0.1, 0.2]),  # ttft 0.1, tpot 0.9
                _result(2, 1.0, 1.01, [], error="http_503"),
                _result(3, 1.5, 2.0, [0.3], ready=1.4)]  # one token: no TPOT; sent 100 ms after it could be
-    s = summarize(results, duration=2.0, percentiles=(50, 99), slos=[stats.parse_slo("tpot:500ms")])
+    s = summarize(results, duration=2.0, percentiles=(50, 99), slos=[latency.parse_slo("tpot:500ms")])
     assert s["requests.sent"] == 4 and s["requests.completed"] == 3 and s["requests.failed"] == 1
     assert s["errors.http_503"] == 1 and s["output_tokens"] == 8 and s["input_tokens"] == 30
     assert s["request_throughput"] == 1.5 and s["output_throughput"] == 4.0 and s["total_throughput"] == 19.0

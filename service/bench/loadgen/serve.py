@@ -20,11 +20,12 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from service.bench.loadgen import crosscheck, datasets, report, stats
-from service.bench.loadgen.client import CHAT, COMPLETIONS
-from service.bench.loadgen.runner import LoadSpec, run_load
-from service.bench.loadgen.record import record_run
-from service.bench.loadgen.summary import summarize
+from service.bench.loadgen.results import crosscheck, latency, report
+from service.bench.loadgen.results.record import record_run
+from service.bench.loadgen.results.summary import summarize
+from service.bench.loadgen.send.dispatch import LoadSpec, run_load
+from service.bench.loadgen.send.request import CHAT, COMPLETIONS
+from service.bench.loadgen.workload import datasets
 from service.bench.store import StoreError, add_db_argument, open_store
 
 
@@ -192,7 +193,7 @@ def run_once(args: argparse.Namespace, spec: LoadSpec, workload, prompt_kind: st
 
 
 def replot(args: argparse.Namespace, console: Console) -> list[dict]:
-    from service.bench.loadgen.plots import plot_sweep
+    from service.bench.loadgen.results.plots import plot_sweep
     try:
         with open(args.replot) as f:
             document = json.load(f)
@@ -216,8 +217,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.replot:
         return replot(args, console)
     try:
-        percentiles = stats.parse_percentiles(args.percentiles)
-        slos = [stats.parse_slo(s) for s in args.slo]
+        percentiles = latency.parse_percentiles(args.percentiles)
+        slos = [latency.parse_slo(s) for s in args.slo]
         sweep = parse_sweep(args.sweep) if args.sweep else None
         workload, prompt_kind = make_workload(args, args.seed)
         if prompt_kind == "ids" and args.endpoint == CHAT:
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             report.write_csv(args.result_csv, per_request)
 
     if sweep and args.plot_dir:
-        from service.bench.loadgen.plots import plot_sweep
+        from service.bench.loadgen.results.plots import plot_sweep
         paths = plot_sweep(sweep[0], sweep[1], documents, args.plot_dir, args.label or model)
         console.print("plots: " + ", ".join(paths))
     return documents

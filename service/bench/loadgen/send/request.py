@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from service.bench.loadgen.datasets import Sample
+from service.bench.loadgen.workload.datasets import Sample
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

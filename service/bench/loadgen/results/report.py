@@ -7,8 +7,8 @@ import math
 from rich.console import Console
 from rich.table import Table
 
-from service.bench.loadgen.client import RequestResult
-from service.bench.loadgen.stats import tpot
+from service.bench.loadgen.send.request import RequestResult
+from service.bench.loadgen.results.latency import tpot
 
 # summary key, short name, what it is
 LATENCIES = (("ttft_ms", "TTFT", "time to first token"), ("tpot_ms", "TPOT", "time per output token after the first"),

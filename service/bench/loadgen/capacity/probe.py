@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.bench.loadgen import capacity_search, crosscheck
-from service.bench.loadgen.client import RequestResult
-from service.bench.loadgen.runner import LoadSpec, Stop, run_load
+from service.bench.loadgen.capacity import search as capacity_search
+from service.bench.loadgen.results import crosscheck
+from service.bench.loadgen.send.request import RequestResult
+from service.bench.loadgen.send.dispatch import LoadSpec, Stop, run_load
 
 TICK_S = 0.1  # how often the monitor looks at the requests
 SCRAPE_EVERY_S = 1.0  # how often the server's /metrics is read during a probe

@@ -1,4 +1,4 @@
-"""Statistics of a load run as pure functions over numpy arrays: percentiles, TPOT, SLOs and goodput.
+"""Latency statistics of a load run as pure functions over numpy arrays: percentiles, TPOT, SLOs and goodput.
 
 Percentiles use numpy's default method, 'linear' (Hyndman & Fan type 7: the value at rank p/100 * (n - 1),
 interpolated between the two nearest samples). Undefined values are NaN and are left out of statistics.

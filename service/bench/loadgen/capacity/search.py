@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from service.bench.loadgen.stats import SLO_METRICS
+from service.bench.loadgen.results.latency import SLO_METRICS
 
 CONFIDENCE = 0.95  # of the intervals a verdict is judged by
 BOOTSTRAP_RESAMPLES = 2000

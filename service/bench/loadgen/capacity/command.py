@@ -20,14 +20,14 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from service.bench.loadgen import capacity_search as cs
-from service.bench.loadgen import report, stats
-from service.bench.loadgen.capacity_probe import Probe, Steady, run_probe
-from service.bench.loadgen.client import CHAT
-from service.bench.loadgen.record import record_requests
-from service.bench.loadgen.runner import LoadSpec
+from service.bench.loadgen.capacity import search as cs
+from service.bench.loadgen.capacity.probe import Probe, Steady, run_probe
+from service.bench.loadgen.results import latency, report
+from service.bench.loadgen.results.record import record_requests
+from service.bench.loadgen.send.dispatch import LoadSpec
+from service.bench.loadgen.send.request import CHAT
 from service.bench.loadgen.serve import add_prompt_arguments, add_server_arguments, discover_model, make_workload
-from service.bench.loadgen.summary import summarize
+from service.bench.loadgen.results.summary import summarize
 from service.bench.store import StoreError, add_db_argument, open_store
 
 EXIT = {"found": 0, "unmeasurable": 1, "usage": 2, "none_meets": 3, "all_meet": 4}
@@ -114,7 +114,7 @@ def _samples(measured) -> tuple[dict, np.ndarray, np.ndarray]:
     ok = [r for r in measured if r.ok]
     ttft = np.array([r.ttft for r in ok], dtype=float)
     e2e = np.array([r.e2e for r in ok], dtype=float)
-    tpot = stats.tpot(e2e, ttft, [r.output_tokens for r in ok])
+    tpot = latency.tpot(e2e, ttft, [r.output_tokens for r in ok])
     gaps = np.array([g for r in ok for g in r.itl], dtype=float)
     max_itl = np.array([max(r.itl) if r.itl else np.nan for r in ok], dtype=float)
     return {"ttft": ttft, "tpot": tpot, "itl": gaps, "e2e": e2e}, max_itl, np.array([r.ok for r in measured])
@@ -124,9 +124,9 @@ def judge_point(targets, target_ratio, probes: list[Probe], decide: bool):
     """Pool the measured requests of a load's probes and judge them; None when nothing was measured."""
     measured = [r for p in probes for r in p.measured]
     samples, max_itl, _ = _samples(measured)
-    slos = [stats.SLO(t.metric, t.seconds) for t in targets]
+    slos = [latency.SLO(t.metric, t.seconds) for t in targets]
     ok = [r for r in measured if r.ok]
-    met_ok = stats.meets_slos(slos, samples["ttft"], samples["tpot"], max_itl, samples["e2e"], np.ones(len(ok), bool))
+    met_ok = latency.meets_slos(slos, samples["ttft"], samples["tpot"], max_itl, samples["e2e"], np.ones(len(ok), bool))
     met = np.concatenate([met_ok, np.zeros(len(measured) - len(ok), bool)])  # a failed request met nothing
     checks = cs.judge(targets, samples, met, target_ratio)
     verdict = cs.overall(checks, decide)
@@ -148,7 +148,7 @@ def measure(args, model, targets, load, seed, steady, read_server) -> tuple[dict
             break
     measured = [r for p in probes for r in p.measured]
     span = sum((max(r.ended for r in p.measured) - min(r.sent for r in p.measured)) for p in probes if p.measured)
-    slos = [stats.SLO(t.metric, t.seconds) for t in targets]
+    slos = [latency.SLO(t.metric, t.seconds) for t in targets]
     percentiles = sorted({50.0, 90.0, 95.0, 99.0} | {t.percentile for t in targets if t.percentile})
     summary = summarize(measured, span, percentiles, slos, load if args.by == "rate" else math.inf)
     return {"load": load, "verdict": verdict, "close_call": len(probes) > 1, "probes": len(probes),
@@ -219,7 +219,7 @@ def print_report(console: Console, points: list[dict], result: dict, targets) ->
         s, srv = p["summary"], p["server"] or {}
         cells = []
         for t in targets:
-            v = s.get(f"{t.metric}_ms.{stats.percentile_key(t.percentile or 95)}")
+            v = s.get(f"{t.metric}_ms.{latency.percentile_key(t.percentile or 95)}")
             cells.append("-" if v is None else f"{v:,.0f}")
         table.add_row(f"{p['load']:g}", p["verdict"] + (" (close)" if p["close_call"] else ""), str(p["measured"]),
                       *cells, f"{s.get('goodput', 0):.3f}", f"{s.get('goodput_ratio', 0):.1%}",
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.result_csv:
         write_csv(args.result_csv, points)
     if args.plot and points:
-        from service.bench.loadgen.plots import plot_capacity
+        from service.bench.loadgen.results.plots import plot_capacity
         console.print("plot: " + plot_capacity(document, args.plot, args.label or model))
     run_id = document["stored_run"] = record(store, document, requests.get(result["last_pass"], []))
     console.print(f"stored as run {run_id} in {store.url}", highlight=False)

@@ -6,8 +6,8 @@ same statistics as engine iterations; rates exist once per run, so regress calls
 
 import numpy as np
 
-from service.bench.loadgen.client import RequestResult
-from service.bench.loadgen.stats import tpot
+from service.bench.loadgen.send.request import RequestResult
+from service.bench.loadgen.results.latency import tpot
 
 # settings that describe where and when, not what load: runs that differ only in them are one configuration
 INCIDENTAL = ("label", "started_at", "command", "client", "base_url", "percentiles", "slo")

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from service.bench.loadgen.arrivals import arrival_offsets
-from service.bench.loadgen.client import RequestResult, request_body, send
+from service.bench.loadgen.workload.arrivals import arrival_offsets
+from service.bench.loadgen.send.request import RequestResult, request_body, send
 
 
 @dataclass
