@@ -107,7 +107,7 @@ def write_json(path: str, document: dict) -> None:
 
 CSV_COLUMNS = ("point", "index", "scheduled_s", "ready_s", "sent_s", "ended_s", "dispatch_lag_ms", "status", "error",
                "prompt_tokens", "output_tokens", "usage_reported", "chunks", "ttft_ms", "tpot_ms", "e2e_ms",
-               "itl_ms", "message")
+               "itl_ms", "exception", "where", "message")
 
 
 def csv_row(r: RequestResult, point="") -> dict:
@@ -120,7 +120,8 @@ def csv_row(r: RequestResult, point="") -> dict:
             "output_tokens": "" if r.output_tokens is None else r.output_tokens,
             "usage_reported": int(r.usage_reported), "chunks": len(r.chunk_times), "ttft_ms": ms(r.ttft),
             "tpot_ms": "" if math.isnan(t[0]) else ms(float(t[0])), "e2e_ms": ms(r.e2e),
-            "itl_ms": " ".join(f"{g * 1e3:.3f}" for g in r.itl), "message": r.message}
+            "itl_ms": " ".join(f"{g * 1e3:.3f}" for g in r.itl), "exception": r.exception,
+            "where": "" if r.ok else r.where, "message": r.message}
 
 
 def write_csv(path: str, points: list[tuple[object, list[RequestResult]]]) -> None:
