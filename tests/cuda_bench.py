@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_bench_kernel_on_cuda_gates_and_times_every_operation(tmp_path):
     """Shapes of Llama-3.2-1B (32/8 heads of 64) and of the 2.7b preset (32 heads of 80), bf16 and fp32."""
     rows = kernel_main(["--heads", "32", "--kv-heads", "8,32", "--head-dim", "64,80", "--context", "256",
-                        "--batch", "2", "--dtype", "bf16,fp32", "--warmup", "2", "--repeats", "5",
+                        "--batch", "2", "--dtype", "bf16,fp32", "--warmup", "2", "--iterations", "5",
                         "--db", str(tmp_path / "k.db"), "--csv", str(tmp_path / "k.csv")])
     assert not [r for r in rows if r["status"].startswith("wrong")], [r["status"] for r in rows]
     paged = [r for r in rows if r["op"] == "paged"]
@@ -40,7 +40,7 @@ def test_bench_model_on_cuda_peak_is_near_the_calculators(precision, tmp_path):
     calculator does not model, and the fused attention kernels' saved state differs a little by backend."""
     rows = model_runner.main(["--sizes", _wide(tmp_path), "--context", "512", "--batch", "4",
                               "--modes", "fwd,fwd+bwd,train", "--precision", precision, "--warmup", "2",
-                              "--steps", "3", "--db", str(tmp_path / "m.db")])
+                              "--iterations", "3", "--db", str(tmp_path / "m.db")])
     for r in rows:
         assert r["status"] == "ok"
         assert 0.8 < r["peak_bytes"] / r["estimate"].peak < 1.2, (r["case"].mode, r["peak_bytes"], r["estimate"].peak)
@@ -48,7 +48,7 @@ def test_bench_model_on_cuda_peak_is_near_the_calculators(precision, tmp_path):
 
 def test_bench_model_on_cuda_compiled_with_snapshot_and_profile(tmp_path):
     rows = model_runner.main(["--sizes", "tiny", "--context", "128", "--modes", "train", "--precision", "bf16",
-                              "--compile", "on", "--warmup", "2", "--steps", "2", "--db", str(tmp_path / "m.db"),
+                              "--compile", "on", "--warmup", "2", "--iterations", "2", "--db", str(tmp_path / "m.db"),
                               "--memory-snapshot", str(tmp_path / "snap"), "--profile", str(tmp_path / "prof")])
     assert rows[0]["status"] == "ok" and set(rows[0]["times"]) == {"forward", "backward", "optimizer"}
     snapshot = pickle.loads((tmp_path / "snap" / "tiny-c128-b4-train-bf16-compiled.pickle").read_bytes())
@@ -60,7 +60,7 @@ def test_bench_model_on_cuda_compiled_with_snapshot_and_profile(tmp_path):
 def test_bench_model_on_cuda_out_of_memory_is_a_row_and_the_run_goes_on(monkeypatch, tmp_path):
     monkeypatch.setattr(model_runner, "FIT_SHARE", 100.0)  # let llama-8b's training step past the calculator
     rows = model_runner.main(["--sizes", "llama-8b,tiny", "--context", "128", "--batch", "1", "--modes", "train",
-                              "--warmup", "1", "--steps", "1", "--db", str(tmp_path / "m.db")])
+                              "--warmup", "1", "--iterations", "1", "--db", str(tmp_path / "m.db")])
     assert [r["status"] for r in rows] == ["out of memory", "ok"]
     assert torch.cuda.memory_allocated() < 2**30  # the 8B model and its state are gone
 

@@ -214,7 +214,7 @@ def stub():
         yield s
 
 
-QUICK = ["--warmup", "0.3", "--min-requests", "15", "--min-duration", "0.5", "--input-len", "8",
+QUICK = ["--warmup-seconds", "0.3", "--min-requests", "15", "--min-duration", "0.5", "--input-len", "8",
          "--output-len", str(TOKENS), "--random-token-range", "10:500"]
 
 
@@ -229,8 +229,8 @@ def test_capacity_of_the_slow_stub_matches_its_formula(stub, tmp_path):
     """TTFT = 100 ms x concurrency, so p90 <= 850 ms holds up to 8 concurrent requests (800 ms), not at 9 (900 ms):
     50 ms each way for scheduling jitter (with 60 ms a request and 30 ms each way a full suite once measured 7)."""
     out = tmp_path / "cap.json"
-    rc, doc = run_cli(["--base-url", stub.url, "--by", "concurrency", "--slo", "ttft:p90<=850ms",
-                       "--slo", "tpot:p90<=50ms", "--result-json", str(out), "--result-csv", str(tmp_path / "c.csv"),
+    rc, doc = run_cli(["--url", stub.url, "--by", "concurrency", "--slo", "ttft:p90<=850ms",
+                       "--slo", "tpot:p90<=50ms", "--json", str(out), "--csv", str(tmp_path / "c.csv"),
                        "--plot", str(tmp_path / "cap.png"), "--db", str(tmp_path / "store.db"), *QUICK])
     assert rc == 0
     result = doc["result"]
@@ -259,15 +259,15 @@ def test_capacity_of_the_slow_stub_matches_its_formula(stub, tmp_path):
 
 def test_no_load_meets_an_impossible_slo_and_a_loose_slo_meets_even_the_maximum(stub, tmp_path):
     db = str(tmp_path / "store.db")
-    rc, _ = run_cli(["--base-url", stub.url, "--by", "concurrency", "--slo", "ttft:p90<=20ms", "--db", db,
-                     "--result-json", str(tmp_path / "none.json"), *QUICK])
+    rc, _ = run_cli(["--url", stub.url, "--by", "concurrency", "--slo", "ttft:p90<=20ms", "--db", db,
+                     "--json", str(tmp_path / "none.json"), *QUICK])
     assert rc == capacity.EXIT["none_meets"] == 3
     none = json.loads((tmp_path / "none.json").read_text())
     assert [p["load"] for p in none["points"]] == [1] and none["result"]["limited_by"]["kind"] == "unloaded_speed"
     failed = history(open_store(db), kind="capacity")[0]
     assert failed["status"] == "failed" and "none_meets" in failed["error"]
-    rc, _ = run_cli(["--base-url", stub.url, "--by", "concurrency", "--max", "3", "--slo", "e2e:p90<=5s",
-                     "--result-json", str(tmp_path / "all.json"), *QUICK])
+    rc, _ = run_cli(["--url", stub.url, "--by", "concurrency", "--max", "3", "--slo", "e2e:p90<=5s",
+                     "--json", str(tmp_path / "all.json"), *QUICK])
     assert rc == capacity.EXIT["all_meet"] == 4
     saved = json.loads((tmp_path / "all.json").read_text())
     assert [p["load"] for p in saved["points"]] == [1, 2, 3] and saved["result"]["last_pass"] == 3
@@ -275,9 +275,9 @@ def test_no_load_meets_an_impossible_slo_and_a_loose_slo_meets_even_the_maximum(
 
 def test_an_open_loop_beyond_the_servers_rate_is_stopped_early_as_saturated(stub, tmp_path):
     """The 'fifo' model serves 20 req/s; offered 80 req/s, its queue grows by 60 a second."""
-    rc, _ = run_cli(["--base-url", stub.url, "--model", "fifo", "--start", "80", "--min", "80", "--max", "160",
-                     "--slo", "e2e:p50<=10s", "--warmup", "0.3", "--min-requests", "15", "--min-duration", "3",
-                     "--output-len", str(TOKENS), "--result-json", str(tmp_path / "sat.json")])
+    rc, _ = run_cli(["--url", stub.url, "--model", "fifo", "--start", "80", "--min", "80", "--max", "160",
+                     "--slo", "e2e:p50<=10s", "--warmup-seconds", "0.3", "--min-requests", "15", "--min-duration", "3",
+                     "--output-len", str(TOKENS), "--json", str(tmp_path / "sat.json")])
     assert rc == 3
     point = json.loads((tmp_path / "sat.json").read_text())["points"][0]
     assert point["stopped"] == "saturated" and point["verdict"] == "fail"
@@ -285,8 +285,8 @@ def test_an_open_loop_beyond_the_servers_rate_is_stopped_early_as_saturated(stub
 
 
 def test_a_probe_whose_requests_fail_is_stopped_and_counts_as_a_failure(stub, tmp_path):
-    rc, _ = run_cli(["--base-url", stub.url, "--model", "broken", "--by", "concurrency", "--max", "4",
-                     "--slo", "ttft:p90<=5s", "--min-duration", "30", "--result-json", str(tmp_path / "e.json"),
+    rc, _ = run_cli(["--url", stub.url, "--model", "broken", "--by", "concurrency", "--max", "4",
+                     "--slo", "ttft:p90<=5s", "--min-duration", "30", "--json", str(tmp_path / "e.json"),
                      *QUICK[:2], *QUICK[6:]])
     assert rc == 3
     point = json.loads((tmp_path / "e.json").read_text())["points"][0]
@@ -300,7 +300,7 @@ def test_bad_input_gets_a_clear_message_and_exit_status(capsys):
     assert run_cli(["--slo", "ttft<=500ms"])[0] == 2
     assert "needs a percentile" in capsys.readouterr().out
     assert run_cli(["--slo", "ttft:p95<=500ms", "--by", "concurrency", "--max", "2.5"])[0] == 2
-    assert run_cli(["--slo", "ttft:p95<=500ms", "--base-url", f"http://127.0.0.1:{free_port()}"])[0] == 1
+    assert run_cli(["--slo", "ttft:p95<=500ms", "--url", f"http://127.0.0.1:{free_port()}"])[0] == 1
     assert "cannot reach an OpenAI-compatible server" in capsys.readouterr().out
 
 
@@ -311,11 +311,11 @@ def test_the_real_service_has_a_capacity_and_says_queueing_limited_it(tiny_model
     to finish, so TTFT jumps; at 16 it waits for 7 replies (about 200 steps, against 1 or 2 for a first token
     unloaded), so an SLO of 10x the unloaded TTFT holds at 2 and fails before 16 even on a noisy machine."""
     with LiveServer(tiny_model, {"max_num_seqs": 2}) as server:
-        common = ["--base-url", server.url, "--by", "concurrency", "--input-len", "16", "--output-len", "32",
-                  "--random-token-range", "10:500", "--warmup", "0.5", "--min-requests", "10", "--min-duration", "1",
+        common = ["--url", server.url, "--by", "concurrency", "--input-len", "16", "--output-len", "32",
+                  "--random-token-range", "10:500", "--warmup-seconds", "0.5", "--min-requests", "10", "--min-duration", "1",
                   "--max-repeats", "1"]
         rc, _ = run_cli([*common, "--start", "2", "--max", "2", "--min", "2", "--slo", "ttft:p50<=60s",
-                         "--result-json", str(tmp_path / "1.json")])
+                         "--json", str(tmp_path / "1.json")])
         assert rc == 4  # two requests at a time meet a minute
         unloaded = json.loads((tmp_path / "1.json").read_text())["points"][0]["summary"]["ttft_ms.median"]
         rc, doc = run_cli([*common, "--start", "2", "--max", "16", "--slo", f"ttft:p50<={10 * unloaded:.0f}ms",

@@ -57,9 +57,9 @@ def test_parse_threshold():
 def real_run(tiny_model, tmp_path_factory):
     path = tmp_path_factory.mktemp("compare") / "base.json"
     with LiveServer(tiny_model) as s:
-        serve.main(["--base-url", s.url, "--num-requests", "12", "--request-rate", "50", "--input-len", "16",
-                    "--output-len", "6", "--random-token-range", "10:500", "--slo", "ttft:1s", "--no-progress",
-                    "--no-crosscheck", "--result-json", str(path)])
+        serve.main(["--url", s.url, "--num-requests", "12", "--request-rate", "50", "--input-len", "16",
+                    "--output-len", "6", "--random-token-range", "10:500", "--slo", "ttft:1s", "--progress", "off",
+                    "--server-metrics", "off", "--json", str(path)])
     return path
 
 

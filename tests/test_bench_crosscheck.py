@@ -94,9 +94,9 @@ def test_client_ttft_and_tokens_agree_with_the_servers_metrics(server, monkeypat
     delay = 0.5
     tokenize = server.engine.tokenize
     monkeypatch.setattr(server.engine, "tokenize", lambda prompt: time.sleep(delay) or tokenize(prompt))
-    [doc] = serve.main(["--base-url", server.url, "--model", "random:tiny", "--num-requests", "8",
+    [doc] = serve.main(["--url", server.url, "--model", "random:tiny", "--num-requests", "8",
                         "--max-concurrency", "1", "--input-len", "24", "--output-len", "12", "--range-ratio", "0.5",
-                        "--random-token-range", "10:500", "--seed", "5", "--no-progress"])
+                        "--random-token-range", "10:500", "--seed", "5", "--progress", "off"])
     check = doc["crosscheck"]
     assert "rows" in check, check["note"]
     s = doc["summary"]

@@ -27,7 +27,7 @@ def expand(query: str, values: dict[str, list[str]]) -> str:
 def test_every_dashboard_query_returns_rows_from_real_runs(postgres_url, tmp_path):
     for commit in ("aaaa0000", "bbbb1111"):
         run.main(["--db", postgres_url, "--model", "random:tiny", "--batch-size", "2", "--input-len", "6",
-                  "--output-len", "3", "--warmup", "0", "--iterations", "5", "--commit", commit, "--no-progress"])
+                  "--output-len", "3", "--warmup", "0", "--iterations", "5", "--commit", commit, "--progress", "off"])
     with pytest.raises(SystemExit) as exited:  # exit 0 or 1, whatever the noise says: the verdicts are stored
         cli.main(["--db", postgres_url, "--baseline", "aaaa0000", "--candidate", "bbbb1111"])
         raise SystemExit(0)

@@ -138,8 +138,8 @@ def test_a_server_without_metrics_gets_a_note_and_client_numbers(capsys):
         server = await asyncio.start_server(_handle, "127.0.0.1", port)
         async with server:
             return await asyncio.to_thread(serve.main, [
-                "--base-url", f"http://127.0.0.1:{port}", "--model", "fine", "--num-requests", "3",
-                "--input-len", "8", "--output-len", "3", "--no-progress"])
+                "--url", f"http://127.0.0.1:{port}", "--model", "fine", "--num-requests", "3",
+                "--input-len", "8", "--output-len", "3", "--progress", "off"])
     [doc] = asyncio.run(main())
     assert doc["summary"]["requests.completed"] == 3 and doc["summary"]["output_tokens"] == 9
     assert "rows" not in doc["crosscheck"] and "404" in doc["crosscheck"]["note"]

@@ -63,7 +63,7 @@ def test_a_wrong_kernel_is_caught_and_never_timed(monkeypatch, tmp_path):
 
     monkeypatch.setitem(ops.OPS, "wrong", forgets_the_causal_mask)
     db = f"sqlite:///{tmp_path / 'k.db'}"
-    rows = main(SMALL + ["--ops", "wrong,reference", "--phases", "prefill", "--repeats", "5", "--warmup", "2",
+    rows = main(SMALL + ["--ops", "wrong,reference", "--phases", "prefill", "--iterations", "5", "--warmup", "2",
                          "--db", db, "--csv", str(tmp_path / "k.csv")])
     wrong, ref = rows
     assert wrong["status"].startswith("wrong: max abs error ") and wrong["status"].endswith(" > 0.001, not timed")
@@ -82,7 +82,7 @@ def test_a_wrong_kernel_is_caught_and_never_timed(monkeypatch, tmp_path):
 
 def test_every_cpu_operation_passes_the_gate_or_is_skipped_with_a_reason_and_the_store_holds_each_repeat(tmp_path):
     db = f"sqlite:///{tmp_path / 'k.db'}"
-    rows = main(SMALL + ["--repeats", "3", "--warmup", "1", "--db", db, "--plot", str(tmp_path / "k.png")])
+    rows = main(SMALL + ["--iterations", "3", "--warmup", "1", "--db", db, "--plot", str(tmp_path / "k.png")])
     status = {(r["op"], r["phase"]): r["status"].split(":")[0] for r in rows}
     for phase in ("prefill", "decode"):
         for op in ("paged", "sdpa-flash", "sdpa-math", "reference"):
@@ -110,7 +110,7 @@ def test_every_cpu_operation_passes_the_gate_or_is_skipped_with_a_reason_and_the
     ("--dtype", "fp8", "skipped: dtype must be one of fp32, fp16, bf16, got 'fp8'"),
 ])
 def test_an_unsupported_shape_is_a_skipped_row_with_its_reason(flag, value, status, tmp_path):
-    args = SMALL + ["--ops", "reference", "--phases", "decode", "--repeats", "1", "--db", str(tmp_path / "k.db")]
+    args = SMALL + ["--ops", "reference", "--phases", "decode", "--iterations", "1", "--db", str(tmp_path / "k.db")]
     [row] = main(args + [flag, value])  # the later flag wins
     assert row["status"] == status
 

@@ -94,7 +94,7 @@ def test_measured_cpu_peak_is_within_tolerance_and_every_step_is_stored(wide_mod
     allocator's slack, oneDNN's scratch buffers and Python objects (tens of MB), so it reads high, never low."""
     db = f"sqlite:///{tmp_path / 'bench.db'}"
     rows = main(["--sizes", wide_model, "--context", "32", "--batch", "2", "--modes", "fwd,fwd+bwd,train",
-                 "--warmup", "1", "--steps", "2", "--threads", "1", "--db", db, "--label", "t",
+                 "--warmup", "1", "--iterations", "2", "--threads", "1", "--db", db, "--label", "t",
                  "--json", str(tmp_path / "m.json")])
     assert [r["status"] for r in rows] == ["ok", "ok", "ok"]
     for r in rows:
@@ -127,7 +127,7 @@ def test_measured_cpu_peak_is_within_tolerance_and_every_step_is_stored(wide_mod
 def test_a_size_that_cannot_fit_is_reported_and_the_run_goes_on(tmp_path, capsys):
     db = f"sqlite:///{tmp_path / 'bench.db'}"
     rows = main(["--sizes", "llama-8b,tiny", "--context", "16", "--batch", "1", "--modes", "train",
-                 "--warmup", "0", "--steps", "1", "--threads", "1", "--db", db])
+                 "--warmup", "0", "--iterations", "1", "--threads", "1", "--db", db])
     assert rows[0]["status"].startswith("does not fit (") and rows[1]["status"] == "ok"
     assert "| llama-8b | 16 | train | fp32 | off | - | - | - | does not fit (" in capsys.readouterr().out
     runs = _rows(db, schema.runs)
@@ -162,7 +162,7 @@ def test_bad_lists_are_usage_errors(capsys):
 
 
 def test_profile_writes_a_chrome_trace_per_case(tmp_path):
-    main(["--sizes", "tiny", "--context", "8", "--batch", "1", "--modes", "fwd", "--warmup", "0", "--steps", "1",
+    main(["--sizes", "tiny", "--context", "8", "--batch", "1", "--modes", "fwd", "--warmup", "0", "--iterations", "1",
           "--threads", "1", "--profile", str(tmp_path / "traces"), "--db", str(tmp_path / "b.db")])
     trace = json.loads((tmp_path / "traces" / "tiny-c8-b1-fwd-fp32.json").read_text())
     assert any(e.get("name") == "aten::linear" for e in trace["traceEvents"])
@@ -182,7 +182,7 @@ def test_quantized_forward_is_measured_on_its_stored_weights_and_what_cannot_run
     done = subprocess.run(
         [sys.executable, "-m", "service", "bench", "model", "--sizes", wide_model, "--context", "32", "--batch", "2",
          "--modes", "fwd,train", "--precision", "fp32,bf16", "--quantization", "none,int8,int4,fp8", "--warmup", "1",
-         "--steps", "2", "--threads", "1", "--db", db, "--json", str(tmp_path / "m.json")],
+         "--iterations", "2", "--threads", "1", "--db", db, "--json", str(tmp_path / "m.json")],
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "m.json").read_text())

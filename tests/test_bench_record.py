@@ -17,8 +17,8 @@ def server(tiny_model):
 
 def test_bench_serve_stores_each_request_and_regress_can_judge_two_runs(server, tmp_path, capsys):
     db = f"sqlite:///{tmp_path / 'bench.db'}"
-    argv = ["--base-url", server.url, "--num-requests", "8", "--input-len", "8", "--output-len", "3",
-            "--random-token-range", "10:500", "--no-progress", "--no-crosscheck", "--db", db]
+    argv = ["--url", server.url, "--num-requests", "8", "--input-len", "8", "--output-len", "3",
+            "--random-token-range", "10:500", "--progress", "off", "--server-metrics", "off", "--db", db]
     for label in ("a", "b"):
         serve.main(argv + ["--label", label])
     store = open_store(db)

@@ -83,7 +83,7 @@ def run_matrix(db, tmp_path, *extra):
     path = tmp_path / "matrix.yaml"
     path.write_text("warmup: 1\niterations: 2\ndimensions:\n  model: ['random:tiny']\n  batch_size: [2, 3]\n"
                     "  input_len: [8, 'uniform:4-12']\n  output_len: [3]\n  cuda_graphs: [off, on]\n")
-    return run.main([str(path), "--db", db, "--no-progress", "--sample-interval", "0.02", *extra])
+    return run.main([str(path), "--db", db, "--progress", "off", "--sample-interval", "0.02", *extra])
 
 
 def test_a_matrix_run_records_every_measured_iteration_and_resumes(tmp_path, store_url):
@@ -120,7 +120,7 @@ def test_a_database_of_a_newer_schema_stops_bench_run_before_any_work(tmp_path, 
     with sa.create_engine(db).begin() as conn:
         conn.execute(schema.meta.update().values(value="99"))
     with pytest.raises(SystemExit) as exited:
-        run.main(["--db", db, "--model", "random:tiny", "--no-progress"])
+        run.main(["--db", db, "--model", "random:tiny", "--progress", "off"])
     err = capsys.readouterr().err.strip()
     assert exited.value.code == 2 and len(err.splitlines()) == 1
     assert err.endswith(f"the database has schema version 99, newer than this program's {schema.SCHEMA_VERSION}; "

@@ -106,10 +106,10 @@ def test_text_prompts_on_both_endpoints_of_the_default_model(default_model):
 
 def test_cli_writes_json_csv_and_a_sweep_with_plots(server, tmp_path):
     out = tmp_path / "sweep.json"
-    docs = serve.main(["--base-url", server.url, "--num-requests", "10", "--input-len", "16", "--output-len", "4",
+    docs = serve.main(["--url", server.url, "--num-requests", "10", "--input-len", "16", "--output-len", "4",
                        "--random-token-range", "10:500", "--sweep", "rate:20,80", "--slo", "ttft:2s",
-                       "--result-json", str(out), "--result-csv", str(tmp_path / "r.csv"),
-                       "--plot-dir", str(tmp_path / "plots"), "--no-progress", "--no-crosscheck"])
+                       "--json", str(out), "--csv", str(tmp_path / "r.csv"),
+                       "--plot-dir", str(tmp_path / "plots"), "--progress", "off", "--server-metrics", "off"])
     assert [d["settings"]["request_rate"] for d in docs] == [20.0, 80.0]
     assert [d["settings"]["seed"] for d in docs] == [0, 1]  # new prompts per point: no prefix-cache hits
     saved = json.loads(out.read_text())
@@ -133,14 +133,14 @@ def test_cli_rejects_an_unbounded_or_impossible_run(server, capsys):
     for argv in (["--duration", "5"], ["--endpoint", CHAT, "--random-prompt", "ids"], ["--slo", "ttft:soon"],
                  ["--sweep", "speed:1,2"], ["--sweep", "rate:1,inf"], ["--sweep", "concurrency:1.5"]):
         with pytest.raises(SystemExit) as exc:
-            serve.main(["--base-url", server.url, "--no-progress"] + argv)
+            serve.main(["--url", server.url, "--progress", "off"] + argv)
         assert exc.value.code == 2, argv
 
 
 def test_progress_bar_by_requests_and_by_time_does_not_get_in_the_way(server):
-    by_count = serve.main(["--base-url", server.url, "--num-requests", "4", "--input-len", "8", "--output-len", "2",
+    by_count = serve.main(["--url", server.url, "--num-requests", "4", "--input-len", "8", "--output-len", "2",
                            "--random-token-range", "10:500"])
-    by_time = serve.main(["--base-url", server.url, "--duration", "0.5", "--request-rate", "20", "--input-len", "8",
+    by_time = serve.main(["--url", server.url, "--duration", "0.5", "--request-rate", "20", "--input-len", "8",
                           "--output-len", "2", "--random-token-range", "10:500"])
     assert by_count[0]["summary"]["requests.completed"] == 4
     assert by_time[0]["summary"]["requests.completed"] == by_time[0]["summary"]["requests.sent"] > 0

@@ -24,9 +24,9 @@ DEPLOY = ROOT / "deploy"
 GRAFANA = DEPLOY / "grafana"
 COMPOSE = DEPLOY / "docker-compose.yml"
 GPU_OVERRIDE = DEPLOY / "docker-compose.gpu.yml"
-LOAD_COMMAND = ("python -m service bench serve --base-url http://lb:8000 --model SmolLM2-135M-Instruct "
+LOAD_COMMAND = ("python -m service bench serve --url http://lb:8000 --model SmolLM2-135M-Instruct "
                 "--request-rate 2 --burstiness 1.0 --max-concurrency 16 --duration 600 --dataset builtin "
-                "--no-progress")
+                "--progress off")
 
 
 

@@ -87,7 +87,7 @@ def test_compose_service_scales_behind_the_load_balancer_and_prometheus_finds_ea
     [dns] = jobs["llm-service"]["dns_sd_configs"]
     assert dns["names"] == ["service"] and dns["port"] == port and dns["type"] == "A"
     assert jobs["haproxy"]["static_configs"][0]["targets"] == ["lb:8404"]
-    assert "--base-url=http://lb:8000" in services["load"]["command"]  # v1 `config` lists profile services too
+    assert "--url=http://lb:8000" in services["load"]["command"]  # v1 `config` lists profile services too
 
 
 @needs_tools("promtool")

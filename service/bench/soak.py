@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.bench import flags
 from service.bench.store import StoreError, add_db_argument, open_store
 
 # the series sampled from /metrics: column -> metric sample name
@@ -280,7 +281,8 @@ class SoakFailed(Exception):
     pass
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The soak's settings, and the arguments after -- for the server it starts."""
     ap = argparse.ArgumentParser(prog="service bench soak", description=__doc__,
                                  epilog="Arguments after -- go to the server this starts (without --url).")
     a = ap.add_argument
@@ -289,7 +291,9 @@ def main(argv: list[str] | None = None) -> None:
     a("--api-key", default=None)
     a("--metrics-token", default=None)
     a("--duration", type=float, default=1800.0, help="seconds of load (default %(default)s)")
-    a("--warmup", type=float, default=30.0, help="seconds of load before the first idle sample (default %(default)s)")
+    # dests "warmup" and "out": the names soak.json's settings and the stored configuration have always used
+    flags.deprecated_alias(ap, "--warmup", flags.add_warmup_seconds(ap, 30.0, "seconds of load before the first idle "
+                                                                              "sample", dest="warmup"))
     a("--concurrency", type=int, default=6, help="clients sending back to back (default %(default)s)")
     a("--sample-interval", type=float, default=5.0, help="seconds between /metrics samples (default %(default)s)")
     a("--burst-interval", type=float, default=60.0, help="seconds between overload bursts (default %(default)s)")
@@ -298,12 +302,17 @@ def main(argv: list[str] | None = None) -> None:
     a("--request-timeout", type=float, default=600.0, help="seconds a client waits for an answer before it counts "
       "as unexpected (default %(default)s: generous, since overload bursts queue requests)")
     a("--seed", type=int, default=0)
-    a("--out", type=Path, default=Path("soak-results"), help="where soak.csv, soak.json and soak.png go")
+    out = a("--out-dir", type=Path, default=Path("soak-results"), dest="out", metavar="DIR",
+            help="where soak.csv, soak.json and soak.png go (default %(default)s)")
+    flags.deprecated_alias(ap, "--out", out)
     a("--label", default=None, help="a label for the run in the results store")
     add_db_argument(ap)
-    argv = sys.argv[1:] if argv is None else argv
     server_args = argv[argv.index("--") + 1:] if "--" in argv else ["--max-waiting", "16", "--log-level", "warning"]
-    args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    return ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv), server_args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, server_args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the report
     config = {k: v for k, v in vars(args).items() if k not in ("db", "label", "out", "api_key", "metrics_token")}
     config["server_args"] = server_args

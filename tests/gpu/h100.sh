@@ -13,4 +13,4 @@ echo "== 3. bench kernel"
 timeout 45 python3 -m service bench kernel --csv $OUT/kernel.csv --plot $OUT/kernel.png > $OUT/kernel.log 2>&1; echo "rc $?"
 echo "== 4. bench model"
 timeout 45 python3 -m service bench model --sizes small,medium,large,xl,2.7b --context 128,512 --modes fwd,fwd+bwd \
-  --precision bf16 --warmup 2 --steps 5 --json $OUT/model.json > $OUT/model.log 2>&1; echo "rc $?"
+  --precision bf16 --warmup 2 --iterations 5 --json $OUT/model.json > $OUT/model.log 2>&1; echo "rc $?"

@@ -4,7 +4,7 @@
 source tests/gpu/env.sh
 echo "== bench model: quantized forward, bf16, context 512"
 timeout 90 python3 -m service bench model --sizes small,2.7b --context 512 --modes fwd --precision bf16 \
-  --quantization none,int8,int4,fp8 --warmup 2 --steps 5 --json $OUT/model_quant.json > $OUT/model_quant.log 2>&1
+  --quantization none,int8,int4,fp8 --warmup 2 --iterations 5 --json $OUT/model_quant.json > $OUT/model_quant.log 2>&1
 echo "rc $?"; grep -E "^\|" $OUT/model_quant.log | cut -c1-220
 for mode in none int8 int4 fp8; do
   echo "== 128/128 x 16, quantization $mode"

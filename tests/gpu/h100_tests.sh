@@ -3,7 +3,7 @@
 # then the whole CUDA test file with its full log kept.
 source tests/gpu/env.sh
 echo "== quantized weights, 128/128 x 256, every mode in one process (4 engines: a fixed KV cache each)"
-timeout 170 python3 -m service bench offline --quantization none,int8,int4,fp8 --repeats 3 --num-blocks 6000 \
+timeout 170 python3 -m service bench offline --quantization none,int8,int4,fp8 --iterations 3 --num-blocks 6000 \
   --json $OUT/quant.json > $OUT/quant.log 2>&1
 echo "rc $?"; grep -E "throughput round|^\||^model|Error" $OUT/quant.log | cut -c1-250
 echo "== tests/test_cuda.py"

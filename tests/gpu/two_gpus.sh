@@ -12,7 +12,7 @@ for model in llama-1b llama-8b; do
   for tp in 1 2; do
     echo "== $model tp$tp"
     timeout $([ $model = llama-1b ] && echo 75 || echo 120) python3 -m service bench offline --model random:$model \
-      --tensor-parallel-size $tp --peers none --no-compile --no-cuda-graphs --db sqlite:////tmp/b.db \
+      --tensor-parallel-size $tp --peers none --compile off --cuda-graphs off --db sqlite:////tmp/b.db \
       --json $OUT/tp-$model-tp$tp.json > $OUT/tp-$model-tp$tp.log 2>&1
     echo "rc $?"; grep -E "^\| this|Error|error" $OUT/tp-$model-tp$tp.log | tail -3
     python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['rows'][0]; print(f\"steps {r['steps']}, {r['seconds']/r['steps']*1e3:.2f} ms a step, setup {r.get('setup_seconds', 0):.1f} s\")" $OUT/tp-$model-tp$tp.json 2>/dev/null

@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from service.bench import flags
 from service.bench.kernel import ops
 from service.bench.kernel.stats import statistics, throughput
 from service.bench.kernel.timing import clock_report, time_calls
@@ -42,12 +43,14 @@ def parse_args(argv):
     ap.add_argument("--head-dim", default="64,80")
     ap.add_argument("--context", default="512,1024,2048,4096" if cuda else "128,512")
     ap.add_argument("--dtype", default="bf16" if cuda else "fp32", help="comma list of fp32, fp16, bf16")
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--repeats", type=int, default=64)
-    ap.add_argument("--no-flush", action="store_true", help="CUDA: skip the L2 flush before each repeat")
+    flags.add_warmup(ap, 10)
+    # dests "repeats" and "flush_l2": the names the stored configuration has always used
+    flags.deprecated_alias(ap, "--repeats", flags.add_iterations(ap, 64, "timed repeats of each case", dest="repeats"))
+    flush = flags.add_switch(ap, "flush-l2", True, "CUDA: flush the L2 cache before each repeat")
+    flags.deprecated_alias(ap, "--no-flush", flush, value=False)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's own choice)")
-    ap.add_argument("--csv", default=None, help="write every row here")
+    flags.add_csv(ap, "write every row here")
     ap.add_argument("--plot", default=None, help="write a PNG of median time against context, per operation")
     ap.add_argument("--label", default=None)
     from service.bench.store import add_db_argument
@@ -65,7 +68,7 @@ def parse_args(argv):
             args.phases.split(","), _ints(args.batch), _ints(args.heads), _ints(args.kv_heads),
             _ints(args.head_dim), _ints(args.context), args.dtype.split(","))]
         if args.warmup < 0 or args.repeats < 1:
-            raise ValueError("--warmup must be >= 0 and --repeats >= 1")
+            raise ValueError("--warmup must be >= 0 and --iterations >= 1")
     except ValueError as exc:
         ap.error(str(exc))
     return args
@@ -184,7 +187,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 def record(store, row: dict, args, device: torch.device) -> None:
     config = {k: row[k] for k in ("op", "phase", "batch", "heads", "kv_heads", "head_dim", "context", "dtype")}
-    config.update(device=device.type, warmup=args.warmup, repeats=args.repeats, flush_l2=not args.no_flush)
+    config.update(device=device.type, warmup=args.warmup, repeats=args.repeats, flush_l2=args.flush_l2)
     try:
         with store.run(kind="kernel", config=config, label=args.label) as run:
             if "max_abs_error" in row:
@@ -237,7 +240,7 @@ def _sweep(args, device: torch.device, name: str, store) -> list[dict]:
         except (ops.Unsupported, ValueError, torch.OutOfMemoryError):
             prepared = None  # each row then says why
         for op in args.ops:
-            group.append(measure(op, shape, device, args.warmup, args.repeats, not args.no_flush, prepared))
+            group.append(measure(op, shape, device, args.warmup, args.repeats, args.flush_l2, prepared))
             print(f"{op} {shape}: {group[-1]['status']}", file=sys.stderr, flush=True)
         add_relative(group, args.baseline, name)
         for r in group:  # stored shape by shape, so an interrupted sweep keeps what it measured

@@ -20,6 +20,7 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from service.bench import flags
 from service.bench.loadgen.results import crosscheck, latency, report
 from service.bench.loadgen.results.record import record_run
 from service.bench.loadgen.results.summary import summarize
@@ -31,16 +32,26 @@ from service.bench.store import StoreError, add_db_argument, open_store
 
 def add_server_arguments(ap: argparse.ArgumentParser) -> None:
     """Which server, how to talk to it, and what each request asks for (shared with bench capacity)."""
-    a = ap.add_argument_group("server").add_argument
-    a("--base-url", default="http://127.0.0.1:8000", help="server root; the endpoint path is appended (default %(default)s)")
+    g = ap.add_argument_group("server")
+    a = g.add_argument
+    url = flags.add_url(g, "http://127.0.0.1:8000", "server root; the endpoint path is appended (default %(default)s)",
+                        dest="base_url")
+    flags.deprecated_alias(g, "--base-url", url)
     a("--endpoint", default=COMPLETIONS, choices=[COMPLETIONS, CHAT], help="default %(default)s")
     a("--model", default=None, help="model name to send; default: the first one GET /v1/models lists")
     a("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer token (default: $OPENAI_API_KEY)")
     a("--request-timeout", type=float, default=600.0, help="seconds a request may take in all before it is an error (default %(default)s)")
     a("--extra-body", default=None, help="JSON object merged into every request body, e.g. '{\"top_k\": 1}'")
     a("--temperature", type=float, default=0.0, help="default %(default)s (greedy)")
-    a("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-      help="send ignore_eos so every request generates max_tokens (default: on for the random dataset only)")
+    ignore_eos = flags.add_switch(g, "ignore-eos", None, "send ignore_eos so every request generates max_tokens "
+                                  "(default: on for the random dataset only)", bare_deprecated=True)
+    flags.deprecated_alias(g, "--no-ignore-eos", ignore_eos, value=False)
+
+
+def add_server_metrics_argument(ap: argparse.ArgumentParser, old: str) -> None:
+    """--server-metrics on|off: scrape the server's /metrics (`old`: this command's deprecated spelling of off)."""
+    switch = flags.add_switch(ap, "server-metrics", True, "read the server's /metrics")
+    flags.deprecated_alias(ap, old, switch, value=False)
 
 
 def add_prompt_arguments(ap: argparse.ArgumentParser) -> None:
@@ -61,7 +72,7 @@ def add_prompt_arguments(ap: argparse.ArgumentParser) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="service bench serve", description=__doc__)
     add_server_arguments(ap)
-    ap.add_argument("--no-crosscheck", action="store_true", help="do not scrape the server's /metrics")
+    add_server_metrics_argument(ap, "--no-crosscheck")
     a = ap.add_argument_group("load").add_argument
     a("--request-rate", type=float, default=math.inf, help="requests per second; inf (the default) sends all at once")
     a("--burstiness", type=float, default=1.0, help="gamma shape of the inter-arrival gaps; 1 is Poisson, "
@@ -72,18 +83,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--duration", type=float, default=None, help="seconds after which no request is sent")
     a("--seed", type=int, default=0, help="seeds the prompts, their lengths and the arrival times (default %(default)s)")
     add_prompt_arguments(ap)
-    a = ap.add_argument_group("results").add_argument
+    g = ap.add_argument_group("results")
+    a = g.add_argument
     a("--slo", action="append", default=[], metavar="METRIC:VALUE",
       help="repeatable: ttft, tpot, itl (a request's largest gap) or e2e, in ms or s, e.g. ttft:500ms")
     a("--percentiles", default="50,90,95,99", help="default %(default)s")
-    a("--result-json", default=None)
-    a("--result-csv", default=None)
+    flags.deprecated_alias(g, "--result-json", flags.add_json(g, dest="result_json"))
+    flags.deprecated_alias(g, "--result-csv", flags.add_csv(g, "write one row per request here", dest="result_csv"))
     a("--sweep", default=None, metavar="{rate,concurrency}:V1,V2,...", help="one run per value")
     a("--plot-dir", default=None, help="with --sweep: write latency.png and goodput.png here")
     a("--replot", default=None, metavar="SWEEP.json", help="draw the plots of a saved sweep result into "
                                                            "--plot-dir instead of running anything")
     a("--label", default=None, help="a name for this run in the results and plots")
-    a("--no-progress", action="store_true")
+    flags.add_progress(g)
     add_db_argument(ap)
     return ap.parse_args(argv)
 
@@ -170,9 +182,9 @@ def _progress(console: Console, spec: LoadSpec, enabled: bool):
 def run_once(args: argparse.Namespace, spec: LoadSpec, workload, prompt_kind: str, percentiles, slos,
              console: Console) -> tuple[dict, list]:
     """One run: scrape, load, scrape again; returns the result document and the per-request results."""
-    check = not args.no_crosscheck
-    before, why = crosscheck.scrape(spec.base_url, spec.api_key) if check else (None, "skipped (--no-crosscheck)")
-    bar, on_done = _progress(console, spec, not args.no_progress)
+    check = args.server_metrics
+    before, why = crosscheck.scrape(spec.base_url, spec.api_key) if check else (None, "skipped (--server-metrics off)")
+    bar, on_done = _progress(console, spec, args.progress)
     load_before = os.getloadavg()[0]
     if bar:
         bar.start()

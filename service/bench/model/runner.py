@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+from service.bench import flags
 from service.bench.model import memory
 from service.bench.model.measure import PeakMemory, available_bytes, pin_mmap_threshold, release_free_memory, rss_bytes
 from service.bench.model.steps import PHASES, Case, build_model, model_config, run_case, summary
@@ -33,13 +34,15 @@ def parse_args(argv):
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--modes", default="fwd,fwd+bwd,train", help="comma list of fwd, fwd+bwd, train")
     ap.add_argument("--precision", default="fp32", help="comma list of fp32, bf16 (autocast)")
-    ap.add_argument("--compile", default="off", help="comma list of off, on (torch.compile of the whole model)")
+    ap.add_argument("--compile", default="off", metavar="on|off,...",
+                    help="comma list of off, on (torch.compile of the whole model)")
     ap.add_argument("--quantization", default="none", help="comma list of none, int8, int4, fp8: weight-only, as "
                     "the engine serves them; forward only (int4 with bf16, fp8 on CUDA 8.9+)")
     ap.add_argument("--attention", default="sdpa", choices=memory.ATTENTIONS,
                     help="transformers attention implementation (eager materializes the scores)")
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=10)
+    flags.add_warmup(ap, 5, "warm-up steps, not measured")
+    # dest "steps": the name the stored configuration has always used
+    flags.deprecated_alias(ap, "--steps", flags.add_iterations(ap, 10, "measured steps", dest="steps"))
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's own choice; "
                     "on a busy machine 1 is steadier)")
@@ -49,7 +52,7 @@ def parse_args(argv):
     ap.add_argument("--memory-snapshot", metavar="DIR", help="CUDA: PyTorch memory history of the measured steps, "
                     "a pickle per case for https://pytorch.org/memory_viz")
     ap.add_argument("--profile", metavar="DIR", help="one extra step under torch.profiler, a Chrome trace per case")
-    ap.add_argument("--json", default=None, metavar="PATH", help="write every row here (times in seconds, bytes)")
+    flags.add_json(ap, "write every row here (times in seconds, bytes)")
     ap.add_argument("--label", default=None, help="label stored with each run")
     from service.bench.store import add_db_argument
     add_db_argument(ap)
@@ -68,7 +71,7 @@ def parse_args(argv):
         if not values or any(v not in allowed for v in values):
             ap.error(f"--{name} takes a comma list of {', '.join(allowed)}")
     if args.batch < 1 or args.steps < 1 or args.warmup < 0 or any(c < 1 for c in args.context) or not args.context:
-        ap.error("--batch, --steps and every --context must be positive, --warmup not negative")
+        ap.error("--batch, --iterations and every --context must be positive, --warmup not negative")
     if args.calc_only and args.quantization != ["none"]:
         ap.error("--calc-only predicts unquantized models: a quantized model's weights are measured after quantizing")
     return args

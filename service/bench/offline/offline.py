@@ -15,6 +15,7 @@ import time
 import torch
 
 from service.engine import EngineConfig, LLMEngine, SamplingParams
+from service.bench import flags
 from service.bench.offline.lengths import Lengths, lengths_arg
 from service.bench.store import add_db_argument, open_store_or_exit
 from service.engine.attention import ATTN_IMPLEMENTATION
@@ -151,7 +152,7 @@ def run_generate_batch(model, prompts: list[list[int]], output_lens: list[int], 
             "seconds": seconds}
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="service bench offline", description=__doc__)
     ap.add_argument("--model", default=None, help="default: random:llama-1b on CUDA, the default model on CPU")
     ap.add_argument("--device", default="auto")
@@ -166,8 +167,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--num-blocks", type=int, default=None)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    ap.add_argument("--no-cuda-graphs", action="store_true")
-    ap.add_argument("--no-compile", action="store_true", help="run the decoder layers eagerly (no torch.compile)")
+    graphs = flags.add_switch(ap, "cuda-graphs", True, "CUDA graphs for decode")
+    flags.deprecated_alias(ap, "--no-cuda-graphs", graphs, value=False)
+    compile_ = flags.add_switch(ap, "compile", True, "torch.compile the decoder layers (off: run them eagerly)")
+    flags.deprecated_alias(ap, "--no-compile", compile_, value=False)
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="split the model over this many ranks (GPUs, or gloo processes on CPU); peers are skipped")
     ap.add_argument("--peers", default="generate_batch,static",
@@ -178,10 +181,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--quantization", default="none",
                     help="weight-only mode: none, int8, int4, fp8; a comma list (none first) compares the modes in "
                          "one run (the first is the baseline): weight memory, throughput against it, greedy agreement, perplexity")
-    ap.add_argument("--repeats", type=int, default=5, help="throughput runs per mode when comparing modes")
-    ap.add_argument("--json", default=None, help="write the results here")
+    flags.deprecated_alias(ap, "--repeats", flags.add_iterations(ap, 5, "throughput runs per mode when comparing "
+                                                                        "modes", dest="repeats"))
+    flags.add_json(ap)
     ap.add_argument("--label", default=None, help="a name for this run in the results store")
     add_db_argument(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = build_parser()
     args = ap.parse_args(argv)
     store = open_store_or_exit(args.db)
 
@@ -200,8 +209,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             ap.error(str(exc))
     config = EngineConfig(model=model, device=device.type, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
-                          gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=not args.no_cuda_graphs,
-                          compile=not args.no_compile, tensor_parallel_size=args.tensor_parallel_size,
+                          gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=args.cuda_graphs,
+                          compile=args.compile, tensor_parallel_size=args.tensor_parallel_size,
                           enable_prefix_caching=False, quantization=modes[0])
     if len(modes) > 1:
         return _compare_quantization(store, args.label, config, modes, num_requests, args.input_len, output_len,

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from service.bench import flags
 from service.bench.offline import matrix
 from service.bench.offline.lengths import Lengths
 from service.bench.offline.offline import random_prompts
@@ -39,14 +40,14 @@ def parse_args(argv):
     for d in matrix.DIMENSIONS:
         g.add_argument("--" + d.key.replace("_", "-"), dest=d.key, default=None, help=f"{d.help} (default {d.default})")
     ap.add_argument("--cross-product", action="store_true", default=None, help="every combination of the dimensions")
-    ap.add_argument("--warmup", type=int, default=None, help="warm-up iterations per configuration (default 3)")
-    ap.add_argument("--iterations", type=int, default=None, help="measured iterations per configuration (default 10)")
+    flags.add_warmup(ap, None, "warm-up iterations per configuration (default 3)")
+    flags.add_iterations(ap, None, "measured iterations per configuration (default 10)")
     ap.add_argument("--seed", type=int, default=None, help="seeds prompts and lengths (default 0)")
     ap.add_argument("--sample-interval", type=float, default=0.1, help="device sampler period in s (default %(default)s)")
     ap.add_argument("--label", default=None, help="a name for these runs (bench regress can pick them by it)")
     ap.add_argument("--force", action="store_true", help="rerun configurations already stored for this commit")
     ap.add_argument("--dry-run", action="store_true", help="list the configurations and exit")
-    ap.add_argument("--no-progress", action="store_true")
+    flags.add_progress(ap)
     for key in ("commit", "branch", "subject"):
         ap.add_argument(f"--{key}", default=None, help=f"record this git {key} instead of the working tree's")
     add_db_argument(ap)
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return configs
     per_config = settings["warmup"] + settings["iterations"]
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("ETA"), TimeRemainingColumn(), console=console, disable=args.no_progress)
+                   TextColumn("ETA"), TimeRemainingColumn(), console=console, disable=not args.progress)
     with bar:
         task = bar.add_task("iterations", total=len(todo) * per_config)
         for c in todo:

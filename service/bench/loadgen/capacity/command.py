@@ -20,14 +20,16 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from service.bench import flags
 from service.bench.loadgen.capacity import search as cs
 from service.bench.loadgen.capacity.probe import Probe, Steady, run_probe
 from service.bench.loadgen.results import latency, report
 from service.bench.loadgen.results.record import record_requests
+from service.bench.loadgen.results.summary import summarize
 from service.bench.loadgen.send.dispatch import LoadSpec
 from service.bench.loadgen.send.request import CHAT
-from service.bench.loadgen.serve import add_prompt_arguments, add_server_arguments, discover_model, make_workload
-from service.bench.loadgen.results.summary import summarize
+from service.bench.loadgen.serve import (add_prompt_arguments, add_server_arguments, add_server_metrics_argument,
+                                         discover_model, make_workload)
 from service.bench.store import StoreError, add_db_argument, open_store
 
 EXIT = {"found": 0, "unmeasurable": 1, "usage": 2, "none_meets": 3, "all_meet": 4}
@@ -56,20 +58,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
       help="rate: gamma shape of arrival gaps; 1 is Poisson (default %(default)s)")
     a("--arrival", choices=["gamma", "constant"], default="gamma", help="rate: gamma (default) or evenly spaced")
     a("--max-concurrency", type=int, default=None, help="rate: also cap requests in flight")
-    a = ap.add_argument_group("each probe").add_argument
-    a("--warmup", type=float, default=10.0,
-      help="seconds of requests left out of the statistics (default %(default)s)")
+    g = ap.add_argument_group("each probe")
+    a = g.add_argument
+    # dest "warmup": the name the result's settings and the stored configuration have always used
+    warmup = flags.add_warmup_seconds(g, 10.0, "seconds of requests left out of the statistics", dest="warmup")
+    flags.deprecated_alias(g, "--warmup", warmup)
     a("--min-requests", type=int, default=50, help="measured requests per probe (default %(default)s)")
     a("--min-duration", type=float, default=30.0, help="measured seconds per probe (default %(default)s)")
     a("--max-probe-duration", type=float, default=600.0, help="no request is sent after this (default %(default)s)")
     a("--max-repeats", type=int, default=2, help="extra runs of a probe too close to call (default %(default)s)")
     a("--max-error-rate", type=float, default=0.05, help="share of failed requests that stops a probe (default %(default)s)")
-    a("--no-server-metrics", action="store_true", help="do not read the server's /metrics")
+    add_server_metrics_argument(g, "--no-server-metrics")
     a("--seed", type=int, default=0, help="probe k uses seed + k (default %(default)s)")
     add_prompt_arguments(ap)
-    a = ap.add_argument_group("results").add_argument
-    a("--result-json", default=None)
-    a("--result-csv", default=None, help="one row per load tried")
+    g = ap.add_argument_group("results")
+    a = g.add_argument
+    flags.deprecated_alias(g, "--result-json", flags.add_json(g, "write the result here as JSON (after every probe)",
+                                                              dest="result_json"))
+    flags.deprecated_alias(g, "--result-csv", flags.add_csv(g, "write one row per load tried here", dest="result_csv"))
     a("--plot", default=None, metavar="PNG", help="SLO metrics against load, SLO lines and the capacity marked")
     a("--label", default=None)
     add_db_argument(ap)
@@ -96,7 +102,7 @@ def _setup(args: argparse.Namespace):
         raise Usage("--start, --min and --max are whole numbers with --by concurrency")
     search = cs.Search(start, low, high, cs.parse_precision(args.precision), args.ramp_factor, integer)
     if args.min_requests < 1 or args.min_duration < 0 or args.warmup < 0 or args.max_repeats < 0:
-        raise Usage("--min-requests >= 1; --min-duration, --warmup and --max-repeats >= 0")
+        raise Usage("--min-requests >= 1; --min-duration, --warmup-seconds and --max-repeats >= 0")
     return targets, search
 
 
@@ -342,7 +348,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.by == "concurrency":
             steady.skip_first = int(load)  # the first wave finds the server empty
         point, requests[load] = measure(args, model, targets, load, args.seed + len(points), steady,
-                                        not args.no_server_metrics)
+                                        args.server_metrics)
         points.append(point)
         console.print(point_line(len(points), point, UNITS[args.by]))
         if point["unreachable"]:

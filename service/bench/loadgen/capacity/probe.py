@@ -176,5 +176,5 @@ def run_probe(load: float, spec: LoadSpec, sample_at, steady: Steady, read_serve
     if read_server:
         probe.server, probe.server_note = summarize_server(timeline, steady.warmup_s, spec.model, why)
     else:
-        probe.server_note = "server metrics not read (--no-server-metrics)"
+        probe.server_note = "server metrics not read (--server-metrics off)"
     return probe

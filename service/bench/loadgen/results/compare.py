@@ -82,7 +82,7 @@ def print_rows(console: Console, title: str, rows: list[dict], show_all: bool) -
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="service bench compare", description=__doc__)
-    ap.add_argument("base", help="result JSON of the baseline run (bench serve --result-json)")
+    ap.add_argument("base", help="result JSON of the baseline run (bench serve --json)")
     ap.add_argument("new", help="result JSON of the run to judge")
     ap.add_argument("--threshold", default="5%", help="largest tolerated change in the worse direction")
     ap.add_argument("--metrics", default=None, help="comma list of glob patterns: only these can fail the "
