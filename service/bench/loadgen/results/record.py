@@ -20,6 +20,7 @@ def record_run(store, document: dict, results: list[RequestResult], name: str) -
     settings = document["settings"]
     config = {k: v for k, v in settings.items() if k not in INCIDENTAL}
     with store.run(kind="serve", config=config, label=settings.get("label"), name=name) as run:
+        run.client_saturated = document["load_generator"]["saturated"]
         record_requests(run, results)
         for key, (metric, unit) in RATES.items():
             if document["summary"].get(key) is not None:

@@ -23,8 +23,9 @@ def _fmt(value, digits: int = 2) -> str:
     return f"{value:,}" if isinstance(value, int) else str(value)
 
 
-def print_summary(console: Console, summary: dict, title: str = "bench serve", crosscheck: dict | None = None
-                  ) -> None:
+def print_summary(console: Console, summary: dict, title: str = "bench serve", crosscheck: dict | None = None,
+                  generator: dict | None = None) -> None:
+    """`generator`: the run's load_generator entry (workers, saturation), when it has one."""
     s = summary
     console.print(f"[bold]{title}[/bold]")
     overview = Table(show_header=False)
@@ -68,7 +69,16 @@ def print_summary(console: Console, summary: dict, title: str = "bench serve", c
     if "generator.cpu_s" in s:
         gen.add_row("generator CPU (s, share of one core)",
                     f"{_fmt(s['generator.cpu_s'])} ({s['generator.cpu_share']:.1%})")
+    if generator:
+        for w in generator["workers"]:
+            lag = w["dispatch_lag_p99_ms"]
+            gen.add_row(f"worker {w['rank']}: requests / CPU share / dispatch lag p99 (ms)",
+                        f"{w['sent']} / {w['cpu_share']:.0%} / {'-' if lag is None else _fmt(lag, 3)}")
     console.print(gen)
+    if generator and generator["saturated"]:
+        console.print("[bold red]warning: the load generator fell behind[/bold red] ("
+                      + "; ".join(generator["reasons"]) + "): its latencies include its own queueing; "
+                      "use more --workers or a bigger client machine", highlight=False)
 
     if crosscheck is not None:
         print_crosscheck(console, crosscheck)

@@ -40,6 +40,7 @@ class RequestResult:
     message: str = ""
     exception: str = ""  # the class of the exception behind the error, e.g. httpx.RemoteProtocolError
     events: int = 0  # `data:` events of the stream received (before the failure, for a failed request)
+    worker: int = 0  # the rank of the worker process that sent it
 
     @property
     def where(self) -> str:
