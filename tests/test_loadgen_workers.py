@@ -74,13 +74,16 @@ def test_a_worker_starved_on_purpose_flags_the_client_as_saturated(mock):
 def test_saturation_is_judged_from_lag_and_cpu_alone():
     from service.bench.loadgen.send.request import RequestResult
     from service.bench.loadgen.send.workers import WorkerStats
-    on_time = [RequestResult(i, 0.0, 0.0, sent=LAG_P99_LIMIT_S / 2) for i in range(100)]
-    assert client_saturation(on_time, [WorkerStats(0, 100, 0.5, 1.0)]) == {
-        "saturated": False, "reasons": [],
-        "workers": [{"rank": 0, "sent": 100, "cpu_share": 0.5, "dispatch_lag_p99_ms": LAG_P99_LIMIT_S / 2 * 1e3}]}
+    on_time = [RequestResult(i, 0.1, 0.1, sent=0.1 + LAG_P99_LIMIT_S / 2) for i in range(100)]
+    fine = client_saturation(on_time, [WorkerStats(0, 100, 0.5, 1.0)])
+    assert (fine["saturated"], fine["reasons"]) == (False, [])
+    assert fine["workers"] == [{"rank": 0, "sent": 100, "cpu_share": 0.5,
+                                "dispatch_lag_p99_ms": pytest.approx(LAG_P99_LIMIT_S / 2 * 1e3)}]
     busy = client_saturation(on_time, [WorkerStats(0, 100, 0.95, 1.0)])
     assert busy["saturated"] and busy["reasons"] == ["worker 0 busy 95% of the run"]
-    late = on_time[:98] + [RequestResult(i, 0.0, 0.0, sent=1.0) for i in (98, 99)]
+    late = on_time[:98] + [RequestResult(i, 0.1, 0.1, sent=1.1) for i in (98, 99)]
+    first_wave = [RequestResult(i, 0.0, 0.0, sent=1.0) for i in range(100)]  # all due at the start, slots free
+    assert not client_saturation(first_wave)["saturated"]
     assert client_saturation(late)["reasons"] == [f"dispatch lag p99 1,000 ms > {LAG_P99_LIMIT_S * 1e3:g} ms"]
 
 
@@ -113,3 +116,20 @@ def test_bench_serve_in_worker_processes_reports_and_stores_the_generators_state
     with store.begin() as conn:
         stored = conn.execute(sa.select(schema.runs.c.client_saturated).order_by(schema.runs.c.id.desc())).first()
     assert stored.client_saturated is generator["saturated"]
+
+
+def test_capacity_names_the_client_not_the_server_where_the_client_fell_behind():
+    from service.bench.loadgen.capacity import command as capacity, search as cs
+    search = cs.Search(start=1, low=1, high=8, integer=True)
+    search.record(1, True)
+    search.record(2, False)
+    failing = {"load": 2, "checks": [{"name": "ttft:p95<=500ms", "value": 0.9, "limit": 0.5, "low": 0.8, "high": 1.0,
+                                      "higher_is_better": False}],
+               "server": {"preemptions": 0, "waiting_mean": 3.0, "queue_s_mean": 0.4, "ttft_s_mean": 0.5},
+               "stopped": None, "client_saturated": True, "client_reasons": ["worker 0 busy 97% of the run"]}
+    result = capacity.conclude(search, [failing], [cs.parse_target("ttft:p95<=500ms")], "concurrency")
+    assert result["limited_by"]["kind"] == "client"
+    assert "worker 0 busy 97% of the run" in result["limited_by"]["explanation"]
+    fed = capacity.conclude(search, [{**failing, "client_saturated": False}], [cs.parse_target("ttft:p95<=500ms")],
+                            "concurrency")
+    assert fed["limited_by"]["kind"] == "queueing"  # the server's own queue, as its metrics say

@@ -61,11 +61,13 @@ class WorkersRun(LoadRun):
 
 async def run_workers(spec: LoadSpec, workload, workers: int, on_done: Callable | None = None,
                       stop: Stop | None = None, on_send: Callable | None = None,
-                      hook: Callable[[int, int], None] | None = None) -> WorkersRun:
+                      hook: Callable[[int, int], None] | None = None,
+                      on_start: Callable[[float], None] | None = None) -> WorkersRun:
     """Like run_load, from `workers` processes; `workload.sample(i)` gives request i's sample.
 
-    `hook(rank, index)`, a module-level function, runs in the worker as each request is sent (tests starve a
-    worker with it)."""
+    `on_start` learns the common start (a time.perf_counter() value) once it is set; every request's times are
+    seconds from it. `hook(rank, index)`, a module-level function, runs in the worker as each request is sent
+    (tests starve a worker with it)."""
     spec.check()
     shares, cycle = deal(workers, spec.max_concurrency)
     ctx = mp.get_context("spawn")  # a fresh interpreter: no threads or event loop inherited from this one
@@ -111,6 +113,8 @@ async def run_workers(spec: LoadSpec, workload, workers: int, on_done: Callable 
                         started_at = time.time() + START_AHEAD_S
                         for pipe in pipes:
                             pipe.send(("start", start))
+                        if on_start:
+                            on_start(start)
                 elif kind == "sent":
                     live[payload.index] = payload
                     if on_send:
