@@ -15,8 +15,8 @@ BENCHES = {"offline": ("service.bench.offline.offline", "offline throughput agai
            "history": ("service.bench.regress.history", "list stored runs, newest first"),
            "export": ("service.bench.regress.export", "write stored runs, measurements and samples as CSV or JSON"),
            "regress": ("service.bench.regress.cli", "regression verdicts with bootstrap statistics; exit 1 on a regression"),
-           "model": ("service.bench.model.runner", "forward/backward time across model sizes, with a memory calculator"),
-           "kernel": ("service.bench.kernel.runner", "attention-kernel microbenchmark with a float64 correctness gate"),
+           "model": ("service.bench.model.cli", "forward/backward time across model sizes, with a memory calculator"),
+           "kernel": ("service.bench.kernel.cli", "attention-kernel microbenchmark with a float64 correctness gate"),
            "soak": ("service.bench.soak", "hours of mixed traffic; fails if memory, fds, threads, tasks or blocks grow")}
 
 

@@ -6,8 +6,8 @@ import pickle
 import pytest
 import torch
 
-from service.bench.kernel.runner import main as kernel_main
-from service.bench.model import runner as model_runner
+from service.bench.kernel.cli import main as kernel_main
+from service.bench.model import cli as model_cli
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
 
@@ -38,7 +38,7 @@ def _wide(tmp_path) -> str:
 def test_bench_model_on_cuda_peak_is_near_the_calculators(precision, tmp_path):
     """Within 20%: max_memory_allocated also holds cuBLAS workspaces and kernels' scratch, which the
     calculator does not model, and the fused attention kernels' saved state differs a little by backend."""
-    rows = model_runner.main(["--sizes", _wide(tmp_path), "--context", "512", "--batch", "4",
+    rows = model_cli.main(["--sizes", _wide(tmp_path), "--context", "512", "--batch", "4",
                               "--modes", "fwd,fwd+bwd,train", "--precision", precision, "--warmup", "2",
                               "--iterations", "3", "--db", str(tmp_path / "m.db")])
     for r in rows:
@@ -47,7 +47,7 @@ def test_bench_model_on_cuda_peak_is_near_the_calculators(precision, tmp_path):
 
 
 def test_bench_model_on_cuda_compiled_with_snapshot_and_profile(tmp_path):
-    rows = model_runner.main(["--sizes", "tiny", "--context", "128", "--modes", "train", "--precision", "bf16",
+    rows = model_cli.main(["--sizes", "tiny", "--context", "128", "--modes", "train", "--precision", "bf16",
                               "--compile", "on", "--warmup", "2", "--iterations", "2", "--db", str(tmp_path / "m.db"),
                               "--memory-snapshot", str(tmp_path / "snap"), "--profile", str(tmp_path / "prof")])
     assert rows[0]["status"] == "ok" and set(rows[0]["times"]) == {"forward", "backward", "optimizer"}
@@ -58,8 +58,8 @@ def test_bench_model_on_cuda_compiled_with_snapshot_and_profile(tmp_path):
 
 
 def test_bench_model_on_cuda_out_of_memory_is_a_row_and_the_run_goes_on(monkeypatch, tmp_path):
-    monkeypatch.setattr(model_runner, "FIT_SHARE", 100.0)  # let llama-8b's training step past the calculator
-    rows = model_runner.main(["--sizes", "llama-8b,tiny", "--context", "128", "--batch", "1", "--modes", "train",
+    monkeypatch.setattr(model_cli, "FIT_SHARE", 100.0)  # let llama-8b's training step past the calculator
+    rows = model_cli.main(["--sizes", "llama-8b,tiny", "--context", "128", "--batch", "1", "--modes", "train",
                               "--warmup", "1", "--iterations", "1", "--db", str(tmp_path / "m.db")])
     assert [r["status"] for r in rows] == ["out of memory", "ok"]
     assert torch.cuda.memory_allocated() < 2**30  # the 8B model and its state are gone
@@ -68,6 +68,6 @@ def test_bench_model_on_cuda_out_of_memory_is_a_row_and_the_run_goes_on(monkeypa
 def test_bench_model_on_cuda_reports_what_cannot_fit_without_allocating(tmp_path):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    rows = model_runner.main(["--sizes", "llama-8b", "--context", "4096", "--modes", "train",
+    rows = model_cli.main(["--sizes", "llama-8b", "--context", "4096", "--modes", "train",
                               "--db", str(tmp_path / "m.db")])
     assert rows[0]["status"].startswith("does not fit (") and torch.cuda.max_memory_allocated() < 2**30

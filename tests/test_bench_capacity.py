@@ -312,8 +312,8 @@ def test_the_real_service_has_a_capacity_and_says_queueing_limited_it(tiny_model
     unloaded), so an SLO of 10x the unloaded TTFT holds at 2 and fails before 16 even on a noisy machine."""
     with LiveServer(tiny_model, {"max_num_seqs": 2}) as server:
         common = ["--url", server.url, "--by", "concurrency", "--input-len", "16", "--output-len", "32",
-                  "--random-token-range", "10:500", "--warmup-seconds", "0.5", "--min-requests", "10", "--min-duration", "1",
-                  "--max-repeats", "1"]
+                  "--random-token-range", "10:500", "--warmup-seconds", "0.5", "--min-requests", "10",
+                  "--min-duration", "1", "--max-repeats", "1"]
         rc, _ = run_cli([*common, "--start", "2", "--max", "2", "--min", "2", "--slo", "ttft:p50<=60s",
                          "--json", str(tmp_path / "1.json")])
         assert rc == 4  # two requests at a time meet a minute

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 
 from service.bench import soak
-from service.bench.kernel import runner as kernel
-from service.bench.loadgen.capacity import command as capacity
+from service.bench.kernel import cli as kernel
 from service.bench.loadgen import serve
-from service.bench.model import runner as model
+from service.bench.loadgen.capacity import command as capacity
+from service.bench.model import cli as model
 from service.bench.offline import offline, run
 
 SLO = ["--slo", "ttft:p95<=500ms"]

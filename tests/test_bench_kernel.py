@@ -8,8 +8,8 @@ import sqlalchemy as sa
 import torch
 
 from service.bench.kernel import ops
-from service.bench.kernel.runner import CSV_FIELDS, main
-from service.bench.kernel.stats import (attended_pairs, attention_bytes, attention_flops, device_peak, statistics,
+from service.bench.kernel.cli import CSV_FIELDS, main
+from service.bench.kernel.roofline import (attended_pairs, attention_bytes, attention_flops, device_peak, statistics,
                                         throughput)
 from service.bench.store import schema
 

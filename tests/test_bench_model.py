@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from service.bench.model import memory
-from service.bench.model.runner import main
+from service.bench.model.cli import main
 from service.bench.model.steps import build_model, model_config
 from service.bench.store import schema
 from service.engine.models import PRESETS

@@ -265,7 +265,7 @@ def spawn(server_args: list[str], port: int) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"the server ({shlex.join(server_args)}) did not become ready")
 
 
-def record(run, rows: list[dict], result: dict) -> None:
+def measure_into(run, rows: list[dict], result: dict) -> None:
     """Into the results store: the verdict's figures as measurements, every /metrics sample as a sample."""
     first, last = result["idle_start"], result["idle_end"]
     run.measure("soak_requests", result["num_requests"], unit="requests")
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
         store = open_store(args.db)  # before the hours of load: a wrong --db fails at once
         with store.run(kind="soak", config=config, label=args.label) as run:
             result = soak_once(args, server_args)
-            record(run, result.pop("rows"), result)
+            measure_into(run, result.pop("rows"), result)
             if not result["passed"]:
                 raise SoakFailed("failed: " + ", ".join(k for k, ok in result["checks"].items() if not ok))
     except StoreError as exc:

