@@ -8,8 +8,9 @@ import sys
 # bench subcommands: name -> (module with a main(argv), what it does)
 BENCHES = {"offline": ("service.bench.offline.offline", "offline throughput against transformers on the same weights"),
            "serve": ("service.bench.loadgen.serve", "load generator against any OpenAI-compatible server"),
-           "capacity": ("service.bench.loadgen.capacity", "highest load a server sustains within its latency SLOs"),
-           "compare": ("service.bench.loadgen.compare", "compare two bench serve results; non-zero exit on a regression"),
+           "capacity": ("service.bench.loadgen.capacity.command", "highest load a server sustains within its latency SLOs"),
+           "mock-server": ("service.bench.loadgen.mock_server", "an OpenAI-compatible server with no model, streaming at a set pace"),
+           "compare": ("service.bench.loadgen.results.compare", "compare two bench serve results; non-zero exit on a regression"),
            "run": ("service.bench.offline.run", "a matrix of engine configurations, every run into the results store"),
            "history": ("service.bench.regress.history", "list stored runs, newest first"),
            "export": ("service.bench.regress.export", "write stored runs, measurements and samples as CSV or JSON"),

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from service.bench import bootstrap, slo
-from service.bench.loadgen import capacity
-from service.bench.loadgen import capacity_search as cs
+from service.bench.loadgen.capacity import command as capacity
+from service.bench.loadgen.capacity import search as cs
 from service.bench.regress.queries import history, values
 from service.bench.store import open_store
 from tests.conftest import LiveServer, free_port

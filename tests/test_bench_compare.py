@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from service.bench.loadgen import compare, serve
+from service.bench.loadgen.results import compare
+from service.bench.loadgen import serve
 from tests.conftest import LiveServer
 
 

@@ -7,7 +7,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.bench.loadgen import crosscheck, serve
+from service.bench.loadgen.results import crosscheck
+from service.bench.loadgen import serve
 from service.telemetry.metrics import Metrics
 from tests.conftest import LiveServer
 

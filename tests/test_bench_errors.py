@@ -10,9 +10,9 @@ import json
 import pytest
 
 from service.bench.loadgen import serve
-from service.bench.loadgen.datasets import RandomWorkload
-from service.bench.loadgen.runner import LoadSpec, run_load
-from service.bench.loadgen.summary import summarize
+from service.bench.loadgen.workload.datasets import RandomWorkload
+from service.bench.loadgen.send.dispatch import LoadSpec, run_load
+from service.bench.loadgen.results.summary import summarize
 from tests.conftest import free_port
 
 
@@ -50,6 +50,8 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
     elif model == "tgi-style-503":
         payload = b'{"error": "Model is overloaded", "error_type": "overloaded"}'
         writer.write(f"HTTP/1.1 503 Service Unavailable\r\ncontent-length: {len(payload)}\r\n\r\n".encode() + payload)
+    elif model == "hang-up":  # the request read, no answer at all
+        pass
     elif model == "drop":  # a chunked body: one whole chunk, then half of one, then hang up
         first = _chunk("a")
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -106,6 +108,15 @@ def test_a_dropped_connection_is_connection_lost():
     run = asyncio.run(_run_against_fake("drop", n=1))
     r = run.results[0]
     assert r.error == "connection_lost" and len(r.chunk_times) == 1, r.message
+    assert r.exception == "httpx.RemoteProtocolError" and r.status == 200 and r.where == "after 1 events"
+
+
+def test_a_server_that_hangs_up_before_answering_is_connection_lost_before_headers():
+    run = asyncio.run(_run_against_fake("hang-up", n=1))
+    r = run.results[0]
+    assert (r.error, r.exception, r.status, r.where) == ("connection_lost", "httpx.RemoteProtocolError", None,
+                                                         "before headers"), r.message
+    assert "disconnected without sending a response" in r.message and r.e2e is None
 
 
 def test_a_stream_without_usage_counts_its_token_chunks():

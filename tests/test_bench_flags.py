@@ -7,7 +7,8 @@ import pytest
 
 from service.bench import soak
 from service.bench.kernel import cli as kernel
-from service.bench.loadgen import capacity, serve
+from service.bench.loadgen import serve
+from service.bench.loadgen.capacity import command as capacity
 from service.bench.model import cli as model
 from service.bench.offline import offline, run
 

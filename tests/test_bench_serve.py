@@ -6,10 +6,11 @@ import json
 
 import pytest
 
-from service.bench.loadgen import datasets, serve
-from service.bench.loadgen.client import CHAT
-from service.bench.loadgen.runner import LoadSpec, run_load
-from service.bench.loadgen.summary import max_in_flight, summarize
+from service.bench.loadgen.workload import datasets
+from service.bench.loadgen import serve
+from service.bench.loadgen.send.request import CHAT
+from service.bench.loadgen.send.dispatch import LoadSpec, run_load
+from service.bench.loadgen.results.summary import max_in_flight, summarize
 from tests.conftest import LiveServer
 
 TINY = "random:tiny"  # vocabulary of 512 ids, no tokenizer: prompts are token ids, streamed text is empty

@@ -7,33 +7,34 @@ import numpy as np
 import pytest
 
 from service.bench import slo
-from service.bench.loadgen import arrivals, datasets, stats
-from service.bench.loadgen.client import RequestResult
-from service.bench.loadgen.summary import max_in_flight, summarize
+from service.bench.loadgen.workload import arrivals, datasets
+from service.bench.loadgen.results import latency
+from service.bench.loadgen.send.request import RequestResult
+from service.bench.loadgen.results.summary import max_in_flight, summarize
 
 
 def test_percentiles_are_numpy_linear_with_known_values():
-    d = stats.distribution([4.0, 1.0, 3.0, 2.0], (50, 90, 99))
+    d = latency.distribution([4.0, 1.0, 3.0, 2.0], (50, 90, 99))
     # rank p/100 * (n - 1) on the sorted values 1, 2, 3, 4: p90 -> rank 2.7 -> 3 + 0.7 * (4 - 3)
     assert d == pytest.approx({"mean": 2.5, "median": 2.5, "p90": 3.7, "p99": 3.97})
-    hundred = stats.distribution(np.arange(1, 101), (50, 95, 99.9))
+    hundred = latency.distribution(np.arange(1, 101), (50, 95, 99.9))
     assert hundred == pytest.approx({"mean": 50.5, "median": 50.5, "p95": 95.05, "p99.9": 99.901})
 
 
 def test_undefined_values_are_left_out_and_nothing_gives_none():
-    assert stats.distribution([1.0, math.nan, 3.0], (90,)) == pytest.approx({"mean": 2.0, "median": 2.0, "p90": 2.8})
-    assert stats.distribution([], (50, 99)) == {"mean": None, "median": None, "p99": None}
+    assert latency.distribution([1.0, math.nan, 3.0], (90,)) == pytest.approx({"mean": 2.0, "median": 2.0, "p90": 2.8})
+    assert latency.distribution([], (50, 99)) == {"mean": None, "median": None, "p99": None}
 
 
 def test_parse_percentiles():
-    assert stats.parse_percentiles("50,90,99.9") == (50.0, 90.0, 99.9)
+    assert latency.parse_percentiles("50,90,99.9") == (50.0, 90.0, 99.9)
     for bad in ("", "101", "-1", "50,x"):
         with pytest.raises(ValueError):
-            stats.parse_percentiles(bad)
+            latency.parse_percentiles(bad)
 
 
 def test_tpot_excludes_the_first_token_and_is_undefined_below_two_tokens():
-    t = stats.tpot(e2e=[1.0, 0.5, 0.3, 2.0], ttft=[0.1, 0.5, 0.3, 0.5], output_tokens=[10, 1, 0, 4])
+    t = latency.tpot(e2e=[1.0, 0.5, 0.3, 2.0], ttft=[0.1, 0.5, 0.3, 0.5], output_tokens=[10, 1, 0, 4])
     assert t[0] == pytest.approx(0.1) and t[3] == pytest.approx(0.5)
     assert math.isnan(t[1]) and math.isnan(t[2])
 

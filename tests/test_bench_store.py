@@ -122,17 +122,21 @@ def unused_port():
 
 def test_a_version_1_database_is_upgraded_in_place_and_keeps_its_runs(store_url):
     engine = sa.create_engine(store_url.replace("postgresql://", "postgresql+psycopg://"))
-    with engine.begin() as conn:  # the schema as version 1 made it: no verdicts table
-        for table in (schema.meta, schema.runs, schema.measurements, schema.samples):
+    # the schema as version 1 made it: no verdicts table, no client_saturated column (version 3)
+    runs_v1 = sa.Table(schema.runs.name, sa.MetaData(),
+                       *[c._copy() for c in schema.runs.columns if c.name != "client_saturated"])
+    with engine.begin() as conn:
+        for table in (schema.meta, runs_v1, schema.measurements, schema.samples):
             table.create(conn)
         conn.execute(schema.meta.insert().values(key="schema_version", value="1"))
         conn.execute(schema.runs.insert().values(kind="run", name="old", config={}, config_hash="0" * 16,
                                                  status="ok", started_at=sa.func.now()))
     open_store(store_url)
     with engine.connect() as conn:
-        assert conn.execute(sa.select(schema.meta.c.value)).scalar() == str(schema.SCHEMA_VERSION) == "2"
+        assert conn.execute(sa.select(schema.meta.c.value)).scalar() == str(schema.SCHEMA_VERSION) == "3"
         assert "bench_verdicts" in sa.inspect(conn).get_table_names()
-    assert [r["name"] for r in rows(store_url, schema.runs)] == ["old"]
+        assert "client_saturated" in {c["name"] for c in sa.inspect(conn).get_columns("bench_runs")}
+    assert [(r["name"], r["client_saturated"]) for r in rows(store_url, schema.runs)] == [("old", None)]
 
 
 def test_a_run_whose_last_write_fails_is_closed_as_failed_not_left_running(store_url):

@@ -28,9 +28,9 @@ import httpx
 import pytest
 import yaml
 
-from service.bench.loadgen.datasets import RandomWorkload
-from service.bench.loadgen.runner import LoadSpec, run_load
-from service.bench.loadgen.summary import summarize
+from service.bench.loadgen.workload.datasets import RandomWorkload
+from service.bench.loadgen.send.dispatch import LoadSpec, run_load
+from service.bench.loadgen.results.summary import summarize
 
 from tests.conftest import free_port, needs_tools, wait_until
 from tests.test_deploy_config import DEPLOY, dashboards, panels, promql_expressions

@@ -21,11 +21,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from service.bench import flags
-from service.bench.loadgen import crosscheck, datasets, report, stats
-from service.bench.loadgen.client import CHAT, COMPLETIONS
-from service.bench.loadgen.runner import LoadSpec, run_load
-from service.bench.loadgen.record import record_run
-from service.bench.loadgen.summary import summarize
+from service.bench.loadgen.results import crosscheck, latency, report
+from service.bench.loadgen.results.saturation import client_saturation
+from service.bench.loadgen.results.record import record_run
+from service.bench.loadgen.results.summary import summarize
+from service.bench.loadgen.send.dispatch import LoadSpec
+from service.bench.loadgen.send.workers import default_workers, run_workers
+from service.bench.loadgen.send.request import CHAT, COMPLETIONS
+from service.bench.loadgen.workload import datasets
 from service.bench.slo import parse as parse_slo
 from service.bench.store import StoreError, add_db_argument, open_store
 
@@ -52,6 +55,13 @@ def add_server_metrics_argument(ap: argparse.ArgumentParser, old: str) -> None:
     """--server-metrics on|off: scrape the server's /metrics (`old`: this command's deprecated spelling of off)."""
     switch = flags.add_switch(ap, "server-metrics", True, "read the server's /metrics")
     flags.deprecated_alias(ap, old, switch, value=False)
+
+
+def add_workers_argument(ap: argparse.ArgumentParser) -> None:
+    """Shared with bench capacity and bench soak."""
+    ap.add_argument("--workers", type=int, default=default_workers(),
+                    help="load generator processes, each with its own event loop and share of the concurrency "
+                         "(default: one per CPU but one, here %(default)s)")
 
 
 def add_prompt_arguments(ap: argparse.ArgumentParser) -> None:
@@ -82,6 +92,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--num-requests", type=int, default=None, help="requests to send (default 100 when no --duration)")
     a("--duration", type=float, default=None, help="seconds after which no request is sent")
     a("--seed", type=int, default=0, help="seeds the prompts, their lengths and the arrival times (default %(default)s)")
+    add_workers_argument(ap)
     add_prompt_arguments(ap)
     g = ap.add_argument_group("results")
     a = g.add_argument
@@ -190,7 +201,7 @@ def run_once(args: argparse.Namespace, spec: LoadSpec, workload, prompt_kind: st
     if bar:
         bar.start()
     try:
-        run = asyncio.run(run_load(spec, workload.sample, on_done))
+        run = asyncio.run(run_workers(spec, workload, args.workers, on_done))
     finally:
         if bar:
             bar.stop()
@@ -199,14 +210,16 @@ def run_once(args: argparse.Namespace, spec: LoadSpec, workload, prompt_kind: st
     settings["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(run.started_at))
     # other work on the client's machine (a server on the same host, say) shows up in every latency
     settings["client"]["load_average_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
+    settings["client"]["workers"] = len(run.workers)  # where it ran, not what load: results do not depend on it
     document = {"settings": settings, "summary": summary,
+                "load_generator": client_saturation(run.results, run.workers),
                 "crosscheck": crosscheck.check_run(spec.base_url, spec.api_key, spec.model, before, why, run.results)
                 if check else {"note": why}}
     return document, run.results
 
 
 def replot(args: argparse.Namespace, console: Console) -> list[dict]:
-    from service.bench.loadgen.plots import plot_sweep
+    from service.bench.loadgen.results.plots import plot_sweep
     try:
         with open(args.replot) as f:
             document = json.load(f)
@@ -230,7 +243,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.replot:
         return replot(args, console)
     try:
-        percentiles = stats.parse_percentiles(args.percentiles)
+        percentiles = latency.parse_percentiles(args.percentiles)
         slos = [parse_slo(s) for s in args.slo]
         if any(s.percentile is not None for s in slos):
             raise ValueError("bench serve bounds every request (--slo ttft:500ms) and counts goodput by them; "
@@ -271,7 +284,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f" ({sweep[0]} = {value:g})" if sweep else "")
         console.print(f"{title}: {describe(spec, args)}")
         document, results = run_once(args, spec, workload, prompt_kind, percentiles, slos, console)
-        report.print_summary(console, document["summary"], title, document["crosscheck"])
+        report.print_summary(console, document["summary"], title, document["crosscheck"], document["load_generator"])
         documents.append(document)
         per_request.append(("" if value is None else value, results))
         run_id = record_run(store, document, results, f"serve-{model}" + (f"-{sweep[0]}{value:g}" if sweep else ""))
@@ -284,7 +297,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             report.write_csv(args.result_csv, per_request)
 
     if sweep and args.plot_dir:
-        from service.bench.loadgen.plots import plot_sweep
+        from service.bench.loadgen.results.plots import plot_sweep
         paths = plot_sweep(sweep[0], sweep[1], documents, args.plot_dir, args.label or model)
         console.print("plots: " + ", ".join(paths))
     return documents

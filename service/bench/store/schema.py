@@ -8,7 +8,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
 # Raise it with every schema change and add the step that brings the previous version up to it to UPGRADES.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # JSONB on PostgreSQL, so that Grafana can filter on config->>'model'; plain JSON text on SQLite
 Json = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
@@ -41,6 +41,9 @@ runs = sa.Table(
     sa.Column("machine_id", sa.String(16)),                       # hash of host, CPU, GPU: "the same machine"
     sa.Column("machine", Json),
     sa.Column("versions", Json),
+    # since version 3: a load run whose generator fell behind (its latencies include the client's own queueing);
+    # null for runs that send no load
+    sa.Column("client_saturated", sa.Boolean),
     sa.Index("ix_bench_runs_config", "config_hash", "git_commit"),
     sa.Index("ix_bench_runs_started", "started_at"),
 )
@@ -89,6 +92,7 @@ verdicts = sa.Table(  # since version 2: what `bench regress` concluded, for the
 # version -> the step from that version to the next, run inside the same transaction as the version bump
 UPGRADES = {
     1: lambda conn: verdicts.create(conn),
+    2: lambda conn: conn.execute(sa.text("ALTER TABLE bench_runs ADD COLUMN client_saturated BOOLEAN")),
 }
 
 

@@ -91,6 +91,7 @@ class Run:
 
     def __init__(self, store: "Store", run_id: int, started: float):
         self.store, self.id, self._started = store, run_id, started
+        self.client_saturated: bool | None = None  # a load run sets it; stored when the run ends
         self._lock = threading.Lock()
         self._pending: dict[sa.Table, list[dict]] = {schema.measurements: [], schema.samples: []}
         self._flushed = time.monotonic()
@@ -173,7 +174,8 @@ class Store:
             try:
                 with self.engine.begin() as conn:
                     conn.execute(schema.runs.update().where(schema.runs.c.id == run_id)
-                                 .values(status=status, error=error, ended_at=_now()))
+                                 .values(status=status, error=error, ended_at=_now(),
+                                         client_saturated=run.client_saturated))
             except sa.exc.SQLAlchemyError as exc:
                 raise StoreError(f"cannot finish run {run_id} in {self.url}: {_one_line(exc)}") from None
             if lost is not None:

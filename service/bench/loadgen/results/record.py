@@ -6,8 +6,8 @@ same statistics as engine iterations; rates exist once per run, so regress calls
 
 import numpy as np
 
-from service.bench.loadgen.client import RequestResult
-from service.bench.loadgen.stats import tpot
+from service.bench.loadgen.send.request import RequestResult
+from service.bench.loadgen.results.latency import tpot
 
 # settings that describe where and when, not what load: runs that differ only in them are one configuration
 INCIDENTAL = ("label", "started_at", "command", "client", "base_url", "percentiles", "slo")
@@ -20,6 +20,7 @@ def record_run(store, document: dict, results: list[RequestResult], name: str) -
     settings = document["settings"]
     config = {k: v for k, v in settings.items() if k not in INCIDENTAL}
     with store.run(kind="serve", config=config, label=settings.get("label"), name=name) as run:
+        run.client_saturated = document["load_generator"]["saturated"]
         record_requests(run, results)
         for key, (metric, unit) in RATES.items():
             if document["summary"].get(key) is not None:

@@ -21,15 +21,15 @@ from rich.console import Console
 from rich.table import Table
 
 from service.bench import flags
-from service.bench.loadgen import capacity_search as cs
-from service.bench.loadgen import report, stats
-from service.bench.loadgen.capacity_probe import Probe, Steady, run_probe
-from service.bench.loadgen.client import CHAT
-from service.bench.loadgen.record import record_requests
-from service.bench.loadgen.runner import LoadSpec
+from service.bench.loadgen.capacity import search as cs
+from service.bench.loadgen.capacity.probe import Probe, Steady, run_probe
+from service.bench.loadgen.results import latency, report
+from service.bench.loadgen.results.record import record_requests
+from service.bench.loadgen.results.summary import summarize
+from service.bench.loadgen.send.dispatch import LoadSpec
+from service.bench.loadgen.send.request import CHAT
 from service.bench.loadgen.serve import (add_prompt_arguments, add_server_arguments, add_server_metrics_argument,
-                                         discover_model, make_workload)
-from service.bench.loadgen.summary import summarize
+                                         add_workers_argument, discover_model, make_workload)
 from service.bench.slo import meets, parse as parse_slo
 from service.bench.store import StoreError, add_db_argument, open_store
 
@@ -72,6 +72,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a("--max-error-rate", type=float, default=0.05, help="share of failed requests that stops a probe (default %(default)s)")
     add_server_metrics_argument(g, "--no-server-metrics")
     a("--seed", type=int, default=0, help="probe k uses seed + k (default %(default)s)")
+    add_workers_argument(ap)
     add_prompt_arguments(ap)
     g = ap.add_argument_group("results")
     a = g.add_argument
@@ -122,7 +123,7 @@ def _samples(measured) -> tuple[dict, np.ndarray, np.ndarray]:
     ok = [r for r in measured if r.ok]
     ttft = np.array([r.ttft for r in ok], dtype=float)
     e2e = np.array([r.e2e for r in ok], dtype=float)
-    tpot = stats.tpot(e2e, ttft, [r.output_tokens for r in ok])
+    tpot = latency.tpot(e2e, ttft, [r.output_tokens for r in ok])
     gaps = np.array([g for r in ok for g in r.itl], dtype=float)
     max_itl = np.array([max(r.itl) if r.itl else np.nan for r in ok], dtype=float)
     return {"ttft": ttft, "tpot": tpot, "itl": gaps, "e2e": e2e}, max_itl, np.array([r.ok for r in measured])
@@ -149,7 +150,7 @@ def measure(args, model, targets, load, seed, steady, read_server) -> tuple[dict
     for repeat in range(args.max_repeats + 1):
         spec = _spec(args, model, load, seed + 1000 * repeat, steady)
         workload, _ = make_workload(args, seed + 1000 * repeat)
-        probes.append(run_probe(load, spec, workload.sample, steady, read_server))
+        probes.append(run_probe(load, spec, workload, steady, read_server, args.workers))
         checks, verdict = judge_point(targets, args.target, probes, decide=repeat == args.max_repeats)
         if verdict != "close":
             break
@@ -163,6 +164,8 @@ def measure(args, model, targets, load, seed, steady, read_server) -> tuple[dict
             "wall_s": sum(p.wall_s for p in probes),
             "checks": [vars(c) for c in checks], "summary": summary,
             "server": probes[-1].server, "server_note": probes[-1].server_note,
+            "client_saturated": any(p.generator["saturated"] for p in probes),
+            "client_reasons": [r for p in probes for r in p.generator["reasons"]],
             "unreachable": all(r.error == "connect_error" for p in probes for r in p.results)
             and any(p.results for p in probes)}, measured
 
@@ -183,6 +186,7 @@ def point_line(k: int, p: dict, unit: str) -> str:
     server = (f"; server: {srv['waiting_mean']:.1f} waiting, KV {srv['kv_usage_max']:.0%} max, "
               f"{srv['preemptions']:g} preempted" if srv else "")
     notes = ", ".join(filter(None, [f"{p['probes']} runs pooled (close call)" if p["close_call"] else "",
+                                    "[red]the load generator fell behind[/red]" if p["client_saturated"] else "",
                                     f"stopped early: {p['stopped']}" if p["stopped"] else ""]))
     return (f"probe {k}: {p['load']:g} {unit} [{colour}]{p['verdict'].upper()}[/{colour}] "
             f"({p['measured']} measured of {p['sent']}, {p['summary'].get('requests.failed', 0)} failed, "
@@ -211,6 +215,12 @@ def conclude(search: cs.Search, points: list[dict], targets, by: str) -> dict:
             f"{UNITS[by]}): " + "; ".join(_check_text(c) for c in first_fail["checks"]))}
     if first_fail is not None and first_fail["stopped"] == "saturated":
         limit["explanation"] += "; the probe saw requests in flight and TTFT grow without bound (saturated)"
+    if first_fail is not None and first_fail["client_saturated"]:
+        # the latencies there include the generator's own queueing: they say nothing of the server
+        limit = {"kind": "client", "explanation": (
+            f"the load generator fell behind at {first_fail['load']:g} {UNITS[by]} ("
+            + "; ".join(first_fail["client_reasons"]) + "): this capacity is the client's, not the server's; "
+            "use more --workers or a bigger client machine")}
     return {"outcome": outcome, "by": by, "unit": UNITS[by], "capacity": search.last_pass,
             "last_pass": search.last_pass, "first_fail": search.first_fail, "precision": search.precision,
             "limited_by": limit}
@@ -225,7 +235,7 @@ def print_report(console: Console, points: list[dict], result: dict, targets) ->
         s, srv = p["summary"], p["server"] or {}
         cells = []
         for t in targets:
-            v = s.get(f"{t.metric}_ms.{stats.percentile_key(t.percentile or 95)}")
+            v = s.get(f"{t.metric}_ms.{latency.percentile_key(t.percentile or 95)}")
             cells.append("-" if v is None else f"{v:,.0f}")
         table.add_row(f"{p['load']:g}", p["verdict"] + (" (close)" if p["close_call"] else ""), str(p["measured"]),
                       *cells, f"{s.get('goodput', 0):.3f}", f"{s.get('goodput_ratio', 0):.1%}",
@@ -307,7 +317,8 @@ def settings(args, model: str, targets) -> dict:
     return {"base_url": args.base_url, "model": model, "slo": [str(t) for t in targets],
             **{k: getattr(args, k) for k in keep},
             "command": "python -m service bench capacity " + shlex.join(args.argv),
-            "client": {"host": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count()}}
+            "client": {"host": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count(),
+                       "workers": args.workers}}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -368,7 +379,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.result_csv:
         write_csv(args.result_csv, points)
     if args.plot and points:
-        from service.bench.loadgen.plots import plot_capacity
+        from service.bench.loadgen.results.plots import plot_capacity
         console.print("plot: " + plot_capacity(document, args.plot, args.label or model))
     run_id = document["stored_run"] = record(store, document, requests.get(result["last_pass"], []))
     console.print(f"stored as run {run_id} in {store.url}", highlight=False)

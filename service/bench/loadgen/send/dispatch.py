@@ -5,6 +5,12 @@ is bounded by a request count, a duration (no request is sent after it), and a t
 Each request's dispatch lag (sent minus the earliest moment it could have been sent) measures the generator.
 A caller may end a run early through a `Stop`: drain (send nothing more, let the requests in flight finish) or
 abort (also cancel those in flight; they end with the error kind 'stopped').
+A worker process sends only its share of the schedule (`mine`) from a start time common to all workers.
+
+Idle pooled connections are closed after KEEPALIVE_S, well before the usual servers' keep-alive timeout (uvicorn
+and vLLM: 5 s; httpx's default expiry is also 5 s): with equal timeouts a request could go out on a connection the
+server was closing that instant and end as connection_lost ('Server disconnected without sending a response'),
+leaving nothing in the server's log.
 """
 
 import asyncio
@@ -17,8 +23,10 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from service.bench.loadgen.arrivals import arrival_offsets
-from service.bench.loadgen.client import RequestResult, request_body, send
+from service.bench.loadgen.send.request import RequestResult, request_body, send
+from service.bench.loadgen.workload.arrivals import arrival_offsets
+
+KEEPALIVE_S = 2.0
 
 
 @dataclass
@@ -104,15 +112,20 @@ class LoadRun:
 
 
 async def run_load(spec: LoadSpec, sample_at: Callable, on_done: Callable[[RequestResult], None] | None = None,
-                   stop: Stop | None = None, on_send: Callable[[RequestResult], None] | None = None) -> LoadRun:
+                   stop: Stop | None = None, on_send: Callable[[RequestResult], None] | None = None,
+                   on_first: Callable[[RequestResult], None] | None = None, mine: Callable[[int], bool] | None = None,
+                   start_at: float | None = None) -> LoadRun:
     """Send the schedule's requests (sample_at(i) gives request i's Sample) and wait for all of them.
 
-    `on_send` sees each request as it is sent, `on_done` as it ends; `stop` ends the run early.
+    `on_send` sees each request as it is sent, `on_first` at its first token, `on_done` as it ends; `stop` ends
+    the run early. A worker process passes `mine` (which indices of the schedule are its own; its
+    spec.max_concurrency is its share of the cap) and `start_at`, the common start (time.perf_counter(): the
+    system's monotonic clock, the same in every process of the host).
     """
     spec.check()
     url = spec.base_url.rstrip("/") + spec.endpoint
     cap = spec.max_concurrency
-    limits = httpx.Limits(max_connections=cap, max_keepalive_connections=cap)
+    limits = httpx.Limits(max_connections=cap, max_keepalive_connections=cap, keepalive_expiry=KEEPALIVE_S)
     headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
     slots = Slots(cap) if cap else None
     results: list[RequestResult] = []
@@ -121,7 +134,7 @@ async def run_load(spec: LoadSpec, sample_at: Callable, on_done: Callable[[Reque
     async with httpx.AsyncClient(limits=limits, headers=headers, timeout=httpx.Timeout(spec.request_timeout)) as client:
         async def one(result: RequestResult, body: dict) -> None:
             try:
-                await send(client, url, body, result, start, spec.request_timeout)
+                await send(client, url, body, result, start, spec.request_timeout, on_first)
             finally:
                 if slots:
                     slots.release()
@@ -129,13 +142,18 @@ async def run_load(spec: LoadSpec, sample_at: Callable, on_done: Callable[[Reque
                 on_done(result)
 
         offsets = arrival_offsets(spec.request_rate, spec.burstiness, spec.seed, spec.constant_rate)
-        started_at, cpu_start, start = time.time(), time.process_time(), time.perf_counter()
+        if start_at is not None and start_at > time.perf_counter():
+            await asyncio.sleep(start_at - time.perf_counter())
+        start = time.perf_counter() if start_at is None else start_at
+        started_at, cpu_start = time.time() - (time.perf_counter() - start), time.process_time()
         deadline = start + spec.duration if spec.duration else math.inf
         counter = range(spec.num_requests) if spec.num_requests is not None else itertools.count()
         for i in counter:
             due = start + next(offsets)
             if due >= deadline:
                 break
+            if mine is not None and not mine(i):
+                continue
             delay = due - time.perf_counter()
             if delay > 0:
                 await _sleep(delay, stop)

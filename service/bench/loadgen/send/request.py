@@ -5,16 +5,19 @@ chunk with a choice on /v1/completions (its text may be empty for special tokens
 chunk with non-empty content (or reasoning) on /v1/chat/completions (the role-only first chunk is no token;
 a reply without any content has its one token at the finish chunk).
 Output tokens come from the final `usage` chunk; without one, the token-bearing chunks are counted instead.
+A failure is never raised and never counted as a success: it keeps its kind, the exception's class, and where
+in the exchange it happened (before the response headers, or after N data events of the stream).
 """
 
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
 
-from service.bench.loadgen.datasets import Sample
+from service.bench.loadgen.workload.datasets import Sample
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -35,6 +38,14 @@ class RequestResult:
     status: int | None = None  # HTTP status
     error: str | None = None  # kind: http_503, timeout, connect_error, connection_lost, stream_error, ...
     message: str = ""
+    exception: str = ""  # the class of the exception behind the error, e.g. httpx.RemoteProtocolError
+    events: int = 0  # `data:` events of the stream received (before the failure, for a failed request)
+    worker: int = 0  # the rank of the worker process that sent it
+
+    @property
+    def where(self) -> str:
+        """Where in the exchange a failure happened: 'before headers' or 'after N events'."""
+        return "before headers" if self.status is None else f"after {self.events} events"
 
     @property
     def ok(self) -> bool:
@@ -88,7 +99,8 @@ def _bears_token(chunk: dict, chat: bool, seen: bool) -> bool:
     return not seen and choices[0].get("finish_reason") is not None
 
 
-async def _read_stream(resp: httpx.Response, result: RequestResult, chat: bool, t0: float) -> dict | None:
+async def _read_stream(resp: httpx.Response, result: RequestResult, chat: bool, t0: float,
+                       on_first: Callable | None) -> dict | None:
     """Consume the SSE stream; returns the last usage seen; sets e2e at `data: [DONE]`, or an error kind."""
     usage = None
     async for line in resp.aiter_lines():
@@ -97,6 +109,7 @@ async def _read_stream(resp: httpx.Response, result: RequestResult, chat: bool, 
         if not line.startswith("data:"):
             continue  # blank separators, comments, `event:` lines
         now = time.perf_counter()
+        result.events += 1
         data = line[5:].strip()
         if data == "[DONE]":
             result.e2e = now - t0
@@ -109,6 +122,8 @@ async def _read_stream(resp: httpx.Response, result: RequestResult, chat: bool, 
             return usage
         if _bears_token(chunk, chat, bool(result.chunk_times)):
             result.chunk_times.append(now - t0)
+            if on_first is not None and len(result.chunk_times) == 1:
+                on_first(result)
         if isinstance(chunk.get("usage"), dict):
             usage = chunk["usage"]
     if result.e2e is None:
@@ -116,9 +131,26 @@ async def _read_stream(resp: httpx.Response, result: RequestResult, chat: bool, 
     return usage
 
 
+def _failure_kind(exc: Exception) -> str | None:
+    """The error kind of an exception that a server or the network can cause; None for any other."""
+    if isinstance(exc, (TimeoutError, httpx.TimeoutException)):
+        return "timeout"
+    if isinstance(exc, httpx.ConnectError):
+        return "connect_error"
+    if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)):
+        return "connection_lost"
+    if isinstance(exc, httpx.HTTPError):
+        return "http_client_error"
+    if isinstance(exc, (ValueError, AttributeError, TypeError, IndexError, KeyError)):
+        return "bad_response"  # a data line that is not JSON, not an object, or JSON of an unexpected shape
+    return None
+
+
 async def send(client: httpx.AsyncClient, url: str, body: dict, result: RequestResult, start: float,
-               timeout: float) -> RequestResult:
-    """Stream one request and fill in `result`; never raises for a server or network failure."""
+               timeout: float, on_first: Callable[[RequestResult], None] | None = None) -> RequestResult:
+    """Stream one request and fill in `result`; never raises for a server or network failure.
+
+    `on_first` sees the request when its first token arrives."""
     t0 = time.perf_counter()
     result.sent = t0 - start
     usage = None
@@ -127,23 +159,20 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, result: RequestR
             async with client.stream("POST", url, json=body) as resp:
                 result.status = resp.status_code
                 if resp.status_code == 200:
-                    usage = await _read_stream(resp, result, url.endswith(CHAT), t0)
+                    usage = await _read_stream(resp, result, url.endswith(CHAT), t0, on_first)
                 else:
                     result.error, result.message = f"http_{resp.status_code}", _error_message(await resp.aread())
-    except TimeoutError:
-        result.error, result.message = "timeout", f"no complete response within {timeout:g} s"
-    except httpx.TimeoutException as exc:
-        result.error, result.message = "timeout", repr(exc)
-    except httpx.ConnectError as exc:
-        result.error, result.message = "connect_error", str(exc) or repr(exc)
-    except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
-        result.error, result.message = "connection_lost", str(exc) or repr(exc)
-    except httpx.HTTPError as exc:
-        result.error, result.message = "http_client_error", repr(exc)
-    except ValueError as exc:  # a data line that is not JSON, or not an object
-        result.error, result.message = "bad_response", str(exc)[:300]
-    except (AttributeError, TypeError, IndexError, KeyError) as exc:  # JSON of an unexpected shape
-        result.error, result.message = "bad_response", repr(exc)[:300]
+    except Exception as exc:  # server and network failures become error kinds; any other is a bug here
+        kind = _failure_kind(exc)
+        if kind is None:
+            raise
+        result.error, result.exception = kind, f"{type(exc).__module__}.{type(exc).__qualname__}"
+        if type(exc) is TimeoutError:
+            result.message = f"no complete response within {timeout:g} s"
+        elif isinstance(exc, ValueError) or kind in ("connect_error", "connection_lost"):
+            result.message = (str(exc) or repr(exc))[:300]
+        else:
+            result.message = repr(exc)[:300]
     result.ended = time.perf_counter() - start
     if result.ok and not result.chunk_times:
         result.error, result.message = "no_tokens", "the stream carried no token"

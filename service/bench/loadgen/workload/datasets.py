@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.bench.loadgen.prompts import BUILTIN_PROMPTS
+from service.bench.loadgen.workload.prompts import BUILTIN_PROMPTS
 
 # Common English words; with a leading space each is a single token in the usual BPE vocabularies.
 WORDS = tuple("""the of and to in is was for on are with as his they be at one have this from or had by word but
@@ -96,7 +96,7 @@ class ListWorkload:
 
 
 def builtin(output_len: int | None = None, seed: int = 0) -> ListWorkload:
-    """The project's own prompt set (service/bench/loadgen/prompts.py), with its output lengths unless overridden."""
+    """The project's own prompt set (service/bench/loadgen/workload/prompts.py), with its output lengths unless overridden."""
     return ListWorkload([Sample(p, output_len or n, estimate_tokens(p)) for p, n in BUILTIN_PROMPTS], seed)
 
 

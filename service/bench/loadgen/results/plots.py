@@ -8,7 +8,7 @@ import matplotlib.ticker
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from service.bench.loadgen.report import LATENCIES  # noqa: E402
+from service.bench.loadgen.results.report import LATENCIES  # noqa: E402
 
 AXIS_LABELS = {"rate": "offered request rate (req/s)", "concurrency": "max concurrency (requests)"}
 

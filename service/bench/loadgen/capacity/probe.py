@@ -11,9 +11,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.bench.loadgen import capacity_search, crosscheck
-from service.bench.loadgen.client import RequestResult
-from service.bench.loadgen.runner import LoadSpec, Stop, run_load
+from service.bench.loadgen.capacity import search as capacity_search
+from service.bench.loadgen.results import crosscheck
+from service.bench.loadgen.send.request import RequestResult
+from service.bench.loadgen.results.saturation import client_saturation
+from service.bench.loadgen.send.dispatch import LoadSpec, Stop
+from service.bench.loadgen.send.workers import run_workers
 
 TICK_S = 0.1  # how often the monitor looks at the requests
 SCRAPE_EVERY_S = 1.0  # how often the server's /metrics is read during a probe
@@ -52,6 +55,7 @@ class Probe:
     wall_s: float
     server: dict | None = None  # what /metrics showed during the measured window
     server_note: str = ""
+    generator: dict | None = None  # the load generator's own state: client_saturation() of the probe
 
 
 def _kind(samples) -> str | None:
@@ -88,11 +92,11 @@ def summarize_server(timeline: list[tuple[float, list]], warmup_s: float, model:
             "ttft_s_mean": delta(names["ttft"] + "_sum") / ttft_n if ttft_n > 0 else None}, ""
 
 
-async def _sample_server(spec: LoadSpec, t0: float, stop: Stop, timeline: list, why: list) -> None:
+async def _sample_server(spec: LoadSpec, clock: dict, stop: Stop, timeline: list, why: list) -> None:
     while True:
         samples, reason = await asyncio.to_thread(crosscheck.scrape, spec.base_url, spec.api_key, 2.0)
         if samples is not None:
-            timeline.append((time.perf_counter() - t0, samples))
+            timeline.append((time.perf_counter() - clock["t0"], samples))
         elif not timeline:
             why.append(reason)
             return  # no /metrics at all: nothing to sample
@@ -104,7 +108,7 @@ async def _sample_server(spec: LoadSpec, t0: float, stop: Stop, timeline: list, 
             pass
 
 
-async def _probe(spec: LoadSpec, sample_at, steady: Steady, read_server: bool) -> tuple:
+async def _probe(spec: LoadSpec, workload, steady: Steady, read_server: bool, workers: int) -> tuple:
     sent: list[RequestResult] = []
     finished: list[RequestResult] = []
     stop = Stop()
@@ -113,7 +117,11 @@ async def _probe(spec: LoadSpec, sample_at, steady: Steady, read_server: bool) -
     timeline: list[tuple[float, list]] = []
     why: list[str] = []
     measured = lambda r: r.sent >= steady.warmup_s and r.index >= steady.skip_first
-    t0 = time.perf_counter()
+    # the workers' common start, once they are ready: request times are seconds from it
+    clock = {"t0": time.perf_counter(), "started": False}
+
+    def started(t0: float) -> None:
+        clock.update(t0=t0, started=True)
 
     def end(cause: str | None, abort: bool) -> None:
         reason[0] = reason[0] or cause
@@ -123,7 +131,9 @@ async def _probe(spec: LoadSpec, sample_at, steady: Steady, read_server: bool) -
         nonlocal until
         while not stop.aborted.is_set():
             await asyncio.sleep(TICK_S)
-            now = time.perf_counter() - t0
+            if not clock["started"]:
+                continue
+            now = time.perf_counter() - clock["t0"]
             if not stop.draining.is_set():
                 until = now
             failed = [r for r in finished if not r.ok]
@@ -154,24 +164,26 @@ async def _probe(spec: LoadSpec, sample_at, steady: Steady, read_server: bool) -
 
     tasks = [asyncio.create_task(monitor())]
     if read_server:
-        tasks.append(asyncio.create_task(_sample_server(spec, t0, stop, timeline, why)))
-    run = await run_load(spec, sample_at, on_done=finished.append, stop=stop, on_send=sent.append)
+        tasks.append(asyncio.create_task(_sample_server(spec, clock, stop, timeline, why)))
+    run = await run_workers(spec, workload, workers, on_done=finished.append, stop=stop, on_send=sent.append,
+                            on_start=started)
     stop.drain()  # the schedule may end on its own (the duration bound): let the monitor and sampler finish
     await asyncio.gather(*tasks)
     if read_server and timeline:  # the last scrape, after every request of the probe ended
         samples, _ = await asyncio.to_thread(crosscheck.scrape, spec.base_url, spec.api_key, 2.0)
         if samples is not None:
-            timeline.append((time.perf_counter() - t0, samples))
+            timeline.append((time.perf_counter() - clock["t0"], samples))
     return run, reason[0], timeline, measured, "; ".join(why)
 
 
-def run_probe(load: float, spec: LoadSpec, sample_at, steady: Steady, read_server: bool) -> Probe:
+def run_probe(load: float, spec: LoadSpec, workload, steady: Steady, read_server: bool, workers: int = 1) -> Probe:
     started = time.perf_counter()
-    run, reason, timeline, measured, why = asyncio.run(_probe(spec, sample_at, steady, read_server))
+    run, reason, timeline, measured, why = asyncio.run(_probe(spec, workload, steady, read_server, workers))
     kept = [r for r in run.results if measured(r) and r.error != "stopped"]
     if reason is None and len(kept) < steady.min_requests:
         reason = "time limit"  # the schedule ran out (--max-probe-duration) before the minimum was measured
-    probe = Probe(load, run.results, kept, reason, time.perf_counter() - started)
+    probe = Probe(load, run.results, kept, reason, time.perf_counter() - started,
+                  generator=client_saturation(kept, run.workers))  # judged on the measured requests only
     if read_server:
         probe.server, probe.server_note = summarize_server(timeline, steady.warmup_s, spec.model, why)
     else:

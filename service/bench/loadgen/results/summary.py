@@ -9,8 +9,8 @@ from collections import Counter
 
 import numpy as np
 
-from service.bench.loadgen import stats
-from service.bench.loadgen.client import RequestResult
+from service.bench.loadgen.results import latency
+from service.bench.loadgen.send.request import RequestResult
 from service.bench.slo import goodput, meets
 
 
@@ -34,7 +34,7 @@ def max_in_flight(results: list[RequestResult]) -> int:
     return peak
 
 
-def summarize(results: list[RequestResult], duration: float, percentiles=stats.DEFAULT_PERCENTILES,
+def summarize(results: list[RequestResult], duration: float, percentiles=latency.DEFAULT_PERCENTILES,
               slos=(), offered_rate: float = math.inf, cpu_seconds: float | None = None) -> dict:
     """`cpu_seconds`: the generator process's CPU time during the run (its own cost, if no server shares it)."""
     ok = [r for r in results if r.ok]
@@ -42,7 +42,7 @@ def summarize(results: list[RequestResult], duration: float, percentiles=stats.D
     e2e = np.array([r.e2e for r in ok], dtype=float)
     out_tokens = np.array([r.output_tokens for r in ok], dtype=float)
     in_tokens = sum(r.prompt_tokens or 0 for r in ok)
-    tpot = stats.tpot(e2e, ttft, out_tokens)
+    tpot = latency.tpot(e2e, ttft, out_tokens)
     gaps = [g for r in ok for g in r.itl]
     s: dict = {
         "requests.sent": len(results),
@@ -67,7 +67,7 @@ def summarize(results: list[RequestResult], duration: float, percentiles=stats.D
             alone = meets([slo], ttft, tpot, max_itl, e2e, np.ones(len(ok), dtype=bool))
             s[f"slo_attainment.{slo.metric}"] = float(alone.sum()) / len(results) if results else 0.0
     for name, values in (("ttft_ms", _ms(ttft)), ("tpot_ms", _ms(tpot)), ("itl_ms", _ms(gaps)), ("e2e_ms", _ms(e2e))):
-        s.update({f"{name}.{k}": v for k, v in stats.distribution(values, percentiles).items()})
+        s.update({f"{name}.{k}": v for k, v in latency.distribution(values, percentiles).items()})
     # the generator itself: did it send on time, and at the offered rate?
     lag = _ms([r.sent - r.ready for r in results])
     s["dispatch_lag_ms.mean"] = float(lag.mean()) if lag.size else None

@@ -7,8 +7,8 @@ import math
 from rich.console import Console
 from rich.table import Table
 
-from service.bench.loadgen.client import RequestResult
-from service.bench.loadgen.stats import tpot
+from service.bench.loadgen.send.request import RequestResult
+from service.bench.loadgen.results.latency import tpot
 
 # summary key, short name, what it is
 LATENCIES = (("ttft_ms", "TTFT", "time to first token"), ("tpot_ms", "TPOT", "time per output token after the first"),
@@ -23,8 +23,9 @@ def _fmt(value, digits: int = 2) -> str:
     return f"{value:,}" if isinstance(value, int) else str(value)
 
 
-def print_summary(console: Console, summary: dict, title: str = "bench serve", crosscheck: dict | None = None
-                  ) -> None:
+def print_summary(console: Console, summary: dict, title: str = "bench serve", crosscheck: dict | None = None,
+                  generator: dict | None = None) -> None:
+    """`generator`: the run's load_generator entry (workers, saturation), when it has one."""
     s = summary
     console.print(f"[bold]{title}[/bold]")
     overview = Table(show_header=False)
@@ -68,7 +69,16 @@ def print_summary(console: Console, summary: dict, title: str = "bench serve", c
     if "generator.cpu_s" in s:
         gen.add_row("generator CPU (s, share of one core)",
                     f"{_fmt(s['generator.cpu_s'])} ({s['generator.cpu_share']:.1%})")
+    if generator:
+        for w in generator["workers"]:
+            lag = w["dispatch_lag_p99_ms"]
+            gen.add_row(f"worker {w['rank']}: requests / CPU share / dispatch lag p99 (ms)",
+                        f"{w['sent']} / {w['cpu_share']:.0%} / {'-' if lag is None else _fmt(lag, 3)}")
     console.print(gen)
+    if generator and generator["saturated"]:
+        console.print("[bold red]warning: the load generator fell behind[/bold red] ("
+                      + "; ".join(generator["reasons"]) + "): its latencies include its own queueing; "
+                      "use more --workers or a bigger client machine", highlight=False)
 
     if crosscheck is not None:
         print_crosscheck(console, crosscheck)
@@ -107,7 +117,7 @@ def write_json(path: str, document: dict) -> None:
 
 CSV_COLUMNS = ("point", "index", "scheduled_s", "ready_s", "sent_s", "ended_s", "dispatch_lag_ms", "status", "error",
                "prompt_tokens", "output_tokens", "usage_reported", "chunks", "ttft_ms", "tpot_ms", "e2e_ms",
-               "itl_ms", "message")
+               "itl_ms", "exception", "where", "message")
 
 
 def csv_row(r: RequestResult, point="") -> dict:
@@ -120,7 +130,8 @@ def csv_row(r: RequestResult, point="") -> dict:
             "output_tokens": "" if r.output_tokens is None else r.output_tokens,
             "usage_reported": int(r.usage_reported), "chunks": len(r.chunk_times), "ttft_ms": ms(r.ttft),
             "tpot_ms": "" if math.isnan(t[0]) else ms(float(t[0])), "e2e_ms": ms(r.e2e),
-            "itl_ms": " ".join(f"{g * 1e3:.3f}" for g in r.itl), "message": r.message}
+            "itl_ms": " ".join(f"{g * 1e3:.3f}" for g in r.itl), "exception": r.exception,
+            "where": "" if r.ok else r.where, "message": r.message}
 
 
 def write_csv(path: str, points: list[tuple[object, list[RequestResult]]]) -> None:
