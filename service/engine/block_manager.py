@@ -30,8 +30,12 @@ class BlockManager:
         return len(self.free)
 
     @property
+    def num_used_blocks(self) -> int:
+        return self.num_usable_blocks - len(self.free)
+
+    @property
     def usage(self) -> float:
-        return 1.0 - len(self.free) / self.num_usable_blocks
+        return self.num_used_blocks / self.num_usable_blocks
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)

@@ -4,7 +4,6 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,51 +15,12 @@ from service.engine.errors import EngineDeadError, InvalidRequestError
 from service.engine.model_runner import ModelRunner
 from service.engine.models import LoadedModel, load_model
 from service.engine.sampler import SampleResult
+from service.engine.results import RequestOutput, StepObserver, StepStats, Timings
 from service.engine.sampling import SamplingParams
 from service.engine.scheduler import ScheduledBatch, Scheduler
-from service.engine.sequence import Sequence, Status, Timings
+from service.engine.sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request: new tokens and text, and its state when finished."""
-
-    request_id: str
-    new_token_ids: list[int]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    new_logprobs: list
-    timings: Timings
-
-
-@dataclass
-class StepStats:
-    """One engine step (or an abort) for telemetry: what it produced and the engine's load after it.
-
-    In a step that ran, every output carries the one token it produced; the lists below are parts of
-    `outputs`, collected where the engine decides them, so an observer need not scan for them.
-    """
-
-    phase: str | None  # prefill, decode or mixed; None when no forward pass ran (an abort, a failed step)
-    num_tokens: int  # tokens computed
-    num_seqs: int  # sequences in the batch
-    duration: float  # seconds from its launch (with overlap: from the previous step's read-back) to its read-back
-    outputs: list["RequestOutput"]
-    first_tokens: list["RequestOutput"]  # outputs carrying their request's first token
-    finished: list["RequestOutput"]  # outputs of requests that finished: stop, length, abort, error
-    admitted: list[str]  # requests that entered the running batch (new, or back after preemption)
-    preempted: list[str]
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    rank_seconds: list[float] | None = None  # tensor parallelism: each rank's time in forward passes so far
-    error: str | None = None  # a failed step: the exception's type (its requests finished with "error")
 
 
 @dataclass
@@ -72,10 +32,6 @@ class _Launched:
     sampled: list[Sequence]  # the sequences that sample in it, in the order of result's rows
     result: SampleResult | None
     start: float
-
-
-# Called on the engine's thread after every step and abort.
-StepObserver = Callable[[StepStats], None]
 
 
 class LLMEngine:
@@ -179,7 +135,7 @@ class LLMEngine:
                 f"completion). Please reduce the prompt or max_tokens.", param="max_tokens")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids", param="stop")
-        seq = Sequence(request_id or f"req-{next(self._ids)}", ids, params, eos_token_ids=self.eos_token_ids,
+        seq = Sequence(request_id if request_id is not None else f"req-{next(self._ids)}", ids, params, eos_token_ids=self.eos_token_ids,
                        timings=Timings(arrival=arrival))
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -327,11 +283,14 @@ class LLMEngine:
         if self.observer is None:
             return
         ids = lambda seqs: [s.request_id for s in seqs]
+        blocks = self.blocks
         self.observer(StepStats(
             phase, batch.num_tokens if phase else 0, len(batch.seqs) if phase else 0, duration, outputs, list(first_tokens), list(finished),
             ids(batch.admitted) if phase else [], ids(batch.preempted) if batch else [],
-            self.num_running, self.num_waiting, self.blocks.usage,
-            self.parallel.rank_seconds if self.parallel is not None else None, error))
+            self.num_running, self.num_waiting, blocks.usage,
+            self.parallel.rank_seconds if self.parallel is not None else None, error,
+            finished_ids=tuple(out.request_id for out in finished),
+            kv_blocks_used=blocks.num_used_blocks, kv_blocks_total=blocks.num_usable_blocks))
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
