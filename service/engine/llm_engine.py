@@ -18,7 +18,7 @@ from service.engine.sampler import SampleResult
 from service.engine.results import RequestOutput, StepObserver, StepStats, Timings
 from service.engine.sampling import SamplingParams
 from service.engine.scheduler import ScheduledBatch, Scheduler
-from service.engine.sequence import Sequence, Status
+from service.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -222,14 +222,11 @@ class LLMEngine:
     def _launch(self, batch: ScheduledBatch, start: float) -> "_Launched":
         phase = batch.phase  # before num_computed_tokens moves
         sampled, result = self.runner.execute(batch)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-        for seq in sampled:
-            seq.num_pending_tokens += 1
+        self.scheduler.advance(batch, sampled)
         return _Launched(batch, phase, sampled, result, start)
 
     def _read_back(self, step: "_Launched") -> list[RequestOutput]:
-        """Wait for a launched step's tokens, append them, check stops, and report the step."""
+        """Wait for a launched step's tokens, hand them to the scheduler's postprocess, and report the step."""
         try:
             tokens, logprobs = step.result.read() if step.result else ([], [])
         except Exception as exc:  # a device fault (or NaN logits) surfaces here, when the host waits for the step
@@ -238,33 +235,20 @@ class LLMEngine:
             self._observe(failed, finished=failed, batch=step.batch, error=type(exc).__name__)
             return failed
         now = time.perf_counter()
-        done = Status.FINISHED
-        for seq, token in zip(step.sampled, tokens):
-            if seq.status is not done:
-                seq.token_ids.append(token)
-                seq.num_pending_tokens -= 1
-        if self.blocks.enable_prefix_caching:  # register full blocks: every token they hold is known now
-            for seq in step.batch.seqs:
-                if seq.status is not done:
-                    self.blocks.commit(seq)
         outputs, first_tokens, finished = [], [], []
-        for seq, token, lp in zip(step.sampled, tokens, logprobs):
-            if seq.status is done:
-                continue  # it stopped at the step before (found out a step late) or was aborted: drop the token
+        for row, reason in self.scheduler.postprocess(step.batch, step.sampled, tokens, self._check_stop):
+            seq, token, lp = step.sampled[row], tokens[row], logprobs[row]
             timings = seq.timings
             timings.token_times.append(now)
             first = timings.first_token is None
             if first:
                 timings.first_token = now
-            new_logprobs = [lp] if lp is not None else []
             if lp is not None:
                 seq.logprobs.append(lp)
-            reason = self._check_stop(seq, token)
             if reason:
-                self.scheduler.finish(seq, reason)
                 timings.finished = now
                 del self.seqs[seq.request_id]
-            out = self._output(seq, [token], new_logprobs)
+            out = self._output(seq, [token], [lp] if lp is not None else [])
             outputs.append(out)
             if first:
                 first_tokens.append(out)

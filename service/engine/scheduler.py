@@ -7,6 +7,7 @@ admitted sequence is preempted: its blocks are freed and it is recomputed later.
 """
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from service.engine.block_manager import BlockManager
@@ -103,6 +104,44 @@ class Scheduler:
         self.blocks.free_sequence(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+
+    # -- after the forward pass: the one place a step's results change the sequences ----------------------
+    @staticmethod
+    def advance(batch: ScheduledBatch, sampled: list[Sequence]) -> None:
+        """A step was launched: its tokens' keys and values are in the cache (or will be, in stream order),
+        and each sequence that sampled has one more token, on the device until `postprocess` reads it."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        for seq in sampled:
+            seq.num_pending_tokens += 1
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], tokens: list[int],
+                    check_stop: Callable[[Sequence, int], str | None]) -> list[tuple[int, str | None]]:
+        """A launched step's sampled tokens are back on the host: append them, register the full blocks, check
+        each for a stop and finish those that stopped (their blocks are freed).
+
+        A sequence that finished since the launch (it stopped at the step before, found out a step late, or was
+        aborted) drops its token. Returns, for each row of `sampled` whose sequence took its token, the row and
+        the reason it finished (None: it goes on).
+        """
+        done = Status.FINISHED
+        for seq, token in zip(sampled, tokens):
+            if seq.status is not done:
+                seq.token_ids.append(token)
+                seq.num_pending_tokens -= 1
+        if self.blocks.enable_prefix_caching:  # register full blocks: every token they hold is known now
+            for seq in batch.seqs:
+                if seq.status is not done:
+                    self.blocks.commit(seq)
+        taken = []
+        for row, (seq, token) in enumerate(zip(sampled, tokens)):
+            if seq.status is done:
+                continue
+            reason = check_stop(seq, token)
+            if reason:
+                self.finish(seq, reason)
+            taken.append((row, reason))
+        return taken
 
     @staticmethod
     def _sampled_last_token(seq: Sequence) -> bool:
