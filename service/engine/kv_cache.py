@@ -67,7 +67,7 @@ def dry_run(runner, tokens: int) -> None:
     caches = new_kv_caches(r, blocks)
     seq = Sequence("dry-run", [0] * tokens, params=None)
     seq.block_table = list(range(1, blocks))
-    ids, pos, meta = r._prepare(ScheduledBatch([seq], [tokens], []), decode_only=False)
+    ids, pos, meta = r.pack_inputs(ScheduledBatch([seq], [tokens], []), decode_only=False)
     with forward_context(ForwardContext(caches, meta, r.backend)):
         logits = r.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1).logits
         logits.float().softmax(-1)

@@ -73,7 +73,7 @@ class ModelRunner:
         if decode_only and self.graphs and offset <= max(self.graphs):
             logits = self.decode_graphs.replay(batch)
         else:
-            ids, positions, meta = self._prepare(batch, decode_only)
+            ids, positions, meta = self.pack_inputs(batch, decode_only)
             self._feed_back(ids[0], batch)
             with forward_context(ForwardContext(self.kv_caches, meta, self.backend)):
                 if not sample_rows:
@@ -106,7 +106,10 @@ class ModelRunner:
         elif dst:
             ids[to_device(dst, torch.long, self.device)] = self._fed[0][to_device(src, torch.long, self.device)]
 
-    def _prepare(self, batch: ScheduledBatch, decode_only: bool):
+    def pack_inputs(self, batch: ScheduledBatch, decode_only: bool):
+        """The batch as this runner's model inputs: (token ids, positions, attention metadata).
+
+        Without a runner (the kernel benchmark), call input_packing.pack_inputs with the same layout."""
         return pack_inputs(batch, decode_only, block_size=self.block_size, backend_name=self.backend_name,
                            group=self.group, device=self.device)
 
