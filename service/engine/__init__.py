@@ -1,10 +1,23 @@
-"""Continuous-batching generation over a paged KV cache."""
+"""Continuous-batching generation over a paged KV cache.
 
-from service.engine.async_engine import AsyncEngine
+The hand-over types, sampling parameters, errors and the configuration are imported here at once (none loads
+torch); `AsyncEngine` and `LLMEngine` load the model runner and torch, so they are imported on first use.
+"""
+
 from service.engine.config import DEFAULT_MODEL, EngineConfig
 from service.engine.errors import EngineDeadError, EngineError, InvalidRequestError
-from service.engine.llm_engine import LLMEngine, RequestOutput, StepObserver, StepStats
+from service.engine.results import RequestOutput, StepObserver, StepStats, Timings
 from service.engine.sampling import SamplingParams
 
+_LAZY = {"AsyncEngine": "service.engine.async_engine", "LLMEngine": "service.engine.llm_engine"}
+
 __all__ = ["AsyncEngine", "DEFAULT_MODEL", "EngineConfig", "EngineDeadError", "EngineError", "InvalidRequestError",
-           "LLMEngine", "RequestOutput", "SamplingParams", "StepObserver", "StepStats"]
+           "LLMEngine", "RequestOutput", "SamplingParams", "StepObserver", "StepStats", "Timings"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,8 +30,12 @@ class BlockManager:
         return len(self.free)
 
     @property
+    def num_used_blocks(self) -> int:
+        return self.num_usable_blocks - len(self.free)
+
+    @property
     def usage(self) -> float:
-        return 1.0 - len(self.free) / self.num_usable_blocks
+        return self.num_used_blocks / self.num_usable_blocks
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
@@ -51,10 +55,10 @@ class BlockManager:
         assert not seq.block_table
         seq.num_hashed_blocks = 0
         if self.enable_prefix_caching:
-            tokens, bs, h = seq.token_ids, self.block_size, None
+            tokens, block_size, h = seq.token_ids, self.block_size, None
             # at least one token must be computed, so that the step yields logits
-            for i in range((len(tokens) - 1) // bs):
-                chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            for i in range((len(tokens) - 1) // block_size):
+                chunk = tuple(tokens[i * block_size:(i + 1) * block_size])
                 h = hash((h, chunk))
                 block = self.cached.get(h)
                 if block is None or self.block_tokens[block] != chunk:
@@ -70,10 +74,10 @@ class BlockManager:
         """Register the sequence's newly computed full blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        bs, full = self.block_size, seq.num_computed_tokens // self.block_size
+        block_size, full = self.block_size, seq.num_computed_tokens // self.block_size
         h = self.block_hash[seq.block_table[seq.num_hashed_blocks - 1]] if seq.num_hashed_blocks else None
         for i in range(seq.num_hashed_blocks, full):
-            chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            chunk = tuple(seq.token_ids[i * block_size:(i + 1) * block_size])
             h = hash((h, chunk))
             block = seq.block_table[i]
             self.block_hash[block], self.block_tokens[block] = h, chunk

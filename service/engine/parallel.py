@@ -317,6 +317,6 @@ def _worker(config, world: int, rank: int, port: int, parent: int) -> None:
 
 
 def _kv_shape(model) -> tuple[int, int, int]:
-    from service.engine.model_runner import kv_shape
+    from service.engine.kv_cache import kv_shape
 
     return kv_shape(model.config)

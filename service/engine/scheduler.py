@@ -4,9 +4,12 @@ Running sequences are served first, in admission order (save those whose last al
 still on the device); waiting ones are admitted FIFO while the token budget, the sequence cap and
 free blocks allow. When blocks run out, the most recently
 admitted sequence is preempted: its blocks are freed and it is recomputed later.
+Each decision is a method of its own (chunk_size, may_admit, admit, admission_reserve, choose_victim,
+make_room); after the forward pass, advance and postprocess apply a step's results.
 """
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from service.engine.block_manager import BlockManager
@@ -48,48 +51,88 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        budget = self.max_num_batched_tokens
+        """This step's batch: running sequences first, then admissions from the waiting queue."""
         batch = ScheduledBatch([], [], [])
+        budget = self._schedule_running(batch, self.max_num_batched_tokens)
+        reserve = self.admission_reserve()
+        while self.may_admit(batch, budget):
+            admitted = self.admit(budget, reserve)
+            if admitted is None:
+                break
+            seq, n = admitted
+            batch.admitted.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        """Add the running sequences in admission order while the budget lasts; return the budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if seq.num_pending_tokens and self._sampled_last_token(seq):
                 i += 1
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.blocks.allocate(seq, n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                batch.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(n)
-                budget -= n
-                i += 1
-                continue
-            break
-        # Admit only when nothing was preempted: admitting now would evict again at once.
-        # Keep a few blocks in reserve so running sequences can grow without thrashing.
-        reserve = min(len(self.running), self.blocks.num_usable_blocks // 100)
-        while (not batch.preempted and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs):
-            seq = self.waiting[0]
-            self.blocks.match_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.blocks.allocate(seq, n, reserve=reserve):
-                self.blocks.free_sequence(seq)
-                seq.num_computed_tokens = 0
-                break
-            self.waiting.popleft()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            batch.admitted.append(seq)
+            n = self.chunk_size(seq, budget)
+            if not self.make_room(seq, n, batch):
+                break  # it was preempted itself: those after it in `running` were already
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
-        return batch
+            i += 1
+        return budget
+
+    # -- the policy's decisions ---------------------------------------------------------------------------
+    @staticmethod
+    def chunk_size(seq: Sequence, budget: int) -> int:
+        """Tokens to compute for `seq` in this step: all it has not computed, up to the step's token budget."""
+        return min(seq.num_tokens - seq.num_computed_tokens, budget)
+
+    def choose_victim(self) -> Sequence:
+        """Whom to preempt when blocks run out: the most recently admitted running sequence."""
+        return self.running[-1]
+
+    def make_room(self, seq: Sequence, num_new_tokens: int, batch: ScheduledBatch) -> bool:
+        """Give running `seq` blocks for `num_new_tokens` tokens, preempting victims until they fit.
+
+        Returns False if `seq` itself had to be preempted. Victims are added to `batch.preempted`.
+        """
+        while not self.blocks.allocate(seq, num_new_tokens):
+            victim = self.choose_victim()
+            self.running.remove(victim)
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def admission_reserve(self) -> int:
+        """Blocks an admission must leave free, so that running sequences can grow without thrashing: one per
+        running sequence, at most 1% of the cache."""
+        return min(len(self.running), self.blocks.num_usable_blocks // 100)
+
+    def may_admit(self, batch: ScheduledBatch, budget: int) -> bool:
+        """Whether to try admitting another waiting sequence into `batch`: not after a preemption in this step
+        (admitting now would evict again at once), and only within the token budget and the sequence cap."""
+        return (not batch.preempted and bool(self.waiting) and budget > 0
+                and len(self.running) < self.max_num_seqs)
+
+    def admit(self, budget: int, reserve: int) -> tuple[Sequence, int] | None:
+        """Admit the head of the waiting queue (FIFO) if the blocks of its first chunk fit, leaving `reserve`
+        free: reuse its cached prefix, and return it with its chunk size. If they do not fit, it stays at the
+        head of the queue holding no blocks, and None is returned."""
+        seq = self.waiting[0]
+        self.blocks.match_prefix(seq)
+        n = self.chunk_size(seq, budget)
+        if not self.blocks.allocate(seq, n, reserve=reserve):
+            self.blocks.free_sequence(seq)
+            seq.num_computed_tokens = 0
+            return None
+        self.waiting.popleft()
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return seq, n
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a sequence (running or waiting) for good and free its blocks."""
@@ -103,6 +146,44 @@ class Scheduler:
         self.blocks.free_sequence(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+
+    # -- after the forward pass: the one place a step's results change the sequences ----------------------
+    @staticmethod
+    def advance(batch: ScheduledBatch, sampled: list[Sequence]) -> None:
+        """A step was launched: its tokens' keys and values are in the cache (or will be, in stream order),
+        and each sequence that sampled has one more token, on the device until `postprocess` reads it."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        for seq in sampled:
+            seq.num_pending_tokens += 1
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], tokens: list[int],
+                    check_stop: Callable[[Sequence, int], str | None]) -> list[tuple[int, str | None]]:
+        """A launched step's sampled tokens are back on the host: append them, register the full blocks, check
+        each for a stop and finish those that stopped (their blocks are freed).
+
+        A sequence that finished since the launch (it stopped at the step before, found out a step late, or was
+        aborted) drops its token. Returns, for each row of `sampled` whose sequence took its token, the row and
+        the reason it finished (None: it goes on).
+        """
+        done = Status.FINISHED
+        for seq, token in zip(sampled, tokens):
+            if seq.status is not done:
+                seq.token_ids.append(token)
+                seq.num_pending_tokens -= 1
+        if self.blocks.enable_prefix_caching:  # register full blocks: every token they hold is known now
+            for seq in batch.seqs:
+                if seq.status is not done:
+                    self.blocks.commit(seq)
+        taken = []
+        for row, (seq, token) in enumerate(zip(sampled, tokens)):
+            if seq.status is done:
+                continue
+            reason = check_stop(seq, token)
+            if reason:
+                self.finish(seq, reason)
+            taken.append((row, reason))
+        return taken
 
     @staticmethod
     def _sampled_last_token(seq: Sequence) -> bool:

@@ -1,35 +1,20 @@
 """A request's state inside the engine: its tokens, KV blocks, status and timings."""
 
 import enum
-import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
+from service.engine.results import Timings
 from service.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:  # a type only: naming a Sequence (or its Timings) loads no torch
+    import torch
 
 
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class Timings:
-    """Monotonic clock readings (time.perf_counter) of one request's life.
-
-    `arrival` is when the server received the request (its ASGI start), `submitted` when it was handed to
-    the engine, validated and tokenized: the time between them is the server's front end.
-    """
-
-    arrival: float = field(default_factory=time.perf_counter)
-    submitted: float | None = None
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    preempted: list[float] = field(default_factory=list)
-    finished: float | None = None
 
 
 @dataclass(eq=False)
@@ -47,7 +32,7 @@ class Sequence:
     num_hashed_blocks: int = 0  # leading full blocks already registered in the prefix cache
     finish_reason: str | None = None
     num_preemptions: int = 0
-    generator: torch.Generator | None = None  # per-request RNG when a seed is given
+    generator: "torch.Generator | None" = None  # per-request RNG when a seed is given
     timings: Timings = field(default_factory=Timings)
     # detokenizer and stop-string state, owned by service.engine.detokenizer
     text: str = ""

@@ -114,9 +114,7 @@ def _flex(shape: Shape, q, k, v) -> Callable:
 
 def _paged(shape: Shape, q, k, v) -> Callable:
     """This project's paged attention: Triton on CUDA, the PyTorch reference backend on CPU."""
-    from types import SimpleNamespace
-
-    from service.engine.model_runner import ModelRunner
+    from service.engine.input_packing import pack_inputs
     from service.engine.sampling import SamplingParams
     from service.engine.scheduler import ScheduledBatch
     from service.engine.sequence import Sequence
@@ -142,10 +140,9 @@ def _paged(shape: Shape, q, k, v) -> Callable:
         backend, kernel = "triton", triton_attention.triton_paged_attention
     else:
         from service.engine.attention import torch_paged_attention
-        backend, kernel, triton_attention = "torch", torch_paged_attention, None
-    runner = SimpleNamespace(block_size=BLOCK_SIZE, backend_name=backend, group=shape.heads // shape.kv_heads,
-                             _triton=triton_attention, device=device)
-    meta = ModelRunner._prepare(runner, ScheduledBatch(seqs, [qlen] * b, []), shape.phase == "decode")[2]
+        backend, kernel = "torch", torch_paged_attention
+    meta = pack_inputs(ScheduledBatch(seqs, [qlen] * b, []), shape.phase == "decode", block_size=BLOCK_SIZE,
+                       backend_name=backend, group=shape.heads // shape.kv_heads, device=device)[2]
     packed = q.transpose(1, 2).reshape(b * qlen, shape.heads, shape.head_dim).contiguous()
     scale = shape.head_dim ** -0.5
     return lambda: kernel(packed, k_cache, v_cache, meta, scale).view(b, qlen, shape.heads, -1).transpose(1, 2)

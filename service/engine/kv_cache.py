@@ -1,0 +1,74 @@
+"""The paged KV cache's shape and size: how many blocks fit in the GPU memory left after a peak forward pass.
+
+On CUDA the budget is gpu_memory_utilization of the device's memory, less the peak of a forward pass over
+max_num_batched_tokens tokens (measured by running one into a throwaway cache) and less other processes' use.
+"""
+
+import logging
+
+import torch
+
+from service.engine.attention import ForwardContext, forward_context
+from service.engine.scheduler import ScheduledBatch
+from service.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+def kv_shape(config) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a transformers config."""
+    config = config.get_text_config()
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+def new_kv_caches(runner, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed (keys, values) of `num_blocks` blocks for each of the runner's layers."""
+    r = runner
+    return [(torch.zeros(num_blocks, r.block_size, r.kv_heads, r.head_dim, dtype=r.dtype, device=r.device),
+             torch.zeros(num_blocks, r.block_size, r.kv_heads, r.head_dim, dtype=r.dtype, device=r.device))
+            for _ in range(r.layers)]
+
+
+def blocks_that_fit(runner) -> int:
+    r = runner
+    if r.device.type != "cuda":
+        return 1024
+    per_block = 2 * r.layers * r.block_size * r.kv_heads * r.head_dim * r.dtype.itemsize
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    peak = profile_peak_memory(r)
+    total = torch.cuda.get_device_properties(r.device).total_memory
+    free_now, _ = torch.cuda.mem_get_info(r.device)
+    other = total - free_now - torch.cuda.memory_reserved(r.device)  # other processes
+    budget = total * r.config.gpu_memory_utilization - peak - other
+    blocks = int(budget // per_block)
+    if blocks < 2:
+        raise RuntimeError(f"no GPU memory left for the KV cache (peak {peak / 2**30:.1f} GiB)")
+    log.info("KV cache: %d blocks of %d tokens (%.1f GiB)", blocks, r.block_size, blocks * per_block / 2**30)
+    return blocks
+
+
+def profile_peak_memory(runner) -> int:
+    """Peak memory of a forward pass over max_num_batched_tokens tokens."""
+    dry_run(runner, runner.config.max_num_batched_tokens)
+    peak = torch.cuda.max_memory_allocated(runner.device)
+    torch.cuda.empty_cache()
+    return peak + 2**30  # headroom for sampling over many rows and for CUDA graphs
+
+
+@torch.inference_mode()
+def dry_run(runner, tokens: int) -> None:
+    """One forward pass of a `tokens`-long prompt into a throwaway cache."""
+    r = runner
+    blocks = -(-tokens // r.block_size) + 1
+    caches = new_kv_caches(r, blocks)
+    seq = Sequence("dry-run", [0] * tokens, params=None)
+    seq.block_table = list(range(1, blocks))
+    ids, pos, meta = r.pack_inputs(ScheduledBatch([seq], [tokens], []), decode_only=False)
+    with forward_context(ForwardContext(caches, meta, r.backend)):
+        logits = r.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1).logits
+        logits.float().softmax(-1)
+    torch.cuda.synchronize()
