@@ -3,6 +3,7 @@ import torch
 
 from service.engine import EngineConfig, LLMEngine
 from service.engine.models import load_model
+from tests.ports import free_port
 
 pytest_plugins = ["tests.bench_db"]  # results-store databases (SQLite and a real PostgreSQL), one cluster per session
 
@@ -76,13 +77,6 @@ def needs_tools(*tools: str):
             pytest.fail(f"{', '.join(missing)} missing: run deploy/install-tools.sh (make test does)")
         return fail
     return decorate
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LiveServer:

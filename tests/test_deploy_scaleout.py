@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import sys
 import threading
 import time
@@ -42,28 +41,10 @@ MODEL = "random:tiny"
 DOWN_FOR = "2s"  # LLMServiceDown's `for` here (1m in deploy/rules): the alert path is the same, only shorter
 
 
-def free_port_block(n: int) -> int:
-    """A base port whose next n ports are all free (replicas.sh puts replica i on base + i)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        try:
-            for p in range(base + 1, base + n + 1):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no block of free ports")
-
-
 class Fleet(Stack):
     def __init__(self, tmp: Path):
         super().__init__(tmp)
-        self.base = free_port_block(REPLICAS)
+        self.base = free_port(REPLICAS + 1)  # replicas.sh puts replica i on base + i
         self.ports.update(lb=free_port(), stats=free_port())
         self.lb = f"http://127.0.0.1:{self.ports['lb']}"
         self.stats_url = f"http://127.0.0.1:{self.ports['stats']}/stats;csv"
