@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -6,6 +8,13 @@ from service.engine.models import load_model
 from tests.ports import free_port
 
 pytest_plugins = ["tests.bench_db"]  # results-store databases (SQLite and a real PostgreSQL), one cluster per session
+
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    # pytest-xdist workers share the cores: each takes its part, for torch here and for the servers it starts (by
+    # default each would take every core, and OpenMP's waiting threads would spin against the other workers')
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
