@@ -124,7 +124,7 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(30)
 
-    def wait_idle(self, timeout: float = 10.0) -> bool:
+    def wait_idle(self, timeout: float = 60.0) -> bool:
         """True once the engine holds no request and every KV block is free."""
         import time
         deadline = time.monotonic() + timeout
