@@ -117,9 +117,6 @@ class Fleet(Stack):
         return sum(float(v) for v in re.findall(r"^llm_requests_running\{[^}]*\} (\S+)$", text, re.M))
 
 
-DEATH_WINDOW = 0.05  # seconds after a killed replica is seen dead in which a request may still be cut
-
-
 def dead(pid: int) -> bool:
     """The process is gone or a zombie (its parent, replicas.sh, reaps it)."""
     try:
@@ -271,7 +268,7 @@ def test_sigterm_under_load_drains_the_replica_and_loses_nothing(fleet):
 
 def test_sigkill_under_load_fails_only_its_in_flight_requests_and_fires_the_down_alert(fleet):
     victim, pid, instance = "replica3", fleet.pids[3], fleet.instances[2]
-    with Load(fleet.lb, seconds=5, output_len=24) as load:
+    with Load(fleet.lb, seconds=8, output_len=24) as load:  # on past HAProxy's DOWN, however long that takes
         wait_for("requests in flight on replica 3", lambda: fleet.running(3) >= 1, 20, fleet)
         notes_before = len(fleet.sink_log.read_text().splitlines())  # replicas still loading were down at the start
         t_kill = time.time()
@@ -283,13 +280,15 @@ def test_sigkill_under_load_fails_only_its_in_flight_requests_and_fires_the_down
     failed = [r for r in load.run.results if not r.ok]
     assert failed and {r.error for r in failed} <= {"connection_lost", "truncated_stream", "http_502"}, s
     # exactly the requests the killed replica had when it died failed: HAProxy saw each cut off by the server
-    # (a stream cut mid-way, or a request sent on a kept-alive connection at the instant of death: a 502)
-    # t_dead is when the poll saw the process gone; a request HAProxy handed to the dying replica within a few
-    # milliseconds of that (seen once in many runs) can still be cut with a 502 that HAProxy does not retry
+    # (a stream cut mid-way, or a request sent on a kept-alive connection at the instant of death: a 502); a
+    # connection it refused after its death was retried on another replica (a 503 would show among the errors).
+    # Each was handed over before HAProxy marked the replica DOWN, and nothing sent after that failed. (The
+    # moment of death is no boundary: how soon HAProxy hears of a closed kept-alive connection depends on how
+    # busy the machine is; 50 ms after the test saw the process gone was once too little.)
     cut = [r for r in fleet.requests_log() if r["server"] == victim and r["state"][0] == "S"]
-    assert len(cut) == len(failed) and all(r["start"] < t_dead + DEATH_WINDOW for r in cut), (cut, s)
-    later = [r for r in load.run.results if load.sent_at(r) > t_dead + DEATH_WINDOW]
-    assert later and all(r.ok for r in later)  # new requests succeed on the others (refused ones are retried)
+    assert len(cut) == len(failed) and all(r["start"] < down for r in cut), (cut, s)
+    later = [r for r in load.run.results if load.sent_at(r) > down]
+    assert later and all(r.ok for r in later)  # new requests succeed on the others
 
     def down_alerts():
         alerts = httpx.get(fleet.alertmanager + "/api/v2/alerts", params={"active": "true"}).json()
