@@ -102,7 +102,8 @@ class Fleet(Stack):
     def requests_log(self) -> list[dict]:
         """HAProxy's httplog lines: server, status, request start (epoch s), end, termination state, retries."""
         out = []
-        pattern = re.compile(r"\[(\S+)\] llm replicas/(\S+) \S+/\S+/\S+/\S+/(-?\d+) (\d+) \d+ \S+ \S+ (\S{4}) "
+        # status -1: no response came from the replica (one killed after it took the request)
+        pattern = re.compile(r"\[(\S+)\] llm replicas/(\S+) \S+/\S+/\S+/\S+/(-?\d+) (-?\d+) \d+ \S+ \S+ (\S{4}) "
                              r"\d+/\d+/\d+/\d+/(\+?\d+) ")
         for line in (self.tmp / "haproxy.log").read_text().splitlines():
             m = pattern.search(line)
@@ -286,7 +287,7 @@ def test_sigkill_under_load_fails_only_its_in_flight_requests_and_fires_the_down
     # moment of death is no boundary: how soon HAProxy hears of a closed kept-alive connection depends on how
     # busy the machine is; 50 ms after the test saw the process gone was once too little.)
     cut = [r for r in fleet.requests_log() if r["server"] == victim and r["state"][0] == "S"]
-    assert len(cut) == len(failed) and all(r["start"] < down for r in cut), (cut, s)
+    assert len(cut) == len(failed) and all(r["start"] < down for r in cut), (cut, [r.error for r in failed], s)
     later = [r for r in load.run.results if load.sent_at(r) > down]
     assert later and all(r.ok for r in later)  # new requests succeed on the others
 
