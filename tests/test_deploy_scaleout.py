@@ -208,7 +208,7 @@ def test_load_through_haproxy_spreads_over_every_replica_and_all_of_it_succeeds(
     # the replicas' own counters, summed by Prometheus over the discovered instances, agree
     total = 'sum(llm_requests_total{job="llm-service"})'
     wait_for("the replicas' counters in Prometheus",
-             lambda: float(query(fleet, total)["result"][0]["value"][1]) == s["requests.sent"], 20, fleet)
+             lambda: float(query(fleet, total)["result"][0]["value"][1]) == s["requests.sent"], 60, fleet)
     print(f"\nMEASURED spread: {s['requests.sent']} sent, {s['requests.completed']} completed, per replica {served}")
 
 
@@ -241,11 +241,11 @@ def test_every_dashboard_and_rule_query_returns_data_over_three_replicas(fleet):
 def test_sigterm_under_load_drains_the_replica_and_loses_nothing(fleet):
     victim, pid = "replica2", fleet.pids[2]
     with Load(fleet.lb, seconds=10, output_len=24) as load:
-        wait_for("requests in flight on replica 2", lambda: fleet.running(2) >= 1, 20, fleet)
+        wait_for("requests in flight on replica 2", lambda: fleet.running(2) >= 1, 60, fleet)
         t_term = time.time()
         os.kill(pid, signal.SIGTERM)
         down = wait_for("HAProxy to take replica 2 out",
-                        lambda: fleet.servers()[victim]["status"].startswith("DOWN") and time.time(), 20, fleet)
+                        lambda: fleet.servers()[victim]["status"].startswith("DOWN") and time.time(), 60, fleet)
         wait_for("replica 2 to exit", lambda: not os.path.exists(f"/proc/{pid}") and time.time(), 130, fleet)
     s = load.summary()
     assert s["requests.failed"] == 0 and s["requests.completed"] == s["requests.sent"], s
@@ -259,7 +259,7 @@ def test_sigterm_under_load_drains_the_replica_and_loses_nothing(fleet):
     retried = sum(1 for r in log if r["retries"] != "0")
     # a clean exit withdraws the replica from Prometheus's targets (replicas.sh): no down alert for a drain
     wait_for("replica 2 to leave the targets", lambda: fleet.instances[1] not in
-             {r["metric"]["instance"] for r in query(fleet, 'up{job="llm-service"}')["result"]}, 20, fleet)
+             {r["metric"]["instance"] for r in query(fleet, 'up{job="llm-service"}')["result"]}, 60, fleet)
     print(f"\nMEASURED sigterm: {s['requests.sent']} sent, {s['requests.completed']} completed, "
           f"{s['requests.failed']} failed; {len(spanning)} in flight on replica 2 completed while it drained; "
           f"the last request it admitted arrived {t_term - last_routed:.2f} s before the SIGTERM; "
@@ -270,13 +270,13 @@ def test_sigterm_under_load_drains_the_replica_and_loses_nothing(fleet):
 def test_sigkill_under_load_fails_only_its_in_flight_requests_and_fires_the_down_alert(fleet):
     victim, pid, instance = "replica3", fleet.pids[3], fleet.instances[2]
     with Load(fleet.lb, seconds=8, output_len=24) as load:  # on past HAProxy's DOWN, however long that takes
-        wait_for("requests in flight on replica 3", lambda: fleet.running(3) >= 1, 20, fleet)
+        wait_for("requests in flight on replica 3", lambda: fleet.running(3) >= 1, 60, fleet)
         notes_before = len(fleet.sink_log.read_text().splitlines())  # replicas still loading were down at the start
         t_kill = time.time()
         os.kill(pid, signal.SIGKILL)
         t_dead = wait_until(lambda: dead(pid) and time.time(), 10, "replica 3 to die", interval=0.005)
         down = wait_for("HAProxy to take replica 3 out",
-                        lambda: fleet.servers()[victim]["status"].startswith("DOWN") and time.time(), 20, fleet)
+                        lambda: fleet.servers()[victim]["status"].startswith("DOWN") and time.time(), 60, fleet)
     s = load.summary()
     failed = [r for r in load.run.results if not r.ok]
     assert failed and {r.error for r in failed} <= {"connection_lost", "truncated_stream", "http_502"}, s
@@ -294,7 +294,7 @@ def test_sigkill_under_load_fails_only_its_in_flight_requests_and_fires_the_down
     def down_alerts():
         alerts = httpx.get(fleet.alertmanager + "/api/v2/alerts", params={"active": "true"}).json()
         return [a for a in alerts if a["labels"]["alertname"] == "LLMServiceDown"]
-    fired = wait_for("LLMServiceDown on Alertmanager", lambda: down_alerts() and time.time(), 30, fleet)
+    fired = wait_for("LLMServiceDown on Alertmanager", lambda: down_alerts() and time.time(), 60, fleet)
     [alert] = down_alerts()  # for the killed replica alone: the drained one left the targets
     assert alert["labels"]["instance"] == instance and alert["labels"]["severity"] == "critical"
 
@@ -302,7 +302,7 @@ def test_sigkill_under_load_fails_only_its_in_flight_requests_and_fires_the_down
         lines = [json.loads(line) for line in fleet.sink_log.read_text().splitlines()[notes_before:]]
         return [a for a in lines if a["alertname"] == "LLMServiceDown" and a["status"] == "firing"
                 and a["labels"]["instance"] == instance] and time.time()
-    webhook = wait_for("the webhook notification", delivered, 30, fleet)
+    webhook = wait_for("the webhook notification", delivered, 60, fleet)
     up = {r["metric"]["instance"]: r["value"][1] for r in query(fleet, 'up{job="llm-service"}')["result"]}
     assert up == {fleet.instances[0]: "1", instance: "0"}  # the drained replica 2 left the targets, the dead one not
     retried = sum(1 for r in fleet.requests_log() if r["start"] > t_kill and r["retries"] != "0")
