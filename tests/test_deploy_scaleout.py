@@ -215,8 +215,13 @@ def test_load_through_haproxy_spreads_over_every_replica_and_all_of_it_succeeds(
 def test_every_dashboard_and_rule_query_returns_data_over_three_replicas(fleet):
     """Every PromQL expression of rules, dashboards and datasources, with the variables set to All and to one
     replica (alert conditions are false on a healthy fleet; no GPU here); the instance variable lists all three."""
-    wait_for("recorded rates", lambda: finite(query(fleet, "instance_model:llm_slo_availability_errors:ratio_rate5m")),
-             30, fleet)
+    def recorded() -> bool:
+        # a rate needs a counter that rose between two scrapes: a load that fell between two of them (a quick
+        # one on a quiet machine) left every rate at 0 and the ratio at 0/0; so one more request on each try
+        httpx.post(fleet.lb + "/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1},
+                   timeout=60)
+        return finite(query(fleet, "instance_model:llm_slo_availability_errors:ratio_rate5m"))
+    wait_for("recorded rates", recorded, 60, fleet)
     one = re.escape(fleet.instances[1]).replace("\\", "\\\\")
     checks = [(f"{instance}: {where}", expr, substitute(expr, instance, model))
               for instance, model in ((".*", ".*"), (one, MODEL)) for where, expr in promql_expressions()
