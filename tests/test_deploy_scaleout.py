@@ -113,6 +113,14 @@ class Fleet(Stack):
                             "status": int(m.group(4)), "state": m.group(5), "retries": m.group(6)})
         return out
 
+    def failures(self, load: "Load") -> str:
+        """For an assertion's message: the failed requests as the client saw them, and HAProxy's log lines of
+        requests that did not end normally (termination state other than ----)."""
+        failed = [(round(load.sent_at(r), 3), r.error, r.message) for r in load.run.results if not r.ok]
+        odd = [line for line in (self.tmp / "haproxy.log").read_text().splitlines()
+               if " llm " in line and " ---- " not in line]
+        return f"client: {failed}\nHAProxy:\n" + "\n".join(odd)
+
     def running(self, replica: int) -> float:
         text = httpx.get(f"http://{self.instances[replica - 1]}/metrics", timeout=2).text
         return sum(float(v) for v in re.findall(r"^llm_requests_running\{[^}]*\} (\S+)$", text, re.M))
@@ -201,7 +209,7 @@ def test_load_through_haproxy_spreads_over_every_replica_and_all_of_it_succeeds(
     with Load(fleet.lb, requests=24, output_len=8) as load:
         pass
     s = load.summary()
-    assert s["requests.failed"] == 0 and s["requests.completed"] == s["requests.sent"] == 24, s
+    assert s["requests.failed"] == 0 and s["requests.completed"] == s["requests.sent"] == 24, fleet.failures(load)
     served = {name: int(row["hrsp_2xx"]) for name, row in fleet.servers().items()}
     assert sorted(served) == [f"replica{i}" for i in range(1, REPLICAS + 1)]
     assert sum(served.values()) == s["requests.sent"] and min(served.values()) >= 2, served
@@ -253,7 +261,7 @@ def test_sigterm_under_load_drains_the_replica_and_loses_nothing(fleet):
                         lambda: fleet.servers()[victim]["status"].startswith("DOWN") and time.time(), 60, fleet)
         wait_for("replica 2 to exit", lambda: not os.path.exists(f"/proc/{pid}") and time.time(), 130, fleet)
     s = load.summary()
-    assert s["requests.failed"] == 0 and s["requests.completed"] == s["requests.sent"], s
+    assert s["requests.failed"] == 0 and s["requests.completed"] == s["requests.sent"], fleet.failures(load)
     log = fleet.requests_log()
     on_victim = [r for r in log if r["server"] == victim]
     spanning = [r for r in on_victim if r["start"] < t_term < r["end"]]  # admitted before, finished while draining
@@ -284,7 +292,8 @@ def test_sigkill_under_load_fails_only_its_in_flight_requests_and_fires_the_down
                         lambda: fleet.servers()[victim]["status"].startswith("DOWN") and time.time(), 60, fleet)
     s = load.summary()
     failed = [r for r in load.run.results if not r.ok]
-    assert failed and {r.error for r in failed} <= {"connection_lost", "truncated_stream", "http_502"}, s
+    assert failed and {r.error for r in failed} <= {"connection_lost", "truncated_stream", "http_502"}, \
+        fleet.failures(load)
     # exactly the requests the killed replica had when it died failed: HAProxy saw each cut off by the server
     # (a stream cut mid-way, or a request sent on a kept-alive connection at the instant of death: a 502); a
     # connection it refused after its death was retried on another replica (a 503 would show among the errors).
@@ -292,7 +301,7 @@ def test_sigkill_under_load_fails_only_its_in_flight_requests_and_fires_the_down
     # moment of death is no boundary: how soon HAProxy hears of a closed kept-alive connection depends on how
     # busy the machine is; 50 ms after the test saw the process gone was once too little.)
     cut = [r for r in fleet.requests_log() if r["server"] == victim and r["state"][0] == "S"]
-    assert len(cut) == len(failed) and all(r["start"] < down for r in cut), (cut, [r.error for r in failed], s)
+    assert len(cut) == len(failed) and all(r["start"] < down for r in cut), (cut, fleet.failures(load))
     later = [r for r in load.run.results if load.sent_at(r) > down]
     assert later and all(r.ok for r in later)  # new requests succeed on the others
 
