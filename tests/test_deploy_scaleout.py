@@ -115,10 +115,10 @@ class Fleet(Stack):
 
     def failures(self, load: "Load") -> str:
         """For an assertion's message: the failed requests as the client saw them, and HAProxy's log lines of
-        requests that did not end normally (termination state other than ----)."""
+        requests that did not end normally (termination state other than ----) or got a 5xx (or no status)."""
         failed = [(round(load.sent_at(r), 3), r.error, r.message) for r in load.run.results if not r.ok]
         odd = [line for line in (self.tmp / "haproxy.log").read_text().splitlines()
-               if " llm " in line and " ---- " not in line]
+               if " llm " in line and (" ---- " not in line or re.search(r" (5\d\d|-1) \d+ ", line))]
         return f"client: {failed}\nHAProxy:\n" + "\n".join(odd)
 
     def running(self, replica: int) -> float:
