@@ -26,5 +26,8 @@ $(TOOLS): deploy/install-tools.sh
 run: $(STAMP)
 	$(PY) -m service serve
 
+# Test files run in parallel, each whole on one worker (its module-scoped servers started once): the suite spends
+# much of its time waiting on servers and subprocesses, so two workers fill a 2-core machine (see docs/testing.md)
+TEST_WORKERS ?= 2
 test: $(STAMP) $(TOOLS)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The system tools the tests run for real: Prometheus (with promtool), Alertmanager, HAProxy (the load balancer
-# in front of replicas), docker-compose (v1, to validate deploy/docker-compose.yml offline), and PostgreSQL (the
-# results store's tests start their own cluster). Debian packages, installed only when missing.
+# in front of replicas), docker-compose (v1, to validate deploy/docker-compose.yml offline), PostgreSQL (the
+# results store's tests start their own cluster), and stress-ng (scripts/stress-suite.sh runs the suite beside it).
+# Debian packages, installed only when missing.
 set -euo pipefail
 need=()
 command -v prometheus >/dev/null || need+=(prometheus)
@@ -10,6 +11,7 @@ command -v prometheus-alertmanager >/dev/null || need+=(prometheus-alertmanager)
 command -v docker-compose >/dev/null || need+=(docker-compose)
 command -v haproxy >/dev/null || need+=(haproxy)
 compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || need+=(postgresql)
+command -v stress-ng >/dev/null || need+=(stress-ng)
 # kubectl (with Kustomize v5, kubectl >= 1.27) has no current Debian package: Debian's kubernetes-client is 1.20
 command -v kubectl >/dev/null || echo "kubectl missing: tests/test_deploy_kubernetes.py needs kubectl >= 1.27;" \
     "see https://kubernetes.io/docs/tasks/tools/" >&2

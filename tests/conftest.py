@@ -1,10 +1,20 @@
+import os
+
 import pytest
 import torch
 
 from service.engine import EngineConfig, LLMEngine
 from service.engine.models import load_model
+from tests.ports import free_port
 
 pytest_plugins = ["tests.bench_db"]  # results-store databases (SQLite and a real PostgreSQL), one cluster per session
+
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    # pytest-xdist workers share the cores: each takes its part, for torch here and for the servers it starts (by
+    # default each would take every core, and OpenMP's waiting threads would spin against the other workers')
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
@@ -78,13 +88,6 @@ def needs_tools(*tools: str):
     return decorate
 
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LiveServer:
     """A real uvicorn server on 127.0.0.1 in a thread, serving an engine over an already loaded model."""
 
@@ -121,7 +124,7 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(30)
 
-    def wait_idle(self, timeout: float = 10.0) -> bool:
+    def wait_idle(self, timeout: float = 60.0) -> bool:
         """True once the engine holds no request and every KV block is free."""
         import time
         deadline = time.monotonic() + timeout

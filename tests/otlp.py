@@ -110,7 +110,7 @@ class Receiver:
             self._server.shutdown()
             self._server.server_close()
 
-    def wait_for(self, predicate, timeout: float = 20.0) -> list[Span]:
+    def wait_for(self, predicate, timeout: float = 60.0) -> list[Span]:
         """Poll until predicate(spans) is true; return the spans."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

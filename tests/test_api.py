@@ -180,20 +180,21 @@ def test_health_answers_quickly_while_the_engine_is_saturated(server):
     async def main():
         async with httpx.AsyncClient(timeout=120) as c:
             load = [asyncio.create_task(c.post(server.url + "/v1/completions", json={
-                "model": MODEL, "prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True}))
+                "model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}))
                 for _ in range(16)]
-            await asyncio.sleep(1.0)
-            assert server.engine.has_unfinished()
-            worst = 0.0
+            while server.engine.num_running < 16:
+                await asyncio.sleep(0.02)
             for _ in range(10):
-                start = time.perf_counter()
                 assert (await c.get(server.url + "/health")).status_code == 200
-                worst = max(worst, time.perf_counter() - start)
-            await asyncio.gather(*load)
-            return worst
-    worst = asyncio.run(main())
-    # a generous bound: the loop thread holds the GIL for short stretches only, never a whole step
-    assert worst < 1.0, worst
+            still_running = server.engine.num_running
+            for request in load:  # the clients leave; the server aborts their requests
+                request.cancel()
+            await asyncio.gather(*load, return_exceptions=True)
+            return still_running
+    # the bound comes from the load, not the machine: had /health waited behind the engine (the loop thread
+    # holding the GIL for whole steps), the 400 steps of the batch would have ended first, however fast they ran
+    assert asyncio.run(main()) == 16
+    assert server.wait_idle()
 
 
 def test_full_queue_gets_503_with_retry_after_and_recovers(default_model):

@@ -91,7 +91,7 @@ def test_client_ttft_and_tokens_agree_with_the_servers_metrics(server, monkeypat
     A slow front end (a tokenizer that sleeps) is what a server clock that starts late misses: the client sees it,
     so the server's TTFT must hold it too for the two to agree.
     """
-    delay = 0.5
+    delay = 1.0  # the client may exceed the server by 5% of its mean: 50 ms and more, room for a loaded machine
     tokenize = server.engine.tokenize
     monkeypatch.setattr(server.engine, "tokenize", lambda prompt: time.sleep(delay) or tokenize(prompt))
     [doc] = serve.main(["--url", server.url, "--model", "random:tiny", "--num-requests", "8",

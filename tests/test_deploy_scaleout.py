@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import sys
 import threading
 import time
@@ -42,28 +41,10 @@ MODEL = "random:tiny"
 DOWN_FOR = "2s"  # LLMServiceDown's `for` here (1m in deploy/rules): the alert path is the same, only shorter
 
 
-def free_port_block(n: int) -> int:
-    """A base port whose next n ports are all free (replicas.sh puts replica i on base + i)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        try:
-            for p in range(base + 1, base + n + 1):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no block of free ports")
-
-
 class Fleet(Stack):
     def __init__(self, tmp: Path):
         super().__init__(tmp)
-        self.base = free_port_block(REPLICAS)
+        self.base = free_port(REPLICAS + 1)  # replicas.sh puts replica i on base + i
         self.ports.update(lb=free_port(), stats=free_port())
         self.lb = f"http://127.0.0.1:{self.ports['lb']}"
         self.stats_url = f"http://127.0.0.1:{self.ports['stats']}/stats;csv"
@@ -121,7 +102,8 @@ class Fleet(Stack):
     def requests_log(self) -> list[dict]:
         """HAProxy's httplog lines: server, status, request start (epoch s), end, termination state, retries."""
         out = []
-        pattern = re.compile(r"\[(\S+)\] llm replicas/(\S+) \S+/\S+/\S+/\S+/(-?\d+) (\d+) \d+ \S+ \S+ (\S{4}) "
+        # status -1: no response came from the replica (one killed after it took the request)
+        pattern = re.compile(r"\[(\S+)\] llm replicas/(\S+) \S+/\S+/\S+/\S+/(-?\d+) (-?\d+) \d+ \S+ \S+ (\S{4}) "
                              r"\d+/\d+/\d+/\d+/(\+?\d+) ")
         for line in (self.tmp / "haproxy.log").read_text().splitlines():
             m = pattern.search(line)
@@ -131,12 +113,17 @@ class Fleet(Stack):
                             "status": int(m.group(4)), "state": m.group(5), "retries": m.group(6)})
         return out
 
+    def failures(self, load: "Load") -> str:
+        """For an assertion's message: the failed requests as the client saw them, and HAProxy's log lines of
+        requests that did not end normally (termination state other than ----) or got a 5xx (or no status)."""
+        failed = [(round(load.sent_at(r), 3), r.error, r.message) for r in load.run.results if not r.ok]
+        odd = [line for line in (self.tmp / "haproxy.log").read_text().splitlines()
+               if " llm " in line and (" ---- " not in line or re.search(r" (5\d\d|-1) \d+ ", line))]
+        return f"client: {failed}\nHAProxy:\n" + "\n".join(odd)
+
     def running(self, replica: int) -> float:
         text = httpx.get(f"http://{self.instances[replica - 1]}/metrics", timeout=2).text
         return sum(float(v) for v in re.findall(r"^llm_requests_running\{[^}]*\} (\S+)$", text, re.M))
-
-
-DEATH_WINDOW = 0.05  # seconds after a killed replica is seen dead in which a request may still be cut
 
 
 def dead(pid: int) -> bool:
@@ -222,22 +209,27 @@ def test_load_through_haproxy_spreads_over_every_replica_and_all_of_it_succeeds(
     with Load(fleet.lb, requests=24, output_len=8) as load:
         pass
     s = load.summary()
-    assert s["requests.failed"] == 0 and s["requests.completed"] == s["requests.sent"] == 24, s
+    assert s["requests.failed"] == 0 and s["requests.completed"] == s["requests.sent"] == 24, fleet.failures(load)
     served = {name: int(row["hrsp_2xx"]) for name, row in fleet.servers().items()}
     assert sorted(served) == [f"replica{i}" for i in range(1, REPLICAS + 1)]
     assert sum(served.values()) == s["requests.sent"] and min(served.values()) >= 2, served
     # the replicas' own counters, summed by Prometheus over the discovered instances, agree
     total = 'sum(llm_requests_total{job="llm-service"})'
     wait_for("the replicas' counters in Prometheus",
-             lambda: float(query(fleet, total)["result"][0]["value"][1]) == s["requests.sent"], 20, fleet)
+             lambda: float(query(fleet, total)["result"][0]["value"][1]) == s["requests.sent"], 60, fleet)
     print(f"\nMEASURED spread: {s['requests.sent']} sent, {s['requests.completed']} completed, per replica {served}")
 
 
 def test_every_dashboard_and_rule_query_returns_data_over_three_replicas(fleet):
     """Every PromQL expression of rules, dashboards and datasources, with the variables set to All and to one
     replica (alert conditions are false on a healthy fleet; no GPU here); the instance variable lists all three."""
-    wait_for("recorded rates", lambda: finite(query(fleet, "instance_model:llm_slo_availability_errors:ratio_rate5m")),
-             30, fleet)
+    def recorded() -> bool:
+        # a rate needs a counter that rose between two scrapes: a load that fell between two of them (a quick
+        # one on a quiet machine) left every rate at 0 and the ratio at 0/0; so one more request on each try
+        httpx.post(fleet.lb + "/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1},
+                   timeout=60)
+        return finite(query(fleet, "instance_model:llm_slo_availability_errors:ratio_rate5m"))
+    wait_for("recorded rates", recorded, 60, fleet)
     one = re.escape(fleet.instances[1]).replace("\\", "\\\\")
     checks = [(f"{instance}: {where}", expr, substitute(expr, instance, model))
               for instance, model in ((".*", ".*"), (one, MODEL)) for where, expr in promql_expressions()
@@ -262,14 +254,14 @@ def test_every_dashboard_and_rule_query_returns_data_over_three_replicas(fleet):
 def test_sigterm_under_load_drains_the_replica_and_loses_nothing(fleet):
     victim, pid = "replica2", fleet.pids[2]
     with Load(fleet.lb, seconds=10, output_len=24) as load:
-        wait_for("requests in flight on replica 2", lambda: fleet.running(2) >= 1, 20, fleet)
+        wait_for("requests in flight on replica 2", lambda: fleet.running(2) >= 1, 60, fleet)
         t_term = time.time()
         os.kill(pid, signal.SIGTERM)
         down = wait_for("HAProxy to take replica 2 out",
-                        lambda: fleet.servers()[victim]["status"].startswith("DOWN") and time.time(), 20, fleet)
+                        lambda: fleet.servers()[victim]["status"].startswith("DOWN") and time.time(), 60, fleet)
         wait_for("replica 2 to exit", lambda: not os.path.exists(f"/proc/{pid}") and time.time(), 130, fleet)
     s = load.summary()
-    assert s["requests.failed"] == 0 and s["requests.completed"] == s["requests.sent"], s
+    assert s["requests.failed"] == 0 and s["requests.completed"] == s["requests.sent"], fleet.failures(load)
     log = fleet.requests_log()
     on_victim = [r for r in log if r["server"] == victim]
     spanning = [r for r in on_victim if r["start"] < t_term < r["end"]]  # admitted before, finished while draining
@@ -280,7 +272,7 @@ def test_sigterm_under_load_drains_the_replica_and_loses_nothing(fleet):
     retried = sum(1 for r in log if r["retries"] != "0")
     # a clean exit withdraws the replica from Prometheus's targets (replicas.sh): no down alert for a drain
     wait_for("replica 2 to leave the targets", lambda: fleet.instances[1] not in
-             {r["metric"]["instance"] for r in query(fleet, 'up{job="llm-service"}')["result"]}, 20, fleet)
+             {r["metric"]["instance"] for r in query(fleet, 'up{job="llm-service"}')["result"]}, 60, fleet)
     print(f"\nMEASURED sigterm: {s['requests.sent']} sent, {s['requests.completed']} completed, "
           f"{s['requests.failed']} failed; {len(spanning)} in flight on replica 2 completed while it drained; "
           f"the last request it admitted arrived {t_term - last_routed:.2f} s before the SIGTERM; "
@@ -290,30 +282,33 @@ def test_sigterm_under_load_drains_the_replica_and_loses_nothing(fleet):
 
 def test_sigkill_under_load_fails_only_its_in_flight_requests_and_fires_the_down_alert(fleet):
     victim, pid, instance = "replica3", fleet.pids[3], fleet.instances[2]
-    with Load(fleet.lb, seconds=5, output_len=24) as load:
-        wait_for("requests in flight on replica 3", lambda: fleet.running(3) >= 1, 20, fleet)
+    with Load(fleet.lb, seconds=8, output_len=24) as load:  # on past HAProxy's DOWN, however long that takes
+        wait_for("requests in flight on replica 3", lambda: fleet.running(3) >= 1, 60, fleet)
         notes_before = len(fleet.sink_log.read_text().splitlines())  # replicas still loading were down at the start
         t_kill = time.time()
         os.kill(pid, signal.SIGKILL)
         t_dead = wait_until(lambda: dead(pid) and time.time(), 10, "replica 3 to die", interval=0.005)
         down = wait_for("HAProxy to take replica 3 out",
-                        lambda: fleet.servers()[victim]["status"].startswith("DOWN") and time.time(), 20, fleet)
+                        lambda: fleet.servers()[victim]["status"].startswith("DOWN") and time.time(), 60, fleet)
     s = load.summary()
     failed = [r for r in load.run.results if not r.ok]
-    assert failed and {r.error for r in failed} <= {"connection_lost", "truncated_stream", "http_502"}, s
+    assert failed and {r.error for r in failed} <= {"connection_lost", "truncated_stream", "http_502"}, \
+        fleet.failures(load)
     # exactly the requests the killed replica had when it died failed: HAProxy saw each cut off by the server
-    # (a stream cut mid-way, or a request sent on a kept-alive connection at the instant of death: a 502)
-    # t_dead is when the poll saw the process gone; a request HAProxy handed to the dying replica within a few
-    # milliseconds of that (seen once in many runs) can still be cut with a 502 that HAProxy does not retry
+    # (a stream cut mid-way, or a request sent on a kept-alive connection at the instant of death: a 502); a
+    # connection it refused after its death was retried on another replica (a 503 would show among the errors).
+    # Each was handed over before HAProxy marked the replica DOWN, and nothing sent after that failed. (The
+    # moment of death is no boundary: how soon HAProxy hears of a closed kept-alive connection depends on how
+    # busy the machine is; 50 ms after the test saw the process gone was once too little.)
     cut = [r for r in fleet.requests_log() if r["server"] == victim and r["state"][0] == "S"]
-    assert len(cut) == len(failed) and all(r["start"] < t_dead + DEATH_WINDOW for r in cut), (cut, s)
-    later = [r for r in load.run.results if load.sent_at(r) > t_dead + DEATH_WINDOW]
-    assert later and all(r.ok for r in later)  # new requests succeed on the others (refused ones are retried)
+    assert len(cut) == len(failed) and all(r["start"] < down for r in cut), (cut, fleet.failures(load))
+    later = [r for r in load.run.results if load.sent_at(r) > down]
+    assert later and all(r.ok for r in later)  # new requests succeed on the others
 
     def down_alerts():
         alerts = httpx.get(fleet.alertmanager + "/api/v2/alerts", params={"active": "true"}).json()
         return [a for a in alerts if a["labels"]["alertname"] == "LLMServiceDown"]
-    fired = wait_for("LLMServiceDown on Alertmanager", lambda: down_alerts() and time.time(), 30, fleet)
+    fired = wait_for("LLMServiceDown on Alertmanager", lambda: down_alerts() and time.time(), 60, fleet)
     [alert] = down_alerts()  # for the killed replica alone: the drained one left the targets
     assert alert["labels"]["instance"] == instance and alert["labels"]["severity"] == "critical"
 
@@ -321,7 +316,7 @@ def test_sigkill_under_load_fails_only_its_in_flight_requests_and_fires_the_down
         lines = [json.loads(line) for line in fleet.sink_log.read_text().splitlines()[notes_before:]]
         return [a for a in lines if a["alertname"] == "LLMServiceDown" and a["status"] == "firing"
                 and a["labels"]["instance"] == instance] and time.time()
-    webhook = wait_for("the webhook notification", delivered, 30, fleet)
+    webhook = wait_for("the webhook notification", delivered, 60, fleet)
     up = {r["metric"]["instance"]: r["value"][1] for r in query(fleet, 'up{job="llm-service"}')["result"]}
     assert up == {fleet.instances[0]: "1", instance: "0"}  # the drained replica 2 left the targets, the dead one not
     retried = sum(1 for r in fleet.requests_log() if r["start"] > t_kill and r["retries"] != "0")

@@ -262,7 +262,7 @@ def test_a_reader_that_stops_reading_is_cut_off_with_bounded_memory(tiny_model):
         # and small kernel buffers on the server's side of this connection (as over a slow network): else
         # loopback's autotuned buffers (up to 4 MiB) would absorb the whole stream
         me = sock.getsockname()
-        conn = wait_until(lambda: next((c for c in s.server.server_state.connections if c.client == me), None), 10,
+        conn = wait_until(lambda: next((c for c in s.server.server_state.connections if c.client == me), None), 60,
                           "the server to accept the connection")
         conn.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

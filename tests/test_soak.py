@@ -1,5 +1,9 @@
-"""The bounded soak: 45 seconds of mixed traffic (streams, clients leaving, timeouts, hostile bodies, overload
-bursts) against a live server, which must end idle with nothing left behind. `bench soak` runs it for hours."""
+"""The bounded soak: a few seconds of mixed traffic (streams, clients leaving, timeouts, hostile bodies, two overload
+bursts) against a live server, which must end idle with nothing left behind. `bench soak` runs it for hours.
+
+Every kind of request comes up in the first turns of the soak's schedule and the first burst starts after
+`burst_every` seconds however slow the machine is, so a short soak meets them all; what it checks is the state
+the server is left in, not how much it got through."""
 
 import asyncio
 
@@ -7,12 +11,12 @@ from service.bench.soak import Soak, verdict
 from tests.conftest import LiveServer
 
 
-def test_mixed_traffic_for_45_seconds_leaves_nothing_behind(default_model):
+def test_mixed_traffic_with_overload_bursts_leaves_nothing_behind(default_model):
     # 4 running slots and 4 waiting ones: the bursts of 16 must meet backpressure (503s)
     with LiveServer(default_model, {"max_num_seqs": 4, "num_blocks": 256}, max_waiting=4) as s:
         soak = Soak(s.url, api_key=None, metrics_token=None, seed=1)
-        rows = asyncio.run(soak.run(duration=45, concurrency=4, sample_every=2, burst_every=15, burst_size=16,
-                                    warmup=5))
+        rows = asyncio.run(soak.run(duration=12, concurrency=4, sample_every=1, burst_every=4, burst_size=16,
+                                    warmup=2))
     result = verdict(rows, soak.tally, rss_growth_mib=64)
     assert result["passed"], (result["checks"], result["unexpected"])
     seen = soak.tally.counts

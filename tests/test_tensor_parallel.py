@@ -2,19 +2,17 @@
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 import torch
 
-from conftest import make_engine, wait_until
 from service.engine import EngineConfig, LLMEngine, SamplingParams
 from service.engine.parallel import head_ranges
 from service.engine.models import load_model
+from tests.conftest import free_port, make_engine, wait_until
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -62,12 +60,6 @@ def test_default_model_over_two_ranks_with_uneven_heads_equals_one_rank(default_
     assert got == expected
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_processes(pid: int) -> list[int]:
     """The server's spawned tensor-parallel ranks (not multiprocessing's resource tracker)."""
     children = open(f"/proc/{pid}/task/{pid}/children").read().split()
@@ -75,7 +67,7 @@ def _rank_processes(pid: int) -> list[int]:
 
 
 def test_killed_rank_fails_in_flight_requests_and_the_server_exits_non_zero(tmp_path):
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "server.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--model", "random:tiny", "--port", str(port),
                              "--tensor-parallel-size", "2", "--num-blocks", "64"], stdout=log, stderr=subprocess.STDOUT)

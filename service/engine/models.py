@@ -9,6 +9,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,5 +162,10 @@ def _convert_gguf(path: Path, cache_dir: str | None) -> Path:
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(folder)
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process converted it first (two servers, or two test workers, starting at once)
+        if not (folder / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder
