@@ -14,6 +14,7 @@ import torch
 
 from service.bench.model import memory
 from service.bench.model.measure import PeakMemory, available_bytes, pin_mmap_threshold, release_free_memory, rss_bytes
+from service.bench.offline.quantization import scheme_entry
 from service.bench.model.steps import PHASES, Case, build_model, model_config, run_case, summary
 from service.engine import quantization
 
@@ -34,8 +35,8 @@ def parse_args(argv):
     ap.add_argument("--modes", default="fwd,fwd+bwd,train", help="comma list of fwd, fwd+bwd, train")
     ap.add_argument("--precision", default="fp32", help="comma list of fp32, bf16 (autocast)")
     ap.add_argument("--compile", default="off", help="comma list of off, on (torch.compile of the whole model)")
-    ap.add_argument("--quantization", default="none", help="comma list of none, int8, int4, fp8: weight-only, as "
-                    "the engine serves them; forward only (int4 with bf16, fp8 on CUDA 8.9+)")
+    ap.add_argument("--quantization", default="none", help="comma list of none, int8, int4, fp8 (weight-only), "
+                    "int8-w8a8, fp8-w8a8, as the engine serves them; forward only (int4 with bf16, fp8 modes on CUDA 8.9+)")
     ap.add_argument("--attention", default="sdpa", choices=memory.ATTENTIONS,
                     help="transformers attention implementation (eager materializes the scores)")
     ap.add_argument("--warmup", type=int, default=5)
@@ -130,6 +131,7 @@ def _record(store, row: dict, args, device: torch.device) -> None:
               "warmup": args.warmup, "steps": args.steps}
     if c.quantization != "none":  # only then: configurations stored before this dimension keep their hash
         config["quantization"] = c.quantization
+        config |= scheme_entry(c.quantization)
     if row["status"].startswith("skipped"):  # a combination that cannot run is not a run
         print(f"{c.key}: {row['status']}", file=sys.stderr, flush=True)
         return

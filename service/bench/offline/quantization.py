@@ -1,17 +1,23 @@
-"""Weight-only quantization measured in one process: weight memory, offline throughput against the unquantized
-engine (modes alternating, so machine load hits all alike), greedy agreement with it, and perplexity.
+"""Quantization measured in one process: weight memory, offline throughput against the unquantized engine (modes
+alternating, so machine load hits all alike), greedy agreement with it, and perplexity.
+
+A W8A8 mode with the suffix `:sim` (`fp8-w8a8:sim`) runs its float32 reference instead of its kernels: the
+quality of fp8-w8a8 measured on a CPU, which cannot serve it (its speed then means nothing).
 
 Perplexity is over a text the repository ships: chapter I of Lewis Carroll's "Alice's Adventures in
 Wonderland" (1865, public domain; Project Gutenberg eBook #11, Millennium Fulcrum Edition 3.0).
 """
 
+import dataclasses
 import math
 from pathlib import Path
 
 import torch
 
-from service.engine import LLMEngine, SamplingParams
-from service.engine.quantization import weight_bytes
+from service.engine import EngineConfig, LLMEngine, SamplingParams
+from service.engine.config import resolve_dtype
+from service.engine.models import load_model
+from service.engine.quantization import W8A8_MODES, check, describe, quantize, weight_bytes
 
 TEXT = Path(__file__).parent.parent / "data" / "alice_chapter1.txt"
 
@@ -30,6 +36,39 @@ PROMPTS = [
     "Describe a cat in two sentences.",
     "What does HTTP stand for?",
 ]
+
+
+SIMULATED = ":sim"
+
+
+def check_mode(mode: str, device: torch.device, dtype: str) -> None:
+    """`check` for a mode of the comparison: a simulated one needs only to be a W8A8 mode."""
+    base = mode.removesuffix(SIMULATED)
+    if base != mode and base not in W8A8_MODES:
+        raise ValueError(f"only the W8A8 modes ({', '.join(W8A8_MODES)}) have a float32 simulation, not {base}")
+    if base == mode:
+        check(mode, device, resolve_dtype(dtype, device, mode))
+
+
+def engine_for(config: EngineConfig, mode: str) -> LLMEngine:
+    """An engine over its own copy of the weights, quantized in `mode` (simulated in float32 with `:sim`)."""
+    config = dataclasses.replace(config, quantization=mode)
+    if not mode.endswith(SIMULATED):
+        return LLMEngine(config)
+    device = torch.device(config.device)
+    loaded = load_model(config.model, resolve_dtype(config.dtype, device), device, config.cache_dir, config.seed)
+    quantize(loaded.model, mode.removesuffix(SIMULATED), device, simulate=True)
+    loaded.quantization = mode
+    return LLMEngine(config, loaded=loaded)
+
+
+def scheme_entry(mode: str) -> dict:
+    """What a stored configuration says of a mode's scheme (weights, activations, granularity). Only the W8A8 modes
+    carry it: the configurations, and hashes, stored for the other modes before it existed stay the same."""
+    base = mode.removesuffix(SIMULATED)
+    if base not in W8A8_MODES:
+        return {}
+    return {"quantization_scheme": describe(base) + (", simulated in float32" if base != mode else "")}
 
 
 def prompt_ids(engine: LLMEngine, prompts: list[str] = PROMPTS) -> list[list[int]]:
