@@ -16,31 +16,25 @@ measured on a CPU, which never serves it).
 """
 
 import functools
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 
-@dataclass(frozen=True)
-class Format:
-    dtype: torch.dtype
-    qmax: float  # the largest code magnitude
-
-
-FORMATS = {"int8-w8a8": Format(torch.int8, 127.0), "fp8-w8a8": Format(torch.float8_e4m3fn, 448.0)}
+CODES = {"int8-w8a8": torch.int8, "fp8-w8a8": torch.float8_e4m3fn}  # mode -> the dtype of its codes
 TINY = 1e-12  # the smallest row maximum a scale is made from: an all-zero row gets codes 0, not NaN
 EPS32 = 2.0 ** -24  # float32 unit roundoff
 
 
-def quantize_rows(x: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric quantization of each row of a 2-D tensor: codes in fmt.dtype, and float32 scales [rows, 1]."""
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric quantization of each row of a 2-D tensor: codes in `dtype` (int8 or float8 e4m3fn), and float32
+    scales [rows, 1]. The code ranges are literals: torch.compile would make a float held in a variable an input."""
     x = x.float()
-    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=TINY) / fmt.qmax
-    scaled = x / scale
-    if fmt.dtype == torch.int8:
-        return scaled.round().clamp(-fmt.qmax, fmt.qmax).to(torch.int8), scale
-    return scaled.clamp(-fmt.qmax, fmt.qmax).to(fmt.dtype), scale
+    amax = x.abs().amax(dim=-1, keepdim=True).clamp(min=TINY)
+    if dtype == torch.int8:
+        scale = amax / 127.0
+        return (x / scale).round().clamp(-127.0, 127.0).to(torch.int8), scale
+    scale = amax / 448.0
+    return (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
 
 
 @torch.library.custom_op("llm_service::int8_mm", mutates_args=())
@@ -99,31 +93,31 @@ class W8A8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear, mode: str, simulate: bool = False):
         super().__init__()
-        self.mode, self.fmt, self.simulate = mode, FORMATS[mode], simulate
+        self.mode, self.codes, self.simulate = mode, CODES[mode], simulate
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        codes, scale = quantize_rows(linear.weight.detach(), self.fmt)
+        codes, scale = quantize_rows(linear.weight.detach(), self.codes)
         # int8 is kept [in, out] row-major, the operand layout torch._int_mm reads right on every cuBLAS (torchao
         # makes it contiguous for that reason); fp8 [out, in], whose transpose is the column-major operand
         # torch._scaled_mm requires
-        codes = codes.t().contiguous() if self.fmt.dtype == torch.int8 else codes
+        codes = codes.t().contiguous() if self.codes == torch.int8 else codes
         self.weight = nn.Parameter(codes, requires_grad=False)
         self.weight_scale = nn.Parameter(scale.reshape(1, -1).contiguous(), requires_grad=False)  # [1, out]
         self.bias = linear.bias
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight the codes stand for, [out, in] float32."""
-        codes = self.weight.t() if self.fmt.dtype == torch.int8 else self.weight
+        codes = self.weight.t() if self.codes == torch.int8 else self.weight
         return codes.float() * self.weight_scale.t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.simulate:
             out = reference(self, rows).to(x.dtype)
-        elif self.fmt.dtype == torch.int8:
-            codes, scale = quantize_rows(rows, self.fmt)
+        elif self.codes == torch.int8:
+            codes, scale = quantize_rows(rows, self.codes)
             out = (int8_mm(codes, self.weight).float() * scale * self.weight_scale).to(x.dtype)
         else:
-            codes, scale = quantize_rows(rows, self.fmt)
+            codes, scale = quantize_rows(rows, self.codes)
             out = fp8_mm(codes, scale, self.weight, self.weight_scale, x.dtype)
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
@@ -135,7 +129,7 @@ class W8A8Linear(nn.Module):
 
 def reference(layer: W8A8Linear, x: torch.Tensor) -> torch.Tensor:
     """The layer's matmul (no bias) in float32 from the same codes and scales: quantize, dequantize, multiply."""
-    codes, scale = quantize_rows(x.reshape(-1, layer.in_features), layer.fmt)
+    codes, scale = quantize_rows(x.reshape(-1, layer.in_features), layer.codes)
     out = (codes.float() * scale) @ layer.dequantized_weight().t()
     return out.reshape(*x.shape[:-1], layer.out_features)
 
@@ -149,7 +143,7 @@ def error_bound(layer: W8A8Linear, x: torch.Tensor, dtype: torch.dtype, accumula
     (Higham's gamma bound, any summation order), the kernel's rescale of its sum within 3 u more; an output in
     a narrower dtype adds one rounding of each side. `accumulation_eps` is u of the kernel's sums (float32: 2^-24).
     """
-    codes, scale = quantize_rows(x.reshape(-1, layer.in_features), layer.fmt)
+    codes, scale = quantize_rows(x.reshape(-1, layer.in_features), layer.codes)
     magnitude = (codes.float().abs() * scale) @ layer.dequantized_weight().abs().t()
     bound = (layer.in_features + 5) * max(accumulation_eps, EPS32) * magnitude
     if dtype != torch.float32:
