@@ -16,7 +16,7 @@ import torch
 
 from service.engine import EngineConfig, LLMEngine, SamplingParams
 from service.engine.config import resolve_dtype
-from service.engine.models import load_model
+from service.engine.models import LoadedModel, load_model
 from service.engine.quantization import W8A8_MODES, check, describe, quantize, weight_bytes
 
 TEXT = Path(__file__).parent.parent / "data" / "alice_chapter1.txt"
@@ -50,15 +50,22 @@ def check_mode(mode: str, device: torch.device, dtype: str) -> None:
         check(mode, device, resolve_dtype(dtype, device, mode))
 
 
+def load_simulated(spec: str, mode: str, device: torch.device, dtype: str = "auto", cache_dir: str | None = None,
+                   seed: int = 0) -> LoadedModel:
+    """The model with the W8A8 scheme of `mode` (`fp8-w8a8:sim`) simulated in float32 in its linear layers."""
+    loaded = load_model(spec, resolve_dtype(dtype, device), device, cache_dir, seed)
+    quantize(loaded.model, mode.removesuffix(SIMULATED), device, simulate=True)
+    loaded.quantization = mode
+    return loaded
+
+
 def engine_for(config: EngineConfig, mode: str) -> LLMEngine:
     """An engine over its own copy of the weights, quantized in `mode` (simulated in float32 with `:sim`)."""
     config = dataclasses.replace(config, quantization=mode)
     if not mode.endswith(SIMULATED):
         return LLMEngine(config)
-    device = torch.device(config.device)
-    loaded = load_model(config.model, resolve_dtype(config.dtype, device), device, config.cache_dir, config.seed)
-    quantize(loaded.model, mode.removesuffix(SIMULATED), device, simulate=True)
-    loaded.quantization = mode
+    loaded = load_simulated(config.model, mode, torch.device(config.device), config.dtype, config.cache_dir,
+                            config.seed)
     return LLMEngine(config, loaded=loaded)
 
 
