@@ -27,14 +27,19 @@ EPS32 = 2.0 ** -24  # float32 unit roundoff
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric quantization of each row of a 2-D tensor: codes in `dtype` (int8 or float8 e4m3fn), and float32
-    scales [rows, 1]. The code ranges are literals: torch.compile would make a float held in a variable an input."""
+    scales [rows, 1].
+
+    Written so that eager and compiled code round alike: inductor turns a division by a constant into a product
+    with its reciprocal (so the scale is that product here), Triton's float32 division is approximate while
+    float64's is exact-rounded (so the codes come from a float64 quotient), and torch.compile would make a float
+    held in a variable a graph input (so the code ranges are literals)."""
     x = x.float()
     amax = x.abs().amax(dim=-1, keepdim=True).clamp(min=TINY)
     if dtype == torch.int8:
-        scale = amax / 127.0
-        return (x / scale).round().clamp(-127.0, 127.0).to(torch.int8), scale
-    scale = amax / 448.0
-    return (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+        scale = amax * (1 / 127)
+        return (x.double() / scale.double()).round().clamp(-127.0, 127.0).to(torch.int8), scale
+    scale = amax * (1 / 448)
+    return (x.double() / scale.double()).float().clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
 
 
 @torch.library.custom_op("llm_service::int8_mm", mutates_args=())
@@ -134,18 +139,19 @@ def reference(layer: W8A8Linear, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], layer.out_features)
 
 
-def error_bound(layer: W8A8Linear, x: torch.Tensor, dtype: torch.dtype, accumulation_eps: float = EPS32
+def error_bound(layer: W8A8Linear, x: torch.Tensor, dtype: torch.dtype, kernel_sum_error: float = 0.0
                 ) -> torch.Tensor:
     """How far, elementwise, a kernel's output (no bias) in `dtype` may lie from `reference`.
 
     With the same codes on both sides, the sums differ only by rounding: float32 sums of K products whose
     factors were each rounded once (dequantizing) lie within (K + 2) u of the sum of |terms| of the exact sum
     (Higham's gamma bound, any summation order), the kernel's rescale of its sum within 3 u more; an output in
-    a narrower dtype adds one rounding of each side. `accumulation_eps` is u of the kernel's sums (float32: 2^-24).
+    a narrower dtype adds one rounding of each side. A kernel that sums less exactly than float32 adds
+    `kernel_sum_error` times the sum of |terms| (int8 sums are exact: 0).
     """
     codes, scale = quantize_rows(x.reshape(-1, layer.in_features), layer.codes)
     magnitude = (codes.float().abs() * scale) @ layer.dequantized_weight().abs().t()
-    bound = (layer.in_features + 5) * max(accumulation_eps, EPS32) * magnitude
+    bound = ((layer.in_features + 5) * EPS32 + kernel_sum_error) * magnitude
     if dtype != torch.float32:
         ref = reference(layer, x).reshape(bound.shape).abs()
         bound = bound + torch.finfo(dtype).eps * (ref + bound)
