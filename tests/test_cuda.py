@@ -332,7 +332,7 @@ def test_cuda_w8a8_engine_compiles_once_and_matches_transformers(mode):
     assert engine.runner.compiled and engine.runner.graphs
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     rng = random.Random(7)
-    engine.generate([[rng.randrange(5, 500) for _ in range(n)] for n in (3, 40, 1)], params)  # first compiles
+    engine.generate([[rng.randrange(5, 500) for _ in range(3 + 5 * i)] for i in range(16)], params)  # compiles
     graphs = counters["stats"]["unique_graphs"]
     prompts = [[rng.randrange(5, 500) for _ in range(2 + 5 * i)] for i in range(16)]  # new prefill sizes
     outs = [o["token_ids"] for o in engine.generate(prompts, params)]

@@ -44,25 +44,25 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
 
 @torch.library.custom_op("llm_service::int8_mm", mutates_args=())
 def int8_mm(codes: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """codes [M, K] int8 @ weight [K, N] int8 (row-major) -> int32 [M, N], exact.
+    """codes [M, K] int8 @ weight [N, K] int8 transposed -> int32 [M, N], exact.
 
     cuBLAS (torch._int_mm on CUDA) wants more than 16 rows and K, N multiples of 8: fewer rows are padded with
     zero rows; other K or N go through float64, whose sums of int8 products are exact. The CPU kernel takes any shape.
     """
     if codes.device.type != "cuda":
-        return torch._int_mm(codes, weight)
+        return torch._int_mm(codes, weight.t())
     rows, k = codes.shape
-    if k % 8 or weight.shape[1] % 8:
-        return (codes.double() @ weight.double()).to(torch.int32)
+    if k % 8 or weight.shape[0] % 8:
+        return (codes.double() @ weight.double().t()).to(torch.int32)
     if rows <= 16:
         padded = torch.nn.functional.pad(codes, (0, 0, 0, 32 - rows))
-        return torch._int_mm(padded, weight)[:rows]
-    return torch._int_mm(codes, weight)
+        return torch._int_mm(padded, weight.t())[:rows]
+    return torch._int_mm(codes, weight.t())
 
 
 @int8_mm.register_fake
 def _(codes, weight):
-    return codes.new_empty(codes.shape[0], weight.shape[1], dtype=torch.int32)
+    return codes.new_empty(codes.shape[0], weight.shape[0], dtype=torch.int32)
 
 
 @functools.cache
@@ -101,18 +101,15 @@ class W8A8Linear(nn.Module):
         self.mode, self.codes, self.simulate = mode, CODES[mode], simulate
         self.in_features, self.out_features = linear.in_features, linear.out_features
         codes, scale = quantize_rows(linear.weight.detach(), self.codes)
-        # int8 is kept [in, out] row-major, the operand layout torch._int_mm reads right on every cuBLAS (torchao
-        # makes it contiguous for that reason); fp8 [out, in], whose transpose is the column-major operand
-        # torch._scaled_mm requires
-        codes = codes.t().contiguous() if self.codes == torch.int8 else codes
+        # [out, in] row-major: its transpose is the column-major operand both kernels want (cuBLAS refuses int8 with
+        # a row-major second operand for many shapes: CUBLAS_STATUS_NOT_SUPPORTED on the H100, 17 rows x 64 x 64)
         self.weight = nn.Parameter(codes, requires_grad=False)
         self.weight_scale = nn.Parameter(scale.reshape(1, -1).contiguous(), requires_grad=False)  # [1, out]
         self.bias = linear.bias
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight the codes stand for, [out, in] float32."""
-        codes = self.weight.t() if self.codes == torch.int8 else self.weight
-        return codes.float() * self.weight_scale.t()
+        return self.weight.float() * self.weight_scale.t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
