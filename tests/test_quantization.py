@@ -182,3 +182,31 @@ def test_a_missing_torchao_is_refused_before_loading(monkeypatch):
     with pytest.raises(ValueError, match=r"^int8 weights need torchao, which is not installed here: pip install torchao$"):
         quantization.check("int8", CPU, torch.float32)
     quantization.check("none", CPU, torch.float32)  # unquantized serving does not need it
+
+
+def test_bench_offline_compares_w8a8_modes_in_one_run_and_stores_each_scheme(tmp_path):
+    from service.bench.offline import offline
+    from service.bench.regress import queries
+    from service.bench.store import open_store
+
+    db = f"sqlite:///{tmp_path / 'bench.db'}"
+    rows = offline.main(["--model", "random:tiny", "--device", "cpu", "--num-requests", "3", "--input-len", "5",
+                         "--output-len", "4", "--num-blocks", "32", "--repeats", "1", "--db", db, "--label", "q",
+                         "--quantization", "none,int8-w8a8,fp8-w8a8:sim"])
+    assert [r["quantization"] for r in rows] == ["none", "int8-w8a8", "fp8-w8a8:sim"]
+    model = load_model("random:tiny", torch.float32, CPU).model
+    shapes = linear_shapes(model)
+    w8a8_bytes = weight_bytes(model) - sum(o * i * 4 for o, i in shapes) + sum(o * (i + 4) for o, i in shapes)
+    assert [r["weight_bytes"] for r in rows] == [weight_bytes(model), w8a8_bytes, w8a8_bytes]  # fp8 codes: a byte too
+    c = model.config
+    kv_token_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+    assert [r["kv_tokens_gained"] for r in rows] == [0] + [round((weight_bytes(model) - w8a8_bytes) / kv_token_bytes)] * 2
+    store = open_store(db)
+    runs = {r["config"]["quantization"]: r for r in queries.resolve(store, "q")}
+    assert "quantization_scheme" not in runs["none"]["config"]
+    assert runs["fp8-w8a8:sim"]["config"]["quantization_scheme"] == (
+        "weights float8 e4m3, one scale per output channel; activations float8 e4m3, one scale per token (dynamic), "
+        "simulated in float32")
+    stored = queries.values(store, [runs["int8-w8a8"]["id"]])[runs["int8-w8a8"]["id"]]
+    assert stored["weight_bytes"] == ("bytes", [w8a8_bytes])
+    assert stored["kv_tokens_gained"] == ("tokens", [rows[1]["kv_tokens_gained"]])

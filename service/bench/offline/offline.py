@@ -285,6 +285,9 @@ def _compare_quantization(store, label: str | None, config: EngineConfig, modes:
                           input_len: Lengths, output_len: Lengths, seed: int, repeats: int, json_path: str | None
                           ) -> list[dict]:
     """Every mode in one process (see bench/offline/quantization.py); one stored run per mode."""
+    # every compiled engine adds its graphs of the same decoder-layer code to torch.dynamo's cache of it; past its
+    # limit (8) a later engine would run eager without a word and lose the comparison
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(modes))
     engines = {m: quantization.engine_for(config, m) for m in modes}
     engine = engines[modes[0]]
     prompts = random_prompts(num_requests, input_len, engine.runner.model.config.vocab_size, seed)
@@ -308,6 +311,7 @@ def _compare_quantization(store, label: str | None, config: EngineConfig, modes:
                 run.measure("wall_seconds", seconds, unit="s", iteration=i)
                 run.measure("output_tokens_per_second", r["output_tokens"] / seconds, unit="tok/s", iteration=i)
             run.measure("weight_bytes", r["weight_bytes"], unit="bytes")
+            run.measure("kv_tokens_gained", r["kv_tokens_gained"], unit="tokens")
             run.measure("greedy_agreement_ratio", r["greedy_agreement"], unit="ratio")
             if "perplexity" in r:
                 run.measure("perplexity", r["perplexity"], unit="ppl")

@@ -134,6 +134,8 @@ def compare(engines: dict[str, LLMEngine], prompts: list[list[int]], output_lens
     reference = greedy(engines[base], questions, 32)
     text = engines[base].tokenize(TEXT.read_text()) if engines[base].tokenizer is not None else None
     rows = []
+    runner = engines[base].runner
+    kv_token_bytes = runner.kv_cache_bytes / (runner.num_blocks * runner.block_size)
     for mode in modes:
         engine = engines[mode]
         ratios = sorted(b / s for b, s in zip(seconds[base], seconds[mode]))
@@ -143,6 +145,8 @@ def compare(engines: dict[str, LLMEngine], prompts: list[list[int]], output_lens
                "output_tokens": sum(output_lens), "speed_vs_none": ratios[repeats // 2],
                "greedy_agreement": agreement(reference, greedy(engine, questions, 32))}
         row["tokens_per_second"] = row["output_tokens"] / row["seconds"]
+        # the weight memory a mode saves, as tokens of KV cache it would hold instead (the same cache layout)
+        row["kv_tokens_gained"] = round((weight_bytes(engines[base].runner.model) - row["weight_bytes"]) / kv_token_bytes)
         if text is not None:
             row["perplexity"] = perplexity(engine.runner.model, text)
         rows.append(row)
@@ -152,10 +156,11 @@ def compare(engines: dict[str, LLMEngine], prompts: list[list[int]], output_lens
 
 def table(rows: list[dict]) -> str:
     base = rows[0]["weight_bytes"]
-    lines = ["| quantization | dtype | weight MiB | weights vs none | output tok/s (median) | speed vs none (median ratio) "
-             "| greedy agreement | perplexity |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| quantization | dtype | weight MiB | weights vs none | KV tokens gained | output tok/s (median) "
+             "| speed vs none (median ratio) | greedy agreement | perplexity |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ppl = f"{r['perplexity']:.2f}" if "perplexity" in r else "-"
         lines.append(f"| {r['quantization']} | {r['dtype']} | {r['weight_bytes'] / 2**20:.1f} | {r['weight_bytes'] / base:.2f} | "
-                     f"{r['tokens_per_second']:,.1f} | {r['speed_vs_none']:.2f} | {r['greedy_agreement']:.3f} | {ppl} |")
+                     f"{r['kv_tokens_gained']:,} | {r['tokens_per_second']:,.1f} | {r['speed_vs_none']:.2f} | "
+                     f"{r['greedy_agreement']:.3f} | {ppl} |")
     return "\n".join(lines)
