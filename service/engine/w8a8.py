@@ -31,15 +31,16 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
 
     Written so that eager and compiled code round alike: inductor turns a division by a constant into a product
     with its reciprocal (so the scale is that product here), Triton's float32 division is approximate while
-    float64's is exact-rounded (so the codes come from a float64 quotient), and torch.compile would make a float
-    held in a variable a graph input (so the code ranges are literals)."""
+    float64's is exact-rounded (so each row's reciprocal scale comes from a float64 division, and the codes from
+    a float32 product with it), and torch.compile would make a float held in a variable a graph input (so the
+    code ranges are literals)."""
     x = x.float()
     amax = x.abs().amax(dim=-1, keepdim=True).clamp(min=TINY)
     if dtype == torch.int8:
         scale = amax * (1 / 127)
-        return (x.double() / scale.double()).round().clamp(-127.0, 127.0).to(torch.int8), scale
+        return (x * (1 / scale.double()).float()).round().clamp(-127.0, 127.0).to(torch.int8), scale
     scale = amax * (1 / 448)
-    return (x.double() / scale.double()).float().clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+    return (x * (1 / scale.double()).float()).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
 
 
 @torch.library.custom_op("llm_service::int8_mm", mutates_args=())
