@@ -16,9 +16,9 @@ measured on a CPU, which never serves it).
 """
 
 import functools
+
 import torch
 from torch import nn
-
 
 CODES = {"int8-w8a8": torch.int8, "fp8-w8a8": torch.float8_e4m3fn}  # mode -> the dtype of its codes
 TINY = 1e-12  # the smallest row maximum a scale is made from: an all-zero row gets codes 0, not NaN

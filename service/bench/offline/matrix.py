@@ -54,7 +54,8 @@ DIMENSIONS = [
     Dimension("dtype", str, "auto", "auto, float32, float16, bfloat16"),
     Dimension("max_num_seqs", _positive, "256", "most sequences in one step"),
     Dimension("tensor_parallel_size", _positive, "1", "ranks the model is split over (tensor parallelism)"),
-    Dimension("quantization", str, "none", "none; weight-only int8, int4 (bfloat16), fp8 (CUDA 8.9+); int8-w8a8, fp8-w8a8 (CUDA 8.9+)"),
+    Dimension("quantization", str, "none",
+              "none; weight-only int8, int4 (bfloat16), fp8 (CUDA 8.9+); int8-w8a8, fp8-w8a8 (CUDA 8.9+)"),
 ]
 BY_KEY = {d.key: d for d in DIMENSIONS}
 DTYPE_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}

@@ -135,6 +135,7 @@ def compare(engines: dict[str, LLMEngine], prompts: list[list[int]], output_lens
     text = engines[base].tokenize(TEXT.read_text()) if engines[base].tokenizer is not None else None
     rows = []
     runner = engines[base].runner
+    base_bytes = weight_bytes(runner.model)
     kv_token_bytes = runner.kv_cache_bytes / (runner.num_blocks * runner.block_size)
     for mode in modes:
         engine = engines[mode]
@@ -146,7 +147,7 @@ def compare(engines: dict[str, LLMEngine], prompts: list[list[int]], output_lens
                "greedy_agreement": agreement(reference, greedy(engine, questions, 32))}
         row["tokens_per_second"] = row["output_tokens"] / row["seconds"]
         # the weight memory a mode saves, as tokens of KV cache it would hold instead (the same cache layout)
-        row["kv_tokens_gained"] = round((weight_bytes(engines[base].runner.model) - row["weight_bytes"]) / kv_token_bytes)
+        row["kv_tokens_gained"] = round((base_bytes - row["weight_bytes"]) / kv_token_bytes)
         if text is not None:
             row["perplexity"] = perplexity(engine.runner.model, text)
         rows.append(row)
