@@ -240,3 +240,117 @@ def test_cuda_int4_needs_bfloat16_and_fp8_needs_ada_or_hopper():
     if torch.cuda.get_device_capability() < (8, 9):
         with pytest.raises(ValueError, match=r"^fp8 weights need a GPU of compute capability 8\.9 or newer"):
             load_model("random:tiny", torch.bfloat16, torch.device("cuda"), quantization="fp8")
+
+
+# -- W8A8 on CUDA: int8 through torch._int_mm, fp8 through torch._scaled_mm (compute capability 8.9+) ----------
+# Hopper's fp8 MMAs add their 32 products with fewer bits than float32 (about 14: DeepSeek-V3 report, section
+# 3.3.2) before cuBLAS carries the sum on in float32: at most 32 x 2^-14 = 2^-9 of the sum of |terms| more
+FP8_SUM_ERROR = 2.0 ** -9
+
+
+def _w8a8_modes():
+    fp8 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                             reason="fp8 needs compute capability 8.9+")
+    return ["int8-w8a8", pytest.param("fp8-w8a8", marks=fp8)]
+
+
+def _ops_run(fn, *args):
+    """fn's result and the names of the operators that ran inside it."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn(*args)
+        torch.cuda.synchronize()
+    return out, {event.name for event in prof.events()}
+
+
+def _within_bound(layer, x, out) -> bool:
+    from service.engine.w8a8 import error_bound, reference
+
+    bound = error_bound(layer, x, out.dtype, 0.0 if layer.codes == torch.int8 else FP8_SUM_ERROR)
+    return bool(((out.float() - reference(layer, x)).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("mode", _w8a8_modes())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows, in_features, out_features", [
+    (1, 2048, 8192), (16, 2048, 512), (17, 576, 1536), (300, 4096, 1024),  # rows <= 16: int8 pads them
+    (5, 72, 40), (33, 100, 64)])  # K or N off a kernel's alignment (int8: 8, fp8: 16): the exact fallback
+def test_cuda_w8a8_kernel_lies_within_the_derived_bound_of_the_float32_reference(mode, dtype, rows, in_features,
+                                                                                 out_features):
+    from service.engine.w8a8 import W8A8Linear
+
+    align = 8 if mode == "int8-w8a8" else 16
+    kernel = in_features % align == 0 and out_features % align == 0
+    torch.manual_seed(0)
+    layer = W8A8Linear(torch.nn.Linear(in_features, out_features, bias=False, device="cuda"), mode)
+    x = (torch.randn(rows, in_features, device="cuda") * torch.rand(rows, 1, device="cuda") * 10).to(dtype)
+    out, ops = _ops_run(layer, x)
+    assert (("aten::_int_mm" if mode == "int8-w8a8" else "aten::_scaled_mm") in ops) == kernel, sorted(ops)
+    assert out.dtype == dtype and out.shape == (rows, out_features)
+    assert _within_bound(layer, x, out)
+
+
+@pytest.mark.parametrize("mode", _w8a8_modes())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_w8a8_compiled_and_graph_replayed_layer_equals_eager_with_one_compile_for_all_row_counts(mode, dtype):
+    """torch.compile (dynamic, as the engine compiles its layers) rounds the activations exactly as eager code does
+    (bitwise equal outputs), and after the one-row specialization no new row count compiles again: nothing is
+    tuned per prefill size. A CUDA graph of the compiled layer replays the same numbers."""
+    from torch._dynamo.utils import counters
+
+    from service.engine.w8a8 import W8A8Linear
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    layer = W8A8Linear(torch.nn.Linear(2048, 1024, bias=False, device="cuda"), mode)
+    layer.compile(dynamic=True)
+    graphs = []
+    for rows in (3, 1, 17, 64, 129, 250, 1000, 4000):
+        x = torch.randn(rows, 2048, device="cuda", dtype=dtype) * 3
+        out = layer(x)
+        graphs.append(counters["stats"]["unique_graphs"])
+        assert torch.equal(out, layer.forward(x)) and _within_bound(layer, x, out)
+    assert graphs[2:] == [graphs[1]] * 6  # 3 rows compiled, 1 row specialized once, then never again
+    x = torch.randn(8, 2048, device="cuda", dtype=dtype)
+    layer(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x)
+    x.copy_(torch.randn(8, 2048, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, layer.forward(x))
+
+
+@pytest.mark.parametrize("mode", _w8a8_modes())
+def test_cuda_w8a8_engine_compiles_once_and_matches_transformers(mode):
+    """The engine's compiled, graph-replayed path over W8A8 weights (float32 activations): prefills of many new
+    sizes add no compiled graph once the first batch has run (what stalled weight-only int8: inductor tuning
+    each new size), and the output matches transformers' eager generate on the same weights - token for token
+    for int8, whose sums are exact; fp8's sums depend on the tile shape cuBLAS picks for a batch's row count,
+    so there a near-tie may flip and a share of positions must agree."""
+    from torch._dynamo.utils import counters
+
+    loaded = load_model("random:tiny", torch.float32, torch.device("cuda"), quantization=mode)
+    engine = make_engine(loaded, device="cuda", num_blocks=64, max_num_seqs=16, max_num_batched_tokens=128)
+    assert engine.runner.compiled and engine.runner.graphs
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    rng = random.Random(7)
+    engine.generate([[rng.randrange(5, 500) for _ in range(3 + 5 * i)] for i in range(16)], params)  # compiles
+    graphs = counters["stats"]["unique_graphs"]
+    prompts = [[rng.randrange(5, 500) for _ in range(2 + 5 * i)] for i in range(16)]  # new prefill sizes
+    outs = [o["token_ids"] for o in engine.generate(prompts, params)]
+    assert counters["stats"]["unique_graphs"] == graphs
+    refs = [reference_greedy(loaded, p, 8) for p in prompts]
+    if mode == "int8-w8a8":
+        assert outs == refs
+    else:
+        same = sum(a == b for out, ref in zip(outs, refs) for a, b in zip(out, ref)) / sum(map(len, refs))
+        assert same >= 0.9, same
+
+
+def test_cuda_fp8_w8a8_is_refused_below_compute_capability_8_9():
+    if torch.cuda.get_device_capability() >= (8, 9):
+        load_model("random:tiny", torch.bfloat16, torch.device("cuda"), quantization="fp8-w8a8")
+    else:
+        with pytest.raises(ValueError, match=r"^fp8-w8a8 needs a GPU of compute capability 8\.9 or newer"):
+            load_model("random:tiny", torch.bfloat16, torch.device("cuda"), quantization="fp8-w8a8")

