@@ -149,7 +149,8 @@ async def run_load(spec: LoadSpec, sample_at: Callable, on_done: Callable[[Reque
         deadline = start + spec.duration if spec.duration else math.inf
         counter = range(spec.num_requests) if spec.num_requests is not None else itertools.count()
         for i in counter:
-            due = start + next(offsets)
+            offset = next(offsets)  # kept as drawn: `due - start` would round differently for each start
+            due = start + offset
             if due >= deadline:
                 break
             if mine is not None and not mine(i):
@@ -168,8 +169,7 @@ async def run_load(spec: LoadSpec, sample_at: Callable, on_done: Callable[[Reque
                 break
             body = request_body(spec.endpoint, spec.model, sample_at(i), spec.ignore_eos, spec.temperature,
                                 spec.extra_body)
-            ready = due if freed is None else max(due, freed)
-            result = RequestResult(i, due - start, ready - start)
+            result = RequestResult(i, offset, offset if freed is None else max(offset, freed - start))
             results.append(result)
             tasks.append(asyncio.create_task(one(result, body)))
             if on_send:
