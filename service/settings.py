@@ -23,10 +23,14 @@ class ServerSettings:
     # `authorization: {credentials: ...}` in its scrape config); off by default, as scrapers expect
     max_request_bytes: int = 8 * 1024 * 1024  # larger bodies get 413 unread; 8 MiB holds a 128k-token prompt
     # even as JSON-escaped text (~24 bytes a token) or as token ids (~8 bytes a token)
-    stream_backlog: int = 512  # a streaming client that falls this many chunks behind is cut off (its request
+    api_servers: int = 1  # front-end processes (HTTP, JSON, text) on the one port, all feeding one engine
+    # process; docs/serving.md says how to choose it (about one per 30,000 streamed tokens/s, cores allowing)
+    stream_interval: int = 1  # streamed deltas go out every this many tokens (the first and the last at once)
+    stream_backlog: int = 512  # a streaming client that falls this many tokens behind is cut off (its request
     # aborted, blocks freed): a reader that stopped reading must not make the server buffer without bound
     served_model_name: str | None = None  # the name clients send; None: the model's own name
-    max_waiting: int = 256  # requests waiting for a slot beyond this get 503 + Retry-After
+    max_waiting: int = 256  # requests waiting for a slot beyond this get 503 + Retry-After (one limit, counted
+    # by the engine across every front end)
     drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests before exiting
     log_level: str = "info"
 

@@ -1,6 +1,5 @@
 """FastAPI app factory: loads the engine in the background, wires routes, auth, guards, errors and telemetry."""
 
-import threading
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
@@ -12,31 +11,34 @@ from service.api.errors import install_handlers
 from service.api.guards import BodyLimit, ContainErrors
 from service.api.middleware import HTTPMetrics
 from service.api.state import ServerState
-from service.engine import LLMEngine
-from service.engine.models import display_name
+from service.engine.config import display_name
 from service.settings import Settings
 from service.telemetry.hub import Telemetry
 
 
-def create_app(settings: Settings | None = None, engine: LLMEngine | None = None) -> FastAPI:
-    """Build the app; with `engine`, serve that engine instead of loading one from the settings."""
+def create_app(settings: Settings | None = None, engine: "LLMEngine | None" = None, folder: str | None = None,
+               frontend: int = 0, alive=None, processes: tuple[str, ...] = ()) -> FastAPI:
+    """Build a front end's app. In a served process, `folder` holds the engine process's sockets, `alive` is its
+    pipe, and `processes` names the server's other processes (their metrics are gathered at /metrics). Without
+    `folder` the engine runs on a thread of this process: `engine` if given, else one loaded from the settings.
+    """
     settings = settings or Settings()
     model = settings.server.served_model_name or (engine.model_name if engine else display_name(settings.engine.model))
-    telemetry = Telemetry(settings.telemetry, model)
-    state = ServerState(settings, telemetry)
+    process = f"api-{frontend}"
+    telemetry = Telemetry(settings.telemetry, model, process, folder, tuple(p for p in processes if p != process))
+    state = ServerState(settings, telemetry, frontend)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        telemetry.start()
-        telemetry.watch_runtime(state)
-        loader = threading.Thread(target=state.load, args=(engine,), name="model-loader", daemon=True)
-        loader.start()
+        if folder is None:
+            telemetry.start()
+            state.run_engine_here(engine)
+        else:
+            state.connect(folder, alive)
+        telemetry.watch_runtime(lambda: state.client.num_backlog if state.client else 0)
         yield
         state.draining = True
-        loader.join()
-        if state.facade is not None:
-            state.facade.shutdown()
-            state.facade.engine.close()
+        await state.stop()
         telemetry.shutdown()
 
     app = FastAPI(title="llm-service", version="0.1.0", lifespan=lifespan)

@@ -18,8 +18,8 @@ router = APIRouter()
 
 @public.get("/health")
 async def health(state: ServerState = Depends(get_state)):
-    """The process is alive: its event loop answers and its engine loop has not died (after that only a
-    restart helps, so a liveness probe must fail)."""
+    """The process is alive: its event loop answers and the engine has not died (after that only a restart
+    helps, so a liveness probe must fail)."""
     if state.engine_error is not None:
         return JSONResponse({"status": "engine dead", "error": repr(state.engine_error)}, status_code=503)
     return {"status": "ok"}
@@ -27,26 +27,26 @@ async def health(state: ServerState = Depends(get_state)):
 
 @public.get("/ready")
 async def ready(state: ServerState = Depends(get_state)):
-    """The model is loaded and the engine loop runs (and the server is not draining)."""
+    """The model is loaded and the engine runs (and the server is not draining)."""
     if state.ready:
         return {"status": "ready", "model": state.model_name}
-    reason = ("draining" if state.draining else "failed: " + repr(state.load_error) if state.load_error
-              else "engine stopped" if state.facade is not None else "loading")
+    error = state.load_error or state.engine_error
+    reason = "draining" if state.draining else "failed: " + repr(error) if error else "loading"
     return JSONResponse({"status": "not ready", "reason": reason}, status_code=503, headers={"Retry-After": "5"})
 
 
 @public.get("/metrics", include_in_schema=False, dependencies=[Depends(require_metrics_token)])
 async def metrics(request: Request, state: ServerState = Depends(get_state)):
     """Prometheus metrics; OpenMetrics (with exemplars) when the scraper asks for it."""
-    body, content_type = state.telemetry.render(request.headers.get("accept"))
+    body, content_type = await state.telemetry.render(request.headers.get("accept"))
     return Response(body, media_type=content_type)
 
 
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request, state: ServerState = Depends(get_state)):
     rid = f"gen-{uuid.uuid4().hex}"
-    stream = state.submit(body.single_prompt(), body.sampling_params(body.max_tokens, body.logprobs), rid,
-                          "generate", arrival(request))
+    stream = await state.submit(body.single_prompt(), body.sampling_params(body.max_tokens, body.logprobs), rid,
+                                "generate", arrival(request), body.stream)
 
     def final(out) -> dict:
         return {"id": rid, "finish_reason": out.finish_reason, "usage": usage(out), "timings": timings(out.timings)}

@@ -18,20 +18,20 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def models(state: ServerState = Depends(get_state)):
-    state.check_model(state.model_name if state.facade else "")
+    state.check_model(state.model_name if state.loaded else "")
     return {"object": "list", "data": [{
         "id": state.model_name, "object": "model", "created": 0, "owned_by": "llm-service",
-        "max_model_len": state.facade.engine.max_model_len, "quantization": state.facade.engine.quantization,
-        "quantization_scheme": describe(state.facade.engine.quantization)}]}
+        "max_model_len": state.info.max_model_len, "quantization": state.info.quantization,
+        "quantization_scheme": describe(state.info.quantization)}]}
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, state: ServerState = Depends(get_state)):
     state.check_model(body.model)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    stream = state.submit(body.single_prompt(), body.sampling_params(body.max_tokens, body.logprobs), rid,
-                          "text_completion", arrival(request))
-    tokenizer = state.facade.engine.tokenizer
+    stream = await state.submit(body.single_prompt(), body.sampling_params(body.max_tokens, body.logprobs), rid,
+                                "text_completion", arrival(request), body.stream)
+    tokenizer = state.tokenizer
     head = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
 
     if body.stream:
@@ -59,7 +59,7 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: ServerState = Depends(get_state)):
     state.check_model(body.model)
     body.check()
-    tokenizer = state.facade.engine.tokenizer
+    tokenizer = state.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -69,7 +69,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    stream = state.submit(prompt, body.sampling_params(max_tokens, body.num_logprobs), rid, "chat", arrival(request))
+    stream = await state.submit(prompt, body.sampling_params(max_tokens, body.num_logprobs), rid, "chat",
+                                arrival(request), body.stream)
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model}
 
     if body.stream:

@@ -1,14 +1,36 @@
-"""Run the app under uvicorn; SIGTERM/SIGINT drain: new requests get 503, in-flight ones finish."""
+"""`serve`: the supervisor of one engine process and N front-end processes on one port.
+
+The supervisor binds the port and hands the socket to every front end (the kernel spreads connections among
+them), starts the engine process, and then only watches:
+- SIGTERM or SIGINT: drain. Front ends stop taking work (503) and finish what they admitted; once they have all
+  exited, the engine is told to stop, and exits when idle. A clean drain exits 0.
+- The engine process dies (killed, a CUDA error, a lost tensor-parallel rank): its front ends have already
+  failed their requests (they read end-of-file on its pipe) and answer /ready with 503; they are stopped, and
+  the supervisor exits 1 within seconds, so that an orchestrator restarts the service.
+- A front end dies: the engine aborts its requests (no blocks leak) and the others serve on; the exit status
+  is 1 when the service stops.
+If the supervisor itself is killed, Linux kills its children with it (PR_SET_PDEATHSIG), as a container would.
+"""
 
 import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
 import sys
+import time
 
 import uvicorn
+import zmq
 
-from service.api.app import create_app
+from service.engine import messages
+from service.engine.core import _die_with_parent, run_process
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
+STOP_GRACE = 5.0  # seconds front ends get to exit once the engine is gone, before they are killed
 
 
 class DrainingServer(uvicorn.Server):
@@ -26,13 +48,113 @@ class DrainingServer(uvicorn.Server):
         self._captured_signals.clear()
 
 
-def serve(settings: Settings) -> None:
-    app = create_app(settings)
-    config = uvicorn.Config(app, host=settings.server.host, port=settings.server.port,
-                            log_level=settings.server.log_level.lower(),
+def run_frontend(settings: Settings, folder: str, index: int, processes: tuple[str, ...], sock: socket.socket,
+                 alive) -> None:
+    """A front-end process: FastAPI under uvicorn (uvloop, httptools) on the shared socket."""
+    _die_with_parent()
+    logging.basicConfig(level=settings.server.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s api-{index} %(name)s: %(message)s")
+    from service.api.app import create_app
+
+    app = create_app(settings, folder=folder, frontend=index, alive=alive, processes=processes)
+    config = uvicorn.Config(app, log_level=settings.server.log_level.lower(), loop="uvloop", http="httptools",
                             timeout_graceful_shutdown=settings.server.drain_timeout)
     state = app.state.server
-    DrainingServer(config, state).run()
-    if state.fatal:
-        log.error("exiting: %s", state.fatal)
+    DrainingServer(config, state).run(sockets=[sock])
+    if state.engine_error is not None:
         sys.exit(1)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(settings: Settings) -> None:
+    n = settings.server.api_servers
+    if n < 1:
+        sys.exit(f"service serve: error: --api-servers must be at least 1, got {n}")
+    folder = messages.private_dir()
+    try:
+        sys.exit(_supervise(settings, folder, n))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _supervise(settings: Settings, folder: str, n: int) -> int:
+    sock = _bind(settings.server.host, settings.server.port)
+    ctx = multiprocessing.get_context("spawn")
+    alive_r, alive_w = ctx.Pipe(duplex=False)
+    engine = ctx.Process(target=run_process, args=(settings, folder, n, alive_w), name="engine")
+    engine.start()
+    alive_w.close()  # the engine holds the only write end: its death is end-of-file for every front end
+    names = ("engine", *(f"api-{i}" for i in range(n)))
+    fronts = {}
+    for i in range(n):
+        fronts[i] = ctx.Process(target=run_frontend, args=(settings, folder, i, names, sock, alive_r), name=f"api-{i}")
+        fronts[i].start()
+    alive_r.close()
+    sock.close()
+    log.info("serving on http://%s:%d: engine process %d, %d front end(s) %s", settings.server.host,
+             settings.server.port, engine.pid, n, [p.pid for p in fronts.values()])
+    zctx = zmq.Context()
+    control = zctx.socket(zmq.PUSH)
+    control.setsockopt(zmq.LINGER, 1000)
+    control.connect(messages.inbox(folder))
+    draining, status = False, 0
+
+    def drain(sig, frame):
+        nonlocal draining
+        if not draining:
+            log.info("signal %d: draining the front ends, then the engine", sig)
+        draining = True
+        for p in fronts.values():
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)
+    signal.signal(signal.SIGTERM, drain)
+    signal.signal(signal.SIGINT, drain)
+    try:
+        while fronts:
+            multiprocessing.connection.wait([engine.sentinel, *(p.sentinel for p in fronts.values())], timeout=1.0)
+            if not engine.is_alive():
+                log.error("the engine process exited (status %s): stopping the front ends", engine.exitcode)
+                status = 1
+                _stop(list(fronts.values()))
+                break
+            for i, p in list(fronts.items()):
+                if not p.is_alive():
+                    del fronts[i]
+                    if not draining:
+                        log.error("front end api-%d exited (status %s): its requests are aborted; %d serve on",
+                                  i, p.exitcode, len(fronts))
+                        status = 1
+                        control.send(messages.encode(messages.FrontendGone(i)))
+                    elif p.exitcode:
+                        status = 1
+        if engine.is_alive():  # every front end has finished: the engine stops when idle
+            engine.terminate()
+            engine.join(settings.server.drain_timeout + STOP_GRACE)
+            if engine.is_alive():
+                engine.kill()
+            status = status or (1 if engine.exitcode else 0)
+    finally:
+        control.close(0)
+        zctx.term()
+    return status
+
+
+def _stop(processes: list) -> None:
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + STOP_GRACE
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()

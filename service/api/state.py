@@ -1,16 +1,22 @@
-"""What the routes share (the engine facade once loaded, settings, telemetry, draining) and how they run
-a request; the routes and the app factory both import it, and it imports neither."""
+"""What the routes share (the link to the engine, settings, telemetry, draining) and how they run a request;
+the routes and the app factory both import it, and it imports neither.
+
+In a served front end the engine is another process (service.api.server starts both). Without one (tests, an
+app built around an engine object) the engine's loop runs on a thread of this process behind the same sockets,
+so every path a request takes is the one it takes in production.
+"""
 
 import asyncio
 import logging
-import os
-import signal
+import threading
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
 
+from service.api.client import EngineClient, RequestStream
 from service.api.errors import APIError, unavailable
-from service.engine import AsyncEngine, LLMEngine, RequestOutput, SamplingParams
+from service.engine import RequestOutput, SamplingParams, messages
 from service.engine.errors import EngineDeadError
 from service.settings import Settings
 from service.telemetry.hub import Telemetry
@@ -20,77 +26,127 @@ log = logging.getLogger(__name__)
 
 
 class ServerState:
-    """What the routes share: the engine facade once loaded, the settings, and whether we are draining."""
+    """What the routes share: the engine client once connected, the settings, and whether we are draining."""
 
-    def __init__(self, settings: Settings, telemetry: Telemetry):
+    def __init__(self, settings: Settings, telemetry: Telemetry, frontend: int = 0):
         self.settings = settings
         self.telemetry = telemetry
-        self.facade: AsyncEngine | None = None
+        self.frontend = frontend
+        self.client: EngineClient | None = None
+        self.engine = None  # the LLMEngine, when its loop runs on a thread of this process
+        self.engine_thread: threading.Thread | None = None
         self.load_error: BaseException | None = None
         self.draining = False
-        self.fatal: str | None = None  # why the server must exit non-zero (a tensor-parallel rank died)
+        self.fatal: str | None = None  # why the server must exit non-zero (the engine died)
+
+    @property
+    def loaded(self) -> bool:
+        return self.client is not None and self.client.info is not None
 
     @property
     def ready(self) -> bool:
-        return self.facade is not None and self.facade.running and not self.draining
+        return self.loaded and self.client.error is None and not self.draining
 
     @property
     def engine_error(self) -> BaseException | None:
-        """Why the engine loop died, once it has (the process then needs a restart)."""
-        return self.facade.error if self.facade is not None else None
+        """Why the engine died, once it has (the process then needs a restart)."""
+        return self.client.error if self.client is not None else None
+
+    @property
+    def info(self) -> messages.Hello:
+        return self.client.info
+
+    @property
+    def tokenizer(self):
+        return self.client.tokenizer
 
     @property
     def model_name(self) -> str:
-        return self.settings.server.served_model_name or self.facade.engine.model_name
+        return self.settings.server.served_model_name or self.client.info.model_name
+
+    def connect(self, folder: str, alive=None) -> None:
+        """Link to the engine's sockets in `folder` (call on the event loop); `alive` is the engine's pipe."""
+        s = self.settings.server
+        self.client = EngineClient(folder, self.frontend, s.stream_backlog, s.stream_interval,
+                                   self.telemetry.requests).start()
+        if alive is not None:
+            self.client.watch(alive)
+
+    def run_engine_here(self, engine=None) -> None:
+        """Load the engine (unless given) and run its loop on a thread of this process, behind the sockets."""
+        from service.engine.core import EngineCore
+
+        folder = messages.private_dir()
+        self.connect(folder)
+
+        def run():
+            try:
+                self.engine = self._load(engine)
+                core = EngineCore(self.engine, folder, 1, self.settings.server.max_waiting, self.telemetry.tracing)
+                self.core = core
+            except BaseException as exc:  # keep serving /health; /ready reports the failure
+                log.exception("model failed to load")
+                self.load_error = exc
+                return
+            try:
+                core.run()
+            except BaseException:
+                log.exception("engine loop died")
+        self.engine_thread = threading.Thread(target=run, name="engine-loop", daemon=True)
+        self.engine_thread.start()
 
     @traced("model.load")
-    def load(self, engine: LLMEngine | None = None) -> None:
-        try:
-            engine = engine or LLMEngine(self.settings.engine)
-            engine.observer = self.telemetry.observer
-            self.facade = AsyncEngine(engine, stream_backlog=self.settings.server.stream_backlog).start()
-            self.telemetry.model_loaded(str(engine.runner.dtype).removeprefix("torch."), engine.quantization,
-                                        engine.config.block_size, engine.runner.num_blocks)
-            if engine.parallel is not None:
-                engine.parallel.on_failure = self.rank_failed
-            log.info("model %s ready on %s", engine.model_name, engine.device)
-        except BaseException as exc:  # keep serving /health; /ready reports the failure
-            log.exception("model failed to load")
-            self.load_error = exc
+    def _load(self, engine):
+        from service.engine.llm_engine import LLMEngine
 
-    def rank_failed(self, reason: str) -> None:
-        """A tensor-parallel rank died: fail what is in flight, turn /ready 503, then exit non-zero (so an
-        orchestrator restarts the whole server rather than leave it half alive)."""
-        self.fatal = reason
-        self.facade.fail(EngineDeadError(reason))
-        os.kill(os.getpid(), signal.SIGTERM)  # the drain finishes at once: every stream has its error
+        engine = engine or LLMEngine(self.settings.engine)
+        self.telemetry.engine_loaded(engine)
+        log.info("model %s ready on %s", engine.model_name, engine.device)
+        return engine
+
+    async def stop(self) -> None:
+        if self.engine_thread is not None:
+            core = getattr(self, "core", None)
+            if core is not None:
+                core.stopping = True
+            await asyncio.to_thread(self.engine_thread.join, 30)
+            if self.engine is not None:
+                self.engine.close()
+        if self.client is not None:
+            await self.client.close()
 
     def check_model(self, name: str) -> None:
-        if self.facade is None:
+        if not self.loaded:
+            if self.load_error is not None or self.engine_error is not None:
+                raise EngineDeadError(f"the model failed to load: {self.load_error or self.engine_error}")
             raise unavailable("the model is still loading", retry_after=5)
         if name != self.model_name:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
                            type="invalid_request_error", param="model", code="model_not_found")
 
-    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str, operation: str,
-               arrival: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Admission control, then validation (400s are raised here, before any response starts).
+    async def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str, operation: str,
+                     arrival: float | None, streaming: bool) -> AsyncIterator[RequestOutput]:
+        """Validation (400s), then admission by the engine (503s), before any response starts.
 
         `operation` names the request's span (gen_ai.operation.name: chat, text_completion, generate);
         `arrival` is when the server received the request (service.api.arrival), the start of its clock.
         """
         if self.draining:
             raise unavailable("the server is shutting down", retry_after=5)
-        if self.facade is None:
+        if not self.loaded:
             raise unavailable("the model is still loading", retry_after=5)
-        if self.facade.num_waiting >= self.settings.server.max_waiting:
-            raise unavailable(f"too many requests waiting ({self.settings.server.max_waiting}); retry later")
-        stream = self.facade.submit(prompt, params, request_id, arrival=arrival)
+        arrival = time.perf_counter() if arrival is None else arrival
         tracing = self.telemetry.tracing
-        if tracing.enabled:
-            stream = tracing.generation(stream, request_id, operation, self.model_name, params, prompt,
-                                        arrival=arrival)
-        return stream
+        span = tracing.request_span(request_id, operation, self.model_name, params, prompt, arrival) \
+            if tracing.enabled else None
+        try:
+            stream: RequestStream = await self.client.submit(
+                prompt, params, request_id, arrival, streaming, tracing.traceparent(span) if span else None)
+        except BaseException as exc:
+            if span is not None:
+                tracing.fail(span, exc)
+            raise
+        return tracing.generation(aiter(stream), span, self.model_name) if span is not None else aiter(stream)
 
 
 async def get_state(request: Request) -> ServerState:  # async: FastAPI runs a sync one on a worker thread
@@ -98,20 +154,26 @@ async def get_state(request: Request) -> ServerState:  # async: FastAPI runs a s
 
 
 async def collect(request: Request, stream: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
-    """Run a request to the end; if the client goes away first, abort it (which frees its blocks)."""
+    """Run a request to the end; if the client goes away first, abort it (which frees its blocks).
+
+    The client's leaving is heard from the server (the ASGI receive channel's http.disconnect), not polled."""
     outputs: list[RequestOutput] = []
 
     async def consume():
         async for out in stream:
             outputs.append(out)
 
-    task = asyncio.ensure_future(consume())
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, gone = asyncio.ensure_future(consume()), asyncio.ensure_future(disconnected())
     try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.25)
-            if not task.done() and await request.is_disconnected():
-                raise APIError(499, "the client closed the request", type="client_closed_request")
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise APIError(499, "the client closed the request", type="client_closed_request")
         task.result()
         return outputs
     finally:
+        gone.cancel()
         task.cancel()  # a no-op when done; otherwise the stream's cleanup aborts the request

@@ -1,7 +1,7 @@
 """Continuous-batching generation over a paged KV cache.
 
 The hand-over types, sampling parameters, errors and the configuration are imported here at once (none loads
-torch); `AsyncEngine` and `LLMEngine` load the model runner and torch, so they are imported on first use.
+torch); `LLMEngine` loads the model runner and torch, so it is imported on first use.
 """
 
 from service.engine.config import DEFAULT_MODEL, EngineConfig
@@ -9,9 +9,9 @@ from service.engine.errors import EngineDeadError, EngineError, InvalidRequestEr
 from service.engine.results import RequestOutput, StepObserver, StepStats, Timings
 from service.engine.sampling import SamplingParams
 
-_LAZY = {"AsyncEngine": "service.engine.async_engine", "LLMEngine": "service.engine.llm_engine"}
+_LAZY = {"LLMEngine": "service.engine.llm_engine"}
 
-__all__ = ["AsyncEngine", "DEFAULT_MODEL", "EngineConfig", "EngineDeadError", "EngineError", "InvalidRequestError",
+__all__ = ["DEFAULT_MODEL", "EngineConfig", "EngineDeadError", "EngineError", "InvalidRequestError",
            "LLMEngine", "RequestOutput", "SamplingParams", "StepObserver", "StepStats", "Timings"]
 
 

@@ -1,6 +1,7 @@
 """Engine configuration: one dataclass, with defaults that work on a laptop CPU."""
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported where a dtype is resolved, so that naming the config loads no torch
@@ -43,3 +44,14 @@ def resolve_dtype(dtype: str, device: "torch.device", quantization: str = "none"
                 "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[dtype]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, float16 or bfloat16") from None
+
+
+def display_name(spec: str) -> str:
+    """The name clients use for a model spec (known before loading it)."""
+    if spec == DEFAULT_MODEL:
+        return "SmolLM2-135M-Instruct"
+    if spec.startswith("random:"):
+        return spec
+    if spec.endswith(".gguf"):
+        return Path(spec).stem
+    return spec.rstrip("/").split("/")[-1]

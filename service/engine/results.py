@@ -54,7 +54,7 @@ class StepStats:
     num_tokens: int  # tokens computed
     num_seqs: int  # sequences in the batch
     duration: float  # seconds from its launch (with overlap: from the previous step's read-back) to its read-back
-    outputs: list[RequestOutput]
+    outputs: list  # RequestOutput objects, or bare rows in the engine process (messages.Step)
     first_tokens: list[RequestOutput]  # outputs carrying their request's first token
     finished: list[RequestOutput]  # outputs of requests that finished: stop, length, abort, error
     admitted: list[str]  # requests that entered the running batch (new, or back after preemption)

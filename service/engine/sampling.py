@@ -63,3 +63,33 @@ class SamplingParams:
             bad("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad("logprobs", f"logprobs must be an integer between 0 and 20, got {self.logprobs!r}")
+
+
+def check_request(ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
+                  has_tokenizer: bool) -> None:
+    """Validate a tokenized request against the model (raises InvalidRequestError); fills in max_tokens when
+    None (up to the context length). The front end calls it before a request goes to the engine."""
+    if not ids:
+        raise InvalidRequestError("the prompt is empty", param="prompt")
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+        raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})", param="prompt")
+    if not all(t < vocab_size for t in params.stop_token_ids):
+        raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab_size}",
+                                  param="stop_token_ids")
+    limit = max_model_len
+    if len(ids) >= limit:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {limit} tokens, but the prompt has {len(ids)} tokens; "
+            f"at least one token must be left to generate.", param="prompt")
+    if params.max_tokens is None:
+        params.max_tokens = limit - len(ids)
+        if params.min_tokens > params.max_tokens:
+            raise InvalidRequestError(f"min_tokens ({params.min_tokens}) exceeds the {params.max_tokens} tokens "
+                                      "left in the context after the prompt", param="min_tokens")
+    elif len(ids) + params.max_tokens > limit:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} for the "
+            f"completion). Please reduce the prompt or max_tokens.", param="max_tokens")
+    if params.stop and not has_tokenizer:
+        raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids", param="stop")

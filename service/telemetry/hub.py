@@ -1,67 +1,94 @@
-"""One server's telemetry: the metric catalog, the engine recorder, tracing and the GPU sampler.
+"""One process's telemetry: the metric catalog, its recorder, tracing, the GPU sampler and the metrics responder.
 
-The API builds it, hands `observer` to the engine and serves `render` at /metrics; nothing here
-calls the engine.
+A front end builds it with `process="api-<i>"`: it records requests (`requests`, a RequestRecorder) and serves
+`render` at /metrics, which gathers every process of the server. The engine process builds it with
+`process="engine"` and hands `observer` to the engine. With no `folder` (one process: tests, the engine in a
+thread) the same object plays both parts and nothing is gathered.
 """
 
 import asyncio
 import threading
+import time
 
-from prometheus_client.exposition import choose_encoder
+import zmq.asyncio
 
 from service.engine import StepObserver, StepStats
 from service.settings import TelemetrySettings
+from service.telemetry import gather
 from service.telemetry.gpu import GPUSampler
 from service.telemetry.metrics import Metrics
-from service.telemetry.recorder import EngineRecorder
+from service.telemetry.recorder import EngineRecorder, RequestRecorder
 from service.telemetry.tracing import Tracing, make_provider
+
+LAG_PERIOD = 0.5  # seconds between the event-loop lag checks
 
 
 class Telemetry:
-    def __init__(self, settings: TelemetrySettings, model: str):
+    def __init__(self, settings: TelemetrySettings, model: str, process: str = "api-0", folder: str | None = None,
+                 peers: tuple[str, ...] = ()):
         self.settings = settings
+        self.process, self.folder, self.peers = process, folder, peers  # peers: the other processes to gather
         self.metrics = Metrics(model)
-        self.tracing = Tracing(make_provider(settings.trace_sample_ratio), settings.trace_engine_steps,
+        self.tracing = Tracing(make_provider(settings.trace_sample_ratio, process), settings.trace_engine_steps,
                                settings.trace_text)
         exemplars = {"trace_id": self.tracing.trace_id} if self.tracing.enabled else {}
-        self.recorder = EngineRecorder(self.metrics, **exemplars) if settings.metrics else None
+        self.requests = RequestRecorder(self.metrics, **exemplars) if settings.metrics else None
+        self.recorder = EngineRecorder(self.metrics) if settings.metrics else None
         # what the engine calls after each step; None when nothing is recorded (no cost at all)
         self.observer: StepObserver | None = self._observe_both if self.recorder and self.tracing.trace_steps \
-            else self.recorder or (self.tracing.step if self.tracing.trace_steps else None)
+            else self.recorder or (self.tracing.step if self.tracing.enabled else None)
         self.gpu: GPUSampler | None = None
+        self.responder = gather.Responder(self.metrics, folder, process) if folder else None
+        self._ask_ctx: zmq.asyncio.Context | None = None
+        self._lag_task: asyncio.Task | None = None
 
     def _observe_both(self, step: StepStats) -> None:
         self.recorder(step)
         self.tracing.step(step)
 
-    def model_loaded(self, dtype: str, quantization: str, kv_block_size: int, kv_blocks: int) -> None:
-        """Publish how the model runs (llm_model_info), once it is loaded."""
-        self.metrics.model_info.labels(self.metrics.model, dtype, quantization, str(kv_block_size),
-                                       str(kv_blocks)).set(1)
+    def engine_loaded(self, engine) -> None:
+        """Publish how the model runs (llm_model_info) and start observing the engine's steps."""
+        self.metrics.model_info.labels(self.metrics.model, str(engine.runner.dtype).removeprefix("torch."),
+                                       engine.quantization, str(engine.config.block_size),
+                                       str(engine.runner.num_blocks)).set(1)
+        engine.observer = self.observer
+        self.metrics.threads.set_function(threading.active_count)
 
     def start(self) -> None:
         if self.settings.gpu_sample_interval > 0:
             self.gpu = GPUSampler(self.metrics.registry, self.settings.gpu_sample_interval).start()
 
-    def watch_runtime(self, state) -> None:
-        """Gauges read at scrape time: threads, the event loop's tasks and the KV blocks in use (call this
-        on the server's event loop; `state.facade` is read when scraped, so it may still be loading)."""
+    def watch_runtime(self, client_backlog=lambda: 0) -> None:
+        """Per-process gauges of a front end: threads, tasks, IPC backlog, event-loop lag (call on its loop)."""
         loop = asyncio.get_running_loop()
         m = self.metrics
         m.threads.set_function(threading.active_count)
         m.asyncio_tasks.set_function(lambda: len(asyncio.all_tasks(loop)))
+        m.ipc_backlog.set_function(client_backlog)
 
-        def blocks_used() -> int:
-            blocks = state.facade.engine.blocks if state.facade is not None else None
-            return blocks.num_usable_blocks - blocks.num_free_blocks if blocks is not None else 0
-        m.kv_blocks_used.labels(m.model).set_function(blocks_used)
+        async def lag():
+            while True:
+                due = time.perf_counter() + LAG_PERIOD
+                await asyncio.sleep(LAG_PERIOD)
+                m.loop_lag.set(max(0.0, time.perf_counter() - due))
+        self._lag_task = loop.create_task(lag(), name="event-loop-lag")
 
     def shutdown(self) -> None:
+        if self._lag_task is not None:
+            self._lag_task.cancel()
         if self.gpu is not None:
             self.gpu.stop()
+        if self.responder is not None:
+            self.responder.close()
+        if self._ask_ctx is not None:
+            self._ask_ctx.term()
         self.tracing.shutdown()
 
-    def render(self, accept: str | None) -> tuple[bytes, str]:
-        """The registry in the format the scraper asks for (OpenMetrics, with exemplars, or Prometheus text)."""
-        encoder, content_type = choose_encoder(accept or "")
-        return encoder(self.metrics.registry), content_type
+    async def render(self, accept: str | None) -> tuple[bytes, str]:
+        """Every process's metrics, merged, in the format the scraper asks for."""
+        snapshots = {self.process: gather.snapshot(self.metrics)}
+        if self.folder and self.peers:
+            self._ask_ctx = self._ask_ctx or zmq.asyncio.Context()
+            answers = await asyncio.gather(*(gather.ask(self._ask_ctx, self.folder, p) for p in self.peers))
+            snapshots.update((p, raw) for p, raw in zip(self.peers, answers) if raw is not None)
+        return gather.render(gather.merge(snapshots), accept)

@@ -1,7 +1,10 @@
 """Every Prometheus metric the service exports: names, types, labels, buckets and help text, in one place.
 
 Dashboards and alerts in deploy/ query these names; change them only together with those files.
-Each server owns a `Metrics` with its own registry (process collectors included), so values are exact.
+Each process of a server (the engine, each front end) owns a `Metrics`: `registry` holds the series that are
+summed across processes at /metrics (each is set by the one process that measures it, the others leave it at
+zero), `local` the per-process ones (process_*, threads, tasks, event-loop lag, IPC backlog), which /metrics
+shows with a `process` label (service.telemetry.gather).
 """
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -35,9 +38,10 @@ class Metrics:
     def __init__(self, model: str, registry: CollectorRegistry | None = None):
         self.model = model
         self.registry = r = registry or CollectorRegistry()
-        ProcessCollector(registry=r)
-        PlatformCollector(registry=r)
-        GCCollector(registry=r)
+        self.local = local = CollectorRegistry()
+        ProcessCollector(registry=local)
+        PlatformCollector(registry=local)
+        GCCollector(registry=local)
         m = ["model"]
 
         def histogram(name, doc, buckets, labels=m):
@@ -92,12 +96,18 @@ class Metrics:
                                      "logits, any exception), by the exception's type; the requests of such a step "
                                      "finish with finish_reason error and the engine serves on.", ["model", "error"],
                                      registry=r)
-        # read at scrape time (the soak watches them for leaks)
+        # the soak watches it for leaks
         self.kv_blocks_used = Gauge("llm_kv_cache_blocks_used", "KV cache blocks held by requests (blocks kept "
                                     "only for prefix caching count as free).", m, registry=r)
-        self.threads = Gauge("llm_process_threads", "Threads alive in the server process.", registry=r)
-        self.asyncio_tasks = Gauge("llm_asyncio_tasks", "asyncio tasks alive on the server's event loop.",
-                                   registry=r)
+        # per process (label `process` at /metrics: engine, api-0 ...)
+        self.threads = Gauge("llm_process_threads", "Threads alive in the process.", registry=local)
+        self.asyncio_tasks = Gauge("llm_asyncio_tasks", "asyncio tasks alive on the process's event loop (front "
+                                   "ends).", registry=local)
+        self.loop_lag = Gauge("llm_event_loop_lag_seconds", "How late the front end's event loop ran a timer "
+                              "due 0.5 s earlier, at its last check: the time requests on it wait for the loop "
+                              "(HTTP, JSON, text and token handling all run on it).", registry=local)
+        self.ipc_backlog = Gauge("llm_ipc_backlog", "Requests a front end has sent to the engine process and not "
+                                 "yet heard back about (admitted or refused).", registry=local)
 
         # children bound to this server's model, so the hot path does no label lookups
         self.ttft_m, self.itl_m, self.duration_m = self.ttft.labels(model), self.itl.labels(model), \
@@ -105,6 +115,7 @@ class Metrics:
         self.queue_m, self.prefill_m, self.decode_m = self.queue.labels(model), self.prefill.labels(model), \
             self.decode.labels(model)
         self.frontend_m = self.frontend.labels(model)
+        self.kv_blocks_used_m = self.kv_blocks_used.labels(model)
         self.prompt_tokens_m = self.prompt_tokens.labels(model)
         self.generation_tokens_m = self.generation_tokens.labels(model)
         self.preemptions_m = self.preemptions.labels(model)
@@ -113,7 +124,7 @@ class Metrics:
         self.finish_m = {reason: self.requests.labels(model, reason) for reason in FINISH_REASONS}
         self.step_m = {phase: (self.step_seconds.labels(model, phase), self.batch_tokens.labels(model, phase))
                        for phase in PHASES}
-        for gauge in (self.running_m, self.waiting_m, self.kv_usage_m):
+        for gauge in (self.running_m, self.waiting_m, self.kv_usage_m, self.kv_blocks_used_m):
             gauge.set(0)
 
 

@@ -16,12 +16,14 @@ from collections.abc import AsyncIterator
 
 from opentelemetry import context, trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from service import __version__
 from service.engine import RequestOutput, SamplingParams, StepStats
 from service.engine.sequence import Timings
 
 log = logging.getLogger(__name__)
+_propagator = TraceContextTextMapPropagator()
 _tracer = trace.get_tracer("service")  # the global provider's; the server sets it when tracing is on
 
 
@@ -87,7 +89,7 @@ def _env(name: str) -> str | None:
     return os.environ.get(f"OTEL_EXPORTER_OTLP_TRACES_{name}") or os.environ.get(f"OTEL_EXPORTER_OTLP_{name}")
 
 
-def make_provider(sample_ratio: float):
+def make_provider(sample_ratio: float, process: str = "api-0"):
     """A TracerProvider exporting over OTLP as the OTEL_* variables say, or None when no endpoint is set."""
     if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true" or not _env("ENDPOINT") \
             or os.environ.get("OTEL_TRACES_EXPORTER", "otlp") == "none":
@@ -105,7 +107,7 @@ def make_provider(sample_ratio: float):
     else:
         raise ValueError(f"OTLP protocol {protocol!r} is not supported: use grpc or http/protobuf")
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "llm-service"),
-                                "service.version": __version__})
+                                "service.version": __version__, "llm.process": process})
     # OTEL_TRACES_SAMPLER, when set, wins (the SDK reads it when no sampler is given)
     sampler = None if "OTEL_TRACES_SAMPLER" in os.environ else ParentBased(TraceIdRatioBased(sample_ratio))
     provider = TracerProvider(sampler=sampler, resource=resource, span_limits=SpanLimits(max_links=1024),
@@ -133,6 +135,7 @@ class Tracing:
         self.trace_steps = trace_steps and provider is not None
         self.trace_text = trace_text
         self.contexts: OrderedDict[str, trace.SpanContext] = OrderedDict()  # request id -> its span's context
+        self.engine_spans: dict = {}  # in the engine: request id -> its open engine.request span
 
     @property
     def enabled(self) -> bool:
@@ -143,11 +146,10 @@ class Tracing:
         ctx = self.contexts.get(request_id)
         return trace.format_trace_id(ctx.trace_id) if ctx is not None and ctx.trace_flags.sampled else None
 
-    async def generation(self, stream: AsyncIterator[RequestOutput], request_id: str, operation: str, model: str,
-                         params: SamplingParams, prompt: str | list[int], arrival: float | None = None
-                         ) -> AsyncIterator[RequestOutput]:
-        """Wrap a request's output stream in its span (a child of the current HTTP span), which starts at the
-        request's `arrival` (time.perf_counter) when given: its front end is inside the span."""
+    def request_span(self, request_id: str, operation: str, model: str, params: SamplingParams,
+                     prompt: str | list[int], arrival: float | None = None):
+        """A request's span (a child of the current HTTP span), started at its `arrival` (time.perf_counter) when
+        given, so that its front end is inside the span. Its context travels to the engine (`traceparent`)."""
         attributes = {"gen_ai.operation.name": operation, "gen_ai.provider.name": "llm-service",
                       "gen_ai.request.model": model, "gen_ai.request.max_tokens": params.max_tokens or 0,
                       "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
@@ -160,13 +162,32 @@ class Tracing:
             attributes["gen_ai.request.stop_sequences"] = params.stop
         if self.trace_text:
             attributes["gen_ai.prompt"] = prompt if isinstance(prompt, str) else json.dumps(prompt)
-        at = _wall_clock()  # one offset for the whole span, so its events line up with its start
-        start = None if arrival is None else at(arrival)
+        start = None if arrival is None else _wall_clock()(arrival)
         span = self.tracer.start_span(f"{operation} {model}", kind=SpanKind.INTERNAL, attributes=attributes,
                                       start_time=start)
-        self.contexts[request_id] = span.get_span_context()
+        self._remember(request_id, span.get_span_context())
+        return span
+
+    def _remember(self, request_id: str, ctx: trace.SpanContext) -> None:
+        self.contexts[request_id] = ctx
         if len(self.contexts) > self.RECENT:
             self.contexts.popitem(last=False)
+
+    @staticmethod
+    def traceparent(span) -> str | None:
+        carrier: dict[str, str] = {}
+        _propagator.inject(carrier, context=trace.set_span_in_context(span))
+        return carrier.get("traceparent")
+
+    def fail(self, span, exc: BaseException) -> None:
+        """A request refused before its stream began (a 503 from the engine, a dead engine)."""
+        _record_error(span, exc)
+        span.end()
+
+    async def generation(self, stream: AsyncIterator[RequestOutput], span, model: str
+                         ) -> AsyncIterator[RequestOutput]:
+        """Wrap a request's output stream in its span (from request_span), ended with the request."""
+        at = _wall_clock()  # one offset for the whole span, so its events line up with its start
         last, text = None, []
         try:
             async for out in stream:
@@ -180,6 +201,13 @@ class Tracing:
         finally:
             await stream.aclose()  # an early exit must reach the engine stream now: it aborts the request
             self._finish(span, model, last, "".join(text), at)
+
+    def engine_request(self, request_id: str, traceparent: str) -> None:
+        """In the engine: a span for the request's time there, a child of its span in the front end."""
+        parent = _propagator.extract({"traceparent": traceparent})
+        span = self.tracer.start_span("engine.request", context=parent, attributes={"gen_ai.response.id": request_id})
+        self.engine_spans[request_id] = span
+        self._remember(request_id, span.get_span_context())
 
     def _finish(self, span, model: str, last: RequestOutput | None, text: str, at) -> None:
         """Usage, finish reason and the request's life as events, at the times the engine recorded them."""
@@ -214,18 +242,20 @@ class Tracing:
         Steady decode steps get no span: each link costs the SDK about 8 us, so linking all 256 requests of
         a batch to every step would cost more than the step's GPU time (their time is in the metrics).
         """
-        if not self.trace_steps or step.phase is None:
-            return
-        changed = [*step.admitted, *step.preempted, *(out.request_id for out in step.finished)]
-        if not changed:
-            return
-        end = time.time_ns()
-        links = [Link(ctx) for rid in changed if (ctx := self.contexts.get(rid))]
-        self.tracer.start_span("engine.step", start_time=end - int(step.duration * 1e9), links=links, attributes={
-            "llm.step.phase": step.phase, "llm.step.tokens": step.num_tokens, "llm.step.sequences": step.num_seqs,
-            "llm.step.admitted": len(step.admitted), "llm.step.preempted": len(step.preempted),
-            "llm.step.finished": len(step.finished),
-        }).end(end_time=end)
+        if self.trace_steps and step.phase is not None:
+            changed = [*step.admitted, *step.preempted, *step.finished_ids]
+            if changed:
+                end = time.time_ns()
+                links = [Link(ctx) for rid in changed if (ctx := self.contexts.get(rid))]
+                self.tracer.start_span("engine.step", start_time=end - int(step.duration * 1e9), links=links,
+                                       attributes={
+                    "llm.step.phase": step.phase, "llm.step.tokens": step.num_tokens,
+                    "llm.step.sequences": step.num_seqs, "llm.step.admitted": len(step.admitted),
+                    "llm.step.preempted": len(step.preempted), "llm.step.finished": len(step.finished_ids),
+                }).end(end_time=end)
+        for rid in step.finished_ids:
+            if (span := self.engine_spans.pop(rid, None)) is not None:
+                span.end()
 
     def shutdown(self) -> None:
         if self.provider is not None:

@@ -1,0 +1,350 @@
+"""A front end's link to the engine process: requests out over ZeroMQ, each step's tokens back, text made here.
+
+`submit` validates and tokenizes a request, sends it, and returns once the engine has admitted it (a full
+waiting queue raises a 503 before any response starts). The request's `RequestStream` turns token ids into text
+(one incremental decode step per token, the `tokenizers` library's DecodeStream), matches stop strings (a
+match ends the request here and aborts it in the engine; later tokens are dropped and not counted) and shapes
+output: a non-streaming reader wakes once, at the finish, and decodes once; a streaming reader gets every
+`stream_interval` tokens (the first and the finish at once) merged into one output, however far it lags; one
+that falls `stream_backlog` tokens behind is cut (its request aborted). If the engine process dies, every
+request ends at once with EngineDeadError.
+"""
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+
+import zmq
+import zmq.asyncio
+
+from service.api.errors import unavailable
+from service.engine import messages
+from service.engine.errors import EngineDeadError, InvalidRequestError, SlowReaderError
+from service.engine.messages import Abort, Add, Admitted, Dead, Hello, Step
+from service.engine.results import RequestOutput, Timings
+from service.engine.sampling import SamplingParams, check_request
+
+log = logging.getLogger(__name__)
+_CONTEXT = 5  # prompt tokens decoded before the output, so that the first token's leading space comes out right
+
+
+def load_tokenizer(source: str | None):
+    if source is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source)
+
+
+class RequestStream:
+    """One request's state in the front end, read as an async iterator of merged RequestOutputs."""
+
+    def __init__(self, client: "EngineClient", request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 arrival: float, streaming: bool):
+        self.client, self.request_id, self.prompt_ids, self.params = client, request_id, prompt_ids, params
+        self.streaming = streaming
+        self.timings = Timings(arrival=arrival)
+        self.token_ids: list[int] = []
+        self.logprobs: list = []
+        self.num_cached_tokens = 0
+        self.text, self.emitted, self.taken = "", 0, 0
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self.wake = asyncio.Event()
+        self.stops = params.stop
+        self.hold = max((len(s) for s in self.stops), default=1) - 1  # text kept back while a stop may complete
+        tokenizer = client.tokenizer
+        # text as tokens arrive only where someone reads it as it comes (or must search it); else decode once
+        self.decoder = None
+        self._context = prompt_ids[-_CONTEXT:]
+        if tokenizer is not None and (streaming or self.stops):
+            self.decoder = _Decoder(tokenizer, self._context, params.skip_special_tokens)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def feed(self, row: list, now: float) -> int:
+        """Take one engine row; returns how many of its tokens were kept (after a stop string, none are)."""
+        if self.finished:
+            return 0
+        tokens, reason, logprobs, first = row[1], row[2], row[3], row[4]
+        t = self.timings
+        if first is not None:
+            t.first_scheduled, self.num_cached_tokens = first
+        kept = 0
+        for i, token in enumerate(tokens):
+            self.token_ids.append(token)
+            t.token_times.append(now)
+            kept += 1
+            if logprobs:
+                self.logprobs.append(logprobs[i])
+            if self.decoder is not None:
+                before = len(self.text)
+                self.text += self.decoder.step(token)
+                if self.stops and len(self.token_ids) >= self.params.min_tokens and self._match(before):
+                    reason = "stop"
+                    self.client.abort(self.request_id)  # the engine may run a step or two more: dropped
+                    break
+        if kept and t.first_token is None:
+            t.first_token = now
+        if reason is not None:
+            self._finish(reason, now)
+        elif not self.streaming:
+            return kept
+        elif self.taken == 0 or len(self.token_ids) - self.taken >= self.client.stream_interval:
+            if len(self.token_ids) - self.taken > self.client.stream_backlog:
+                self._cut()
+            self.wake.set()
+        return kept
+
+    def _match(self, before: int) -> bool:
+        text = self.text
+        for stop in self.stops:
+            at = text.find(stop, max(0, before - len(stop) + 1))
+            if at != -1:
+                self.text = text[:at]
+                return True
+        return False
+
+    def _finish(self, reason: str, now: float) -> None:
+        self.finish_reason = reason
+        self.timings.finished = now
+        if self.decoder is None and self.client.tokenizer is not None:
+            self.text = _decode_once(self.client.tokenizer, self._context, self.token_ids,
+                                     self.params.skip_special_tokens)
+        self.client.finished(self)
+        self.wake.set()
+
+    def fail(self, error: BaseException) -> None:
+        if not self.finished:
+            self.error = error
+            self.timings.finished = time.perf_counter()
+            self.wake.set()
+
+    def _cut(self) -> None:
+        backlog = self.client.stream_backlog
+        log.warning("request %s: the client fell %d tokens behind; aborting it", self.request_id, backlog)
+        self.client.abort(self.request_id)
+        self.client.finished(self, "abort")
+        self.fail(SlowReaderError(f"the client fell {backlog} chunks behind the stream; the request was aborted"))
+
+    def take(self) -> RequestOutput:
+        """Everything not yet handed out, as one output (the text of a possible stop string kept back)."""
+        end = len(self.text)
+        if self.finish_reason is None and self.stops:
+            end = max(self.emitted, end - self.hold)
+        delta, self.emitted = self.text[self.emitted:end], end
+        ids, self.taken = self.token_ids[self.taken:], len(self.token_ids)
+        logprobs = self.logprobs[len(self.logprobs) - len(ids):] if self.logprobs else []
+        return RequestOutput(self.request_id, ids, delta, self.finish_reason is not None, self.finish_reason,
+                             len(self.prompt_ids), len(self.token_ids), self.num_cached_tokens, logprobs,
+                             self.timings)
+
+    def __aiter__(self):
+        return self._outputs()
+
+    async def _outputs(self):
+        try:
+            while True:
+                await self.wake.wait()
+                self.wake.clear()
+                if self.error is not None:
+                    raise self.error
+                out = self.take()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if not self.finished:  # the reader left early (client gone, task cancelled): free its blocks
+                self.client.abort(self.request_id)
+                self.finish_reason = "abort"
+                self.timings.finished = time.perf_counter()
+                self.client.finished(self)
+
+
+class _Decoder:
+    """Incremental detokenization: one decode step per token (DecodeStream), or two decodes for a slow tokenizer."""
+
+    def __init__(self, tokenizer, context: list[int], skip_special_tokens: bool):
+        fast = getattr(tokenizer, "_tokenizer", None)
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        if fast is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self.fast, self.stream = fast, DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
+        else:
+            self.fast, self.ids, self.offset = None, list(context), len(context)
+
+    def step(self, token: int) -> str:
+        if self.fast is not None:
+            return self.stream.step(self.fast, token) or ""
+        self.ids.append(token)
+        full = _decode_once(self.tokenizer, self.ids[:self.offset], self.ids[self.offset:], self.skip)
+        if full.endswith("\ufffd"):
+            return ""
+        self.offset = len(self.ids)
+        return full
+
+
+def _decode_once(tokenizer, context: list[int], ids: list[int], skip: bool) -> str:
+    prefix = tokenizer.decode(context, skip_special_tokens=skip)
+    return tokenizer.decode(context + ids, skip_special_tokens=skip)[len(prefix):]
+
+
+class EngineClient:
+    """The front end's side of the engine process's sockets: submit, abort, and the receiving task."""
+
+    def __init__(self, folder: str, frontend: int = 0, stream_backlog: int = 512, stream_interval: int = 1,
+                 recorder=None):
+        self.folder, self.frontend = folder, frontend
+        self.stream_backlog, self.stream_interval = stream_backlog, max(1, stream_interval)
+        self.recorder = recorder  # telemetry.recorder.RequestRecorder, or None
+        self.info: Hello | None = None
+        self.tokenizer = None
+        self.error: BaseException | None = None  # why the engine is gone (then only a restart helps)
+        self.requests: dict[str, RequestStream] = {}
+        self.pending: dict[str, asyncio.Future] = {}  # sent, not yet admitted
+        self.loaded = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+
+    def start(self) -> "EngineClient":
+        self.ctx = zmq.asyncio.Context()
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.SNDHWM, 0)
+        self.push.setsockopt(zmq.LINGER, 0)
+        self.push.connect(messages.inbox(self.folder))
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.RCVHWM, 0)
+        self.pull.connect(messages.outbox(self.folder, self.frontend))
+        self._receiver = asyncio.ensure_future(self._receive())
+        return self
+
+    def watch(self, alive) -> None:
+        """End everything at once when the engine process's end of the `alive` pipe closes (it died)."""
+        loop = asyncio.get_running_loop()
+
+        def gone():
+            loop.remove_reader(alive.fileno())
+            self.fail(EngineDeadError("the engine process died"))
+        loop.add_reader(alive.fileno(), gone)
+
+    async def close(self) -> None:
+        self._receiver.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._receiver
+        self.push.close(0)
+        self.pull.close(0)
+        self.ctx.term()
+
+    @property
+    def running(self) -> bool:
+        return self.info is not None and self.error is None
+
+    @property
+    def num_backlog(self) -> int:
+        return len(self.pending)
+
+    # -- requests ----------------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: send token ids", param="prompt")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    async def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str, arrival: float,
+                     streaming: bool, traceparent: str | None = None) -> RequestStream:
+        """Validate (InvalidRequestError), send, and wait for the engine to admit it (503 when it does not)."""
+        if self.error is not None:
+            raise EngineDeadError(str(self.error))
+        info = self.info
+        ids = self.tokenize(prompt)
+        check_request(ids, params, info.max_model_len, info.vocab_size, self.tokenizer is not None)
+        if request_id in self.requests or request_id in self.pending:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        stream = RequestStream(self, request_id, ids, params, arrival, streaming)
+        admitted = asyncio.get_running_loop().create_future()
+        self.pending[request_id] = admitted
+        stream.timings.submitted = time.perf_counter()
+        self.push.send(messages.encode(Add(request_id, self.frontend, ids, params, arrival, traceparent)))
+        try:
+            why = await admitted
+        finally:
+            self.pending.pop(request_id, None)
+        if why is not None:
+            raise unavailable(why, retry_after=1 if "waiting" in why else 5)
+        if self.error is not None:
+            raise EngineDeadError(str(self.error))
+        self.requests[request_id] = stream
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        if self.error is None:
+            self.push.send(messages.encode(Abort([request_id])))
+
+    def finished(self, stream: RequestStream, reason: str | None = None) -> None:
+        """A request left (finished, stopped, cut or abandoned): forget it and record its end once."""
+        if self.requests.pop(stream.request_id, None) is not None and self.recorder is not None:
+            self.recorder.finished(stream, reason or stream.finish_reason)
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            log.error("%s: failing %d request(s) in flight", error, len(self.requests) + len(self.pending))
+        self.error = error
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(error)
+        for stream in list(self.requests.values()):
+            self.finished(stream, "error")
+            stream.fail(error)
+
+    # -- the receiving task --------------------------------------------------------------------------------
+    async def _receive(self) -> None:
+        decode = messages.frontend_decoder.decode
+        try:
+            while True:
+                msg = decode(await self.pull.recv(copy=False))
+                if isinstance(msg, Step):
+                    self._step(msg)
+                elif isinstance(msg, Admitted):
+                    for rid in msg.accepted:
+                        if (fut := self.pending.get(rid)) is not None and not fut.done():
+                            fut.set_result(None)
+                    for rid, why in msg.rejected:
+                        if (fut := self.pending.get(rid)) is not None and not fut.done():
+                            fut.set_result(why)
+                elif isinstance(msg, Hello):
+                    self.tokenizer = await asyncio.to_thread(load_tokenizer, msg.tokenizer)
+                    self.info = msg
+                    self.loaded.set()
+                elif isinstance(msg, Dead):
+                    self.fail(EngineDeadError(msg.reason))
+                    self.loaded.set()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # a bug here would leave every request hanging: fail them all, loudly
+            log.exception("the front end's receiver died")
+            self.fail(EngineDeadError(f"the front end lost the engine: {exc!r}"))
+
+    def _step(self, msg: Step) -> None:
+        now = time.perf_counter()
+        requests, recorder = self.requests, self.recorder
+        gaps: list[float] = []
+        for row in msg.rows:
+            stream = requests.get(row[0])
+            if stream is None:
+                continue  # it left already (aborted, stopped): tokens still in flight are dropped
+            times = stream.timings.token_times
+            previous = times[-1] if times else None
+            kept = stream.feed(row, now)
+            if recorder is not None and kept:
+                if previous is None:
+                    recorder.first_token(stream)
+                else:
+                    gaps.append(now - previous)
+                recorder.tokens(kept)
+        if recorder is not None and gaps:
+            recorder.gaps(Counter(gaps))

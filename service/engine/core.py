@@ -1,0 +1,200 @@
+"""The engine core: the engine's loop behind ZeroMQ sockets, in a process of its own (or a thread, in tests).
+
+It takes requests already tokenized and validated by the front ends, and sends each front end one message per
+step with every new token id and finish of that front end's requests. It never touches HTTP, JSON or text: stop
+strings are the front ends' (a match comes back as an abort). It blocks while idle and never sleeps while busy.
+Admission is counted here, so `--max-waiting` is one limit across every front end: a request that finds the
+waiting queue full is rejected in the `Admitted` reply, and its front end answers 503.
+"""
+
+import logging
+import os
+import signal
+import time
+
+import zmq
+
+from service.engine import messages
+from service.engine.detokenizer import Detokenizer
+from service.engine.errors import EngineDeadError
+from service.engine.messages import Abort, Add, Admitted, Dead, FrontendGone, Hello, Step
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, engine, folder: str, num_frontends: int, max_waiting: int, tracing=None):
+        self.engine = engine
+        engine.rows = True  # bare rows out, no RequestOutput objects
+        engine.detokenizer = Detokenizer(None)  # text is the front ends' work
+        self.max_waiting = max_waiting
+        self.tracing = tracing  # telemetry.tracing.Tracing, for the engine-side request spans
+        self.ctx = zmq.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.bind(messages.inbox(folder))
+        self.outboxes = []
+        for i in range(num_frontends):
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)  # never block the loop on a slow front end (a dead one is aborted)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.bind(messages.outbox(folder, i))
+            self.outboxes.append(sock)
+        self.owner: dict[str, int] = {}  # request id -> the front end that sent it
+        self.stopping = False
+        self.failure: str | None = None  # set from another thread (a lost tensor-parallel rank)
+
+    def hello(self) -> Hello:
+        e = self.engine
+        return Hello(os.getpid(), e.model_name, e.max_model_len, e.vocab_size, sorted(e.eos_token_ids),
+                     e.tokenizer_source if e.tokenizer is not None else None, e.quantization,
+                     str(e.runner.dtype).removeprefix("torch."), e.config.block_size, e.runner.num_blocks)
+
+    def run(self) -> None:
+        """Serve until stopped and idle; on a failure, tell every front end (Dead) and raise."""
+        hello = messages.encode(self.hello())
+        for sock in self.outboxes:
+            sock.send(hello)
+        engine = self.engine
+        try:
+            while not (self.stopping and not engine.has_unfinished()):
+                if self.failure:
+                    raise EngineDeadError(self.failure)
+                if not engine.has_unfinished() and not self.inbox.poll(1000):
+                    continue  # idle: blocked in poll; wakes each second to look at stopping and failure
+                self._drain()
+                if engine.has_unfinished():
+                    self._publish(engine.step())
+        except BaseException as exc:
+            reason = str(exc) if isinstance(exc, EngineDeadError) else f"engine loop died: {exc!r}"
+            dead = messages.encode(Dead(reason))
+            for sock in self.outboxes:
+                sock.send(dead)
+            raise
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.inbox.close(0)
+        for sock in self.outboxes:
+            sock.close()
+        self.ctx.term()
+
+    def _drain(self) -> None:
+        engine, replies = self.engine, {}
+        while True:
+            try:
+                msg = messages.engine_decoder.decode(self.inbox.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            if isinstance(msg, Add):
+                accepted, rejected = replies.setdefault(msg.frontend, ([], []))
+                if engine.num_waiting >= self.max_waiting or self.stopping:
+                    rejected.append((msg.request_id, f"too many requests waiting ({self.max_waiting}); retry later"
+                                     if not self.stopping else "the server is shutting down"))
+                    continue
+                self._add(msg)
+                accepted.append(msg.request_id)
+            elif isinstance(msg, Abort):
+                for rid in msg.request_ids:
+                    if self.owner.pop(rid, None) is not None:
+                        engine.abort(rid)
+            elif isinstance(msg, FrontendGone):
+                gone = [rid for rid, fe in self.owner.items() if fe == msg.frontend]
+                for rid in gone:
+                    del self.owner[rid]
+                    engine.abort(rid)
+                log.error("front end %d is gone: aborted its %d request(s)", msg.frontend, len(gone))
+        for frontend, (accepted, rejected) in replies.items():
+            self.outboxes[frontend].send(messages.encode(Admitted(accepted, rejected)))
+
+    def _add(self, msg: Add) -> None:
+        params = msg.params
+        params.stop = []  # stop strings are matched by the front end, which aborts the request on a match
+        seq = self.engine.new_sequence(msg.request_id, msg.prompt_token_ids, params, msg.arrival)
+        if self.tracing is not None and msg.traceparent:
+            self.tracing.engine_request(msg.request_id, msg.traceparent)
+        self.owner[msg.request_id] = msg.frontend
+        self.engine.add_sequence(seq)
+
+    def _publish(self, rows: list) -> None:
+        if not rows:
+            return
+        owner = self.owner
+        if len(self.outboxes) == 1:
+            for row in rows:
+                if row[2] is not None:
+                    owner.pop(row[0], None)
+            per = [rows]
+        else:
+            per = [[] for _ in self.outboxes]
+            for row in rows:
+                fe = owner.pop(row[0], None) if row[2] is not None else owner.get(row[0])
+                if fe is not None:
+                    per[fe].append(row)
+        waiting = self.engine.num_waiting
+        for sock, mine in zip(self.outboxes, per):
+            if mine:
+                sock.send(messages.encode(Step(mine, waiting)), copy=False)
+
+
+def _tell(folder: str, num_frontends: int, msg) -> None:
+    """Send one message to every front end (the engine's loop never started)."""
+    with zmq.Context() as ctx:
+        for i in range(num_frontends):
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 2000)
+            sock.bind(messages.outbox(folder, i))
+            sock.send(messages.encode(msg))
+            sock.close()
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when its parent (the supervisor) dies, as a container kill would."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def run_process(settings, folder: str, num_frontends: int, alive) -> None:
+    """The engine process: load the model, then serve the front ends until the supervisor's SIGTERM.
+
+    `alive` is the write end of a pipe that only this process holds: when it exits (or is killed), the front
+    ends read end-of-file on their ends and fail their requests at once.
+    """
+    _die_with_parent()
+    logging.basicConfig(level=settings.server.log_level.upper(),
+                        format="%(asctime)s %(levelname)s engine %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the supervisor leads
+    from service.engine.llm_engine import LLMEngine
+    from service.telemetry.hub import Telemetry
+
+    from service.engine.config import display_name
+
+    telemetry = Telemetry(settings.telemetry, settings.server.served_model_name or display_name(settings.engine.model),
+                          process="engine", folder=folder)
+    telemetry.start()
+    try:
+        engine = LLMEngine(settings.engine)
+    except BaseException as exc:
+        log.exception("model failed to load")
+        _tell(folder, num_frontends, Dead(f"model failed to load: {exc!r}"))
+        raise SystemExit(1)
+    telemetry.engine_loaded(engine)
+    core = EngineCore(engine, folder, num_frontends, settings.server.max_waiting, telemetry.tracing)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(core, "stopping", True))
+    if engine.parallel is not None:
+        engine.parallel.on_failure = lambda reason: setattr(core, "failure", reason)
+    log.info("model %s ready on %s; serving %d front end(s)", engine.model_name, engine.device, num_frontends)
+    start = time.monotonic()
+    try:
+        core.run()
+    except BaseException:
+        log.exception("engine loop died after %.0f s", time.monotonic() - start)
+        raise SystemExit(1)
+    finally:
+        engine.close()
+        telemetry.shutdown()
+    del alive

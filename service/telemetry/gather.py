@@ -1,0 +1,119 @@
+"""One /metrics for every process of a server: each series once, counts exact, exemplars kept.
+
+Every process (the engine, each front end) answers on an `ipc://` socket of its own with its metric families,
+read at that moment. The front end that is scraped asks the others and merges: the shared series (requests,
+tokens, steps, queue, KV, GPU) are summed sample by sample (each is set by the process that measures it, the
+others hold zeros), keeping an exemplar where one process has it; per-process series get a `process` label.
+prometheus_client's multiprocess mode would merge files instead, but it drops exemplars.
+"""
+
+import logging
+import os
+import threading
+
+import msgspec
+import zmq
+import zmq.asyncio
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
+from prometheus_client.samples import Exemplar, Sample
+
+log = logging.getLogger(__name__)
+ASK_TIMEOUT_MS = 2000  # a process that does not answer in this long is left out of the scrape (and logged)
+
+
+def address(folder: str, process: str) -> str:
+    return f"ipc://{os.path.join(folder, f'metrics-{process}')}"
+
+
+def dump(registry) -> list:
+    """A registry's families as plain lists: [name, documentation, type, unit, samples]."""
+    return [[m.name, m.documentation, m.type, m.unit,
+             [[s.name, s.labels, s.value, s.timestamp, list(s.exemplar) if s.exemplar else None] for s in m.samples]]
+            for m in registry.collect()]
+
+
+def snapshot(metrics) -> bytes:
+    return msgspec.msgpack.encode([dump(metrics.registry), dump(metrics.local)])
+
+
+class Responder:
+    """Answers every question on `address(folder, process)` with this process's snapshot, on its own thread."""
+
+    def __init__(self, metrics, folder: str, process: str):
+        self.metrics = metrics
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.REP)
+        self.sock.bind(address(folder, process))
+        self.thread = threading.Thread(target=self._serve, name="metrics-responder", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        try:
+            while True:
+                self.sock.recv()
+                self.sock.send(snapshot(self.metrics))
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            self.sock.close(0)
+
+    def close(self) -> None:
+        self.ctx.term()
+
+
+async def ask(ctx: zmq.asyncio.Context, folder: str, process: str) -> bytes | None:
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address(folder, process))
+    try:
+        await sock.send(b"")
+        if await sock.poll(ASK_TIMEOUT_MS):
+            return await sock.recv()
+        log.warning("metrics: process %s did not answer in %d ms; left out of this scrape", process,
+                    ASK_TIMEOUT_MS)
+        return None
+    finally:
+        sock.close(0)
+
+
+def merge(snapshots: dict[str, bytes]) -> list[Metric]:
+    """Families from every process's snapshot: shared ones summed, local ones labelled by process."""
+    families: dict[str, Metric] = {}
+    sums: dict[str, dict] = {}  # family -> (sample name, labels) -> [value, exemplar]
+    for process, raw in snapshots.items():
+        shared, local = msgspec.msgpack.decode(raw)
+        for name, doc, typ, unit, samples in shared:
+            if name not in families:
+                families[name], sums[name] = Metric(name, doc, typ, unit), {}
+            into = sums[name]
+            for sname, labels, value, _, exemplar in samples:
+                key = (sname, tuple(sorted(labels.items())))
+                if key in into:
+                    into[key][0] += value
+                    into[key][1] = into[key][1] or exemplar
+                else:
+                    into[key] = [value, exemplar, labels]
+        for name, doc, typ, unit, samples in local:
+            family = families.setdefault(name, Metric(name, doc, typ, unit))
+            for sname, labels, value, timestamp, exemplar in samples:
+                family.samples.append(Sample(sname, {**labels, "process": process}, value, timestamp,
+                                             Exemplar(*exemplar) if exemplar else None))
+    for name, into in sums.items():
+        families[name].samples.extend(Sample(sname, labels, value, None, Exemplar(*ex) if ex else None)
+                                      for (sname, _), (value, ex, labels) in into.items())
+    return list(families.values())
+
+
+class _Families:
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self):
+        return self.families
+
+
+def render(families: list[Metric], accept: str | None) -> tuple[bytes, str]:
+    """The families in the format the scraper asks for (OpenMetrics, with exemplars, or Prometheus text)."""
+    encoder, content_type = choose_encoder(accept or "")
+    return encoder(_Families(families)), content_type
