@@ -136,6 +136,48 @@ class LiveServer:
         return False
 
 
+class Linked:
+    """An engine's loop on a thread behind its sockets (EngineCore) and a front end's client to it: the serving
+    path without HTTP. Enter it inside the event loop that uses it: `async with Linked(engine) as link:`."""
+
+    def __init__(self, engine, stream_backlog: int = 512, stream_interval: int = 1, max_waiting: int = 256):
+        self.engine, self.options, self.max_waiting = engine, (stream_backlog, stream_interval), max_waiting
+
+    async def __aenter__(self) -> "Linked":
+        import asyncio
+        import threading
+
+        from service.api.client import EngineClient
+        from service.engine.core import EngineCore
+        from service.engine.messages import private_dir
+
+        folder = private_dir()
+        self.core = EngineCore(self.engine, folder, 1, self.max_waiting)
+        self.thread = threading.Thread(target=self.core.run, name="engine-loop", daemon=True)
+        self.thread.start()
+        self.client = EngineClient(folder, 0, *self.options).start()
+        await asyncio.wait_for(self.client.loaded.wait(), 60)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        import asyncio
+
+        self.core.stopping = True
+        await asyncio.to_thread(self.thread.join, 60)
+        await self.client.close()
+
+    async def submit(self, prompt, params, request_id: str | None = None, streaming: bool = True):
+        import time
+        import uuid
+
+        return await self.client.submit(prompt, params, request_id or uuid.uuid4().hex, time.perf_counter(),
+                                        streaming)
+
+    async def generate(self, prompt, params, request_id: str | None = None, streaming: bool = True):
+        async for out in await self.submit(prompt, params, request_id, streaming):
+            yield out
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _bench_results_store(tmp_path_factory):
     """Benchmarks run by tests record into a throwaway store, never into the user's data directory."""

@@ -206,7 +206,7 @@ def test_full_queue_gets_503_with_retry_after_and_recovers(default_model):
                 while not s.engine.num_running:
                     await asyncio.sleep(0.02)
                 waiting = asyncio.create_task(c.post(s.url + "/v1/completions", json=body))
-                while not s.app.state.server.facade.num_waiting:
+                while not s.engine.num_waiting:
                     await asyncio.sleep(0.02)
                 rejected = await c.post(s.url + "/v1/completions", json=body)
                 done = await asyncio.gather(running, waiting)

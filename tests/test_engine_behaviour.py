@@ -5,9 +5,9 @@ import asyncio
 import pytest
 import torch
 
-from service.engine import AsyncEngine, InvalidRequestError, SamplingParams
+from service.engine import InvalidRequestError, SamplingParams
 from service.engine.sampler import Sampler
-from tests.conftest import make_engine
+from tests.conftest import Linked, make_engine
 
 PROMPT = "<|im_start|>user\nTell me a short story about a cat.<|im_end|>\n<|im_start|>assistant\n"
 SHORT = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"  # its greedy answer ends in a few tokens
@@ -140,34 +140,31 @@ def test_logprobs_are_returned_for_the_sampled_token(engine):
         assert len(top) == 2 and top[0][1] >= top[1][1]
 
 
-def test_async_engine_streams_and_abort_on_early_exit_frees_blocks(default_model):
+def test_the_engine_core_streams_and_abort_on_early_exit_frees_blocks(default_model):
     engine = make_engine(default_model)
-    facade = AsyncEngine(engine).start()
 
-    async def collect(prompt, n):
+    async def collect(link, prompt, n):
         text, outs = "", []
-        async for out in facade.generate(prompt, SamplingParams(max_tokens=n, temperature=0)):
+        async for out in link.generate(prompt, SamplingParams(max_tokens=n, temperature=0)):
             text += out.text_delta
             outs.append(out)
         return text, outs
 
-    async def leave_early():
-        async for out in facade.generate(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True)):
+    async def leave_early(link):
+        async for out in link.generate(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True)):
             if out.num_output_tokens == 3:
                 break
 
     async def main():
-        results = await asyncio.gather(*[collect(PROMPT, 10) for _ in range(4)], leave_early())
-        for _ in range(1200):  # the early leaver's abort reaches the engine thread (within a minute, however busy)
-            if not engine.has_unfinished():
-                break
-            await asyncio.sleep(0.05)
-        return results
+        async with Linked(engine) as link:
+            results = await asyncio.gather(*[collect(link, PROMPT, 10) for _ in range(4)], leave_early(link))
+            for _ in range(1200):  # the early leaver's abort reaches the engine (within a minute, however busy)
+                if not engine.has_unfinished():
+                    break
+                await asyncio.sleep(0.05)
+            return results
 
-    try:
-        results = asyncio.run(main())
-    finally:
-        facade.shutdown()
+    results = asyncio.run(main())
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
     expected = engine.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0))[0]["text"]
     for text, outs in results[:4]:

@@ -14,9 +14,9 @@ import httpx
 import pytest
 import torch
 
-from service.engine import AsyncEngine, InvalidRequestError, SamplingParams
+from service.engine import InvalidRequestError, SamplingParams
 from service.engine.errors import SlowReaderError
-from tests.conftest import LiveServer, make_engine, wait_until
+from tests.conftest import Linked, LiveServer, make_engine, wait_until
 from tests.otlp import Receiver
 
 VOCAB = 512  # random:tiny's vocabulary
@@ -89,8 +89,8 @@ def test_non_finite_and_non_integer_numbers_are_400s(server, raw, param):
 
 
 def test_an_unexpected_error_is_a_json_500_that_keeps_the_connection(server, monkeypatch):
-    facade = server.app.state.server.facade
-    monkeypatch.setattr(facade, "submit", lambda *a, **k: 1 / 0)  # a bug in a route's path
+    client = server.app.state.server.client
+    monkeypatch.setattr(client, "submit", lambda *a, **k: 1 / 0)  # a bug in a route's path
     conn = http.client.HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]), timeout=30)
     body = json.dumps({"model": server.engine.model_name, "prompt": [1, 2], "max_tokens": 1})
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
@@ -268,7 +268,6 @@ def test_a_reader_that_stops_reading_is_cut_off_with_bounded_memory(tiny_model):
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         try:
-            facade = s.app.state.server.facade
             def cut() -> bool:
                 assert metric(s, "llm_requests_total", finish_reason="length") == 0, "it ran to the end uncut"
                 return metric(s, "llm_requests_total", finish_reason="abort") == 1
@@ -277,7 +276,7 @@ def test_a_reader_that_stops_reading_is_cut_off_with_bounded_memory(tiny_model):
             assert s.wait_idle()  # its blocks are free, though the client is still connected
             generated = metric(s, "llm_generation_tokens_total")
             assert generated < 1000
-            assert [st.outputs.qsize() for st in facade._streams.values()] in ([], [1])  # only the error waits
+            assert s.app.state.server.client.requests == {}  # forgotten at the cut: only its error waits
             sock.settimeout(30)
             received = b""
             while data := sock.recv(1 << 16):
@@ -295,90 +294,61 @@ def test_a_reader_that_stops_reading_is_cut_off_with_bounded_memory(tiny_model):
 
 def test_a_stream_not_read_past_its_backlog_is_aborted_and_its_outputs_dropped(tiny_model):
     engine = make_engine(tiny_model)
-    facade = AsyncEngine(engine, stream_backlog=8).start()
 
     async def main():
-        stream = facade.generate([1, 2, 3], SamplingParams(max_tokens=500, ignore_eos=True))
-        first = await anext(stream)  # then stop reading, while the engine goes on
-        while engine.has_unfinished():
-            await asyncio.sleep(0.01)
-        (queued,) = [st.outputs.qsize() for st in facade._streams.values()]
-        with pytest.raises(SlowReaderError, match="fell 8 chunks behind"):
-            await anext(stream)
-        return first, queued
-    try:
-        first, queued = asyncio.run(main())
-    finally:
-        facade.shutdown()
-    assert first.num_output_tokens == 1 and queued == 1  # the backlog was dropped; only the error waited
+        async with Linked(engine, stream_backlog=8) as link:
+            stream = link.generate([1, 2, 3], SamplingParams(max_tokens=500, ignore_eos=True))
+            first = await anext(stream)  # then stop reading, while the engine goes on
+            while engine.has_unfinished():
+                await asyncio.sleep(0.01)
+            with pytest.raises(SlowReaderError, match="fell 8 chunks behind"):
+                await anext(stream)
+            return first, dict(link.client.requests)
+    first, left = asyncio.run(main())
+    assert first.num_output_tokens == 1 and left == {}  # cut and forgotten; what it never read was dropped
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
-    assert facade.num_streams == 0
 
 
-def test_concurrent_submitters_on_many_threads_keep_the_shared_counts_exact(tiny_model):
+def test_many_concurrent_submitters_keep_the_counts_exact_and_one_id_wins(tiny_model):
     engine = make_engine(tiny_model, max_num_seqs=8)
-    facade = AsyncEngine(engine).start()
-    threads, barrier = 8, threading.Barrier(8)
-    results: list = [None] * threads
 
-    async def one(i: int) -> int:
-        outs = [o async for o in facade.generate([1 + i % 100, 2], SamplingParams(max_tokens=2, ignore_eos=True))]
+    async def one(link, i: int) -> int:
+        outs = [o async for o in link.generate([1 + i % 100, 2], SamplingParams(max_tokens=2, ignore_eos=True))]
         return outs[-1].num_output_tokens
 
-    async def duplicate() -> str:
+    async def duplicate(link) -> str:
         try:
-            outs = [o async for o in facade.generate([5, 6], SamplingParams(max_tokens=30, ignore_eos=True),
-                                                     request_id="same-id")]
+            outs = [o async for o in link.generate([5, 6], SamplingParams(max_tokens=30, ignore_eos=True),
+                                                   request_id="same-id")]
             return outs[-1].finish_reason
         except InvalidRequestError as exc:
             return exc.param
 
-    def submitter(k: int) -> None:
-        async def main():
-            barrier.wait()  # every thread submits the same id at the same moment
-            first = await asyncio.gather(duplicate(), *[one(k * 100 + i) for i in range(20)])
-            return first
-        results[k] = asyncio.run(main())
-
-    workers = [threading.Thread(target=submitter, args=(k,)) for k in range(threads)]
-    try:
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join(120)
-    finally:
-        facade.shutdown()
-    assert all(r is not None for r in results)
-    assert sorted(r[0] for r in results) == ["length"] + ["request_id"] * (threads - 1)  # one winner
-    assert [n for r in results for n in r[1:]] == [2] * (threads * 20)
-    assert facade._queued == 0 and facade.num_waiting == 0 and facade.num_streams == 0
+    async def main():
+        async with Linked(engine) as link:
+            results = await asyncio.gather(*[duplicate(link) for _ in range(8)], *[one(link, i) for i in range(160)])
+            return results, link.client.requests, link.client.pending
+    results, requests, pending = asyncio.run(main())
+    assert sorted(results[:8]) == ["length"] + ["request_id"] * 7  # one winner
+    assert results[8:] == [2] * 160
+    assert requests == {} and pending == {} and engine.num_waiting == 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
 
 
-
-def test_a_submitted_request_counts_as_waiting_at_once_and_an_unread_one_gives_its_place_back(tiny_model):
-    """Admission checks num_waiting before each submit, so a request counts from submit, not from its first
-    read; one whose response never began reading (its generator dropped) must not stay counted."""
+def test_an_admitted_request_never_read_runs_out_and_leaves_nothing_behind(tiny_model):
+    """A request the engine admitted whose response never began reading (its route failed after submit) runs
+    to its end and is forgotten: it holds no place in the queue, no stream and no blocks."""
     engine = make_engine(tiny_model, max_num_seqs=1)
-    facade = AsyncEngine(engine).start()
 
     async def main():
-        unread = [facade.submit([1, 2, 3], SamplingParams(max_tokens=2)) for _ in range(3)]
-        counted = facade.num_waiting, facade.num_streams
-        del unread
-        gc.collect()
-        return counted
-
-    try:
-        counted = asyncio.run(main())
-        assert counted == (3, 3)
-        assert (facade.num_waiting, facade.num_streams) == (0, 0)
-        outs = asyncio.run(_collect(facade))
-        assert outs[-1].finished and facade.num_waiting == 0
-    finally:
-        facade.shutdown()
+        async with Linked(engine) as link:
+            unread = [await link.submit([1, 2, 3], SamplingParams(max_tokens=2)) for _ in range(3)]
+            del unread
+            gc.collect()
+            while link.client.requests or engine.has_unfinished():
+                await asyncio.sleep(0.01)
+            outs = [o async for o in link.generate([4, 5], SamplingParams(max_tokens=3, ignore_eos=True))]
+            return outs, engine.num_waiting
+    outs, waiting = asyncio.run(main())
+    assert outs[-1].finished and waiting == 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
-
-
-async def _collect(facade):
-    return [o async for o in facade.generate([4, 5], SamplingParams(max_tokens=3, ignore_eos=True))]

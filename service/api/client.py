@@ -267,18 +267,20 @@ class EngineClient:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         stream = RequestStream(self, request_id, ids, params, arrival, streaming)
         admitted = asyncio.get_running_loop().create_future()
-        self.pending[request_id] = admitted
+        # known before it is sent: its first step's message may be read before this coroutine resumes
+        self.pending[request_id], self.requests[request_id] = admitted, stream
         stream.timings.submitted = time.perf_counter()
         self.push.send(messages.encode(Add(request_id, self.frontend, ids, params, arrival, traceparent)))
         try:
             why = await admitted
+        except BaseException:
+            self.requests.pop(request_id, None)
+            raise
         finally:
             self.pending.pop(request_id, None)
         if why is not None:
+            self.requests.pop(request_id, None)
             raise unavailable(why, retry_after=1 if "waiting" in why else 5)
-        if self.error is not None:
-            raise EngineDeadError(str(self.error))
-        self.requests[request_id] = stream
         return stream
 
     def abort(self, request_id: str) -> None:

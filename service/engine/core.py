@@ -74,6 +74,7 @@ class EngineCore:
             self.close()
 
     def close(self) -> None:
+        self.engine.rows, self.engine.detokenizer = False, Detokenizer(self.engine.tokenizer)  # usable offline again
         self.inbox.close(0)
         for sock in self.outboxes:
             sock.close()
