@@ -140,8 +140,10 @@ class Linked:
     """An engine's loop on a thread behind its sockets (EngineCore) and a front end's client to it: the serving
     path without HTTP. Enter it inside the event loop that uses it: `async with Linked(engine) as link:`."""
 
-    def __init__(self, engine, stream_backlog: int = 512, stream_interval: int = 1, max_waiting: int = 256):
-        self.engine, self.options, self.max_waiting = engine, (stream_backlog, stream_interval), max_waiting
+    def __init__(self, engine, stream_backlog: int = 512, stream_interval: int = 1, max_waiting: int = 256,
+                 recorder=None):
+        self.engine, self.max_waiting = engine, max_waiting
+        self.options = (stream_backlog, stream_interval, recorder)
 
     async def __aenter__(self) -> "Linked":
         import asyncio

@@ -40,7 +40,8 @@ def server(default_model):
 
 
 def test_a_slow_tokenizer_is_inside_the_native_timings(server, monkeypatch):
-    monkeypatch.setattr(server.engine.tokenizer, "encode", slowed(server.engine.tokenizer.encode))
+    tokenizer = server.app.state.server.tokenizer
+    monkeypatch.setattr(tokenizer, "encode", slowed(tokenizer.encode))
     sent = time.perf_counter()
     t = httpx.post(server.url + "/generate", json={"prompt": "Hello", "max_tokens": 3}, timeout=60).json()["timings"]
     client_total = time.perf_counter() - sent
@@ -49,7 +50,7 @@ def test_a_slow_tokenizer_is_inside_the_native_timings(server, monkeypatch):
 
 
 def test_chat_template_and_tokenizer_time_is_inside_ttft_and_shown_on_its_own(server, monkeypatch):
-    tokenizer = server.engine.tokenizer
+    tokenizer = server.app.state.server.tokenizer
     monkeypatch.setattr(tokenizer, "apply_chat_template", slowed(tokenizer.apply_chat_template))
     monkeypatch.setattr(tokenizer, "encode", slowed(tokenizer.encode))
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}

@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families as parse_pro
 from service.engine import SamplingParams
 from service.telemetry.gpu import GPUSampler
 from service.telemetry.metrics import GPUMetrics, Metrics
-from service.telemetry.recorder import EngineRecorder, observe_many
-from tests.conftest import LiveServer, free_port, make_engine
+from service.telemetry.recorder import EngineRecorder, RequestRecorder, observe_many
+from tests.conftest import Linked, LiveServer, free_port, make_engine
 from tests.otlp import ErroringCollector, HangingCollector, Receiver
 from tests.prometheus import Prometheus
 
@@ -36,7 +36,8 @@ CATALOG = {
     "llm_kv_cache_usage_ratio": "gauge", "llm_preemptions": "counter", "llm_engine_step_seconds": "histogram",
     "llm_batch_tokens": "histogram", "llm_tensor_parallel_forward_seconds": "counter", "llm_model_info": "gauge",
     "llm_engine_step_failures": "counter", "llm_kv_cache_blocks_used": "gauge",
-    "llm_process_threads": "gauge", "llm_asyncio_tasks": "gauge",
+    "llm_process_threads": "gauge", "llm_asyncio_tasks": "gauge", "llm_event_loop_lag_seconds": "gauge",
+    "llm_ipc_backlog": "gauge",
 }
 GPU_GAUGES = ["llm_gpu_utilization_ratio", "llm_gpu_memory_used_bytes", "llm_gpu_memory_total_bytes",
               "llm_gpu_power_watts", "llm_gpu_temperature_celsius", "llm_gpu_sm_clock_hertz"]
@@ -49,6 +50,19 @@ def recorded_engine(loaded, **overrides):
     engine = make_engine(loaded, enable_prefix_caching=False, **overrides)
     engine.observer = EngineRecorder(metrics)
     return engine, metrics
+
+
+def run_linked(engine, metrics: Metrics, prompts: list, params) -> list:
+    """Run prompts through the engine's core and a front end's client recording into `metrics`; each one's last
+    output."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+
+    async def main():
+        async with Linked(engine, recorder=RequestRecorder(metrics)) as link:
+            async def one(prompt, sp):
+                return [o async for o in link.generate(prompt, sp, streaming=False)][-1]
+            return await asyncio.gather(*[one(p, sp) for p, sp in zip(prompts, params)])
+    return asyncio.run(main())
 
 
 def value(metrics: Metrics, name: str, **labels) -> float:
@@ -68,10 +82,10 @@ def test_readme_metric_table_is_the_catalog():
     readme = Path(__file__).parent.parent / "README.md"
     rows = dict(re.findall(r"^\| (llm_\w+) \| (\w+) \|", readme.read_text(), re.M))
     registry = CollectorRegistry()
-    Metrics(MODEL, registry)
+    metrics = Metrics(MODEL, registry)
     GPUMetrics(registry)
     exported = {f.name + ("_total" if f.type == "counter" else ""): f.type
-                for f in registry.collect() if f.name.startswith("llm_")}
+                for r in (registry, metrics.local) for f in r.collect() if f.name.startswith("llm_")}
     assert rows == exported
     assert {name.removesuffix("_total") for name in rows} == set(CATALOG) | set(GPU_GAUGES)
 
@@ -81,7 +95,7 @@ def test_counters_and_histograms_match_the_requests_exactly(tiny_model):
     engine, m = recorded_engine(tiny_model)
     prompts = [[5] * 3, [6] * 17, [7] * 40, [8]]
     lengths = [5, 1, 9, 12]
-    engine.generate(prompts, [SamplingParams(max_tokens=k, ignore_eos=True) for k in lengths])
+    run_linked(engine, m, prompts, [SamplingParams(max_tokens=k, ignore_eos=True) for k in lengths])
     assert value(m, "llm_requests_total", finish_reason="length") == 4
     assert all(value(m, "llm_requests_total", finish_reason=r) == 0 for r in ("stop", "abort", "error"))
     assert value(m, "llm_generation_tokens_total") == sum(lengths)
@@ -108,7 +122,7 @@ def test_preemptions_are_counted_and_gauges_follow_the_load(tiny_model):
                      value(m, "llm_kv_cache_usage_ratio")))
 
     engine.observer = spy
-    engine.generate([[9 + i] * 30 for i in range(6)], SamplingParams(max_tokens=20, ignore_eos=True))
+    run_linked(engine, m, [[9 + i] * 30 for i in range(6)], SamplingParams(max_tokens=20, ignore_eos=True))
     assert engine.scheduler.num_preemptions > 0
     assert value(m, "llm_preemptions_total") == engine.scheduler.num_preemptions
     assert value(m, "llm_generation_tokens_total") == 6 * 20
@@ -118,22 +132,29 @@ def test_preemptions_are_counted_and_gauges_follow_the_load(tiny_model):
 
 def test_aborts_and_failed_steps_are_counted_by_finish_reason(tiny_model):
     engine, m = recorded_engine(tiny_model)
-    rid = engine.add_request([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
-    engine.step()
-    engine.step()
-    engine.abort(rid)
+
+    async def leave_after_two(link):
+        async for out in link.generate([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True)):
+            if out.num_output_tokens >= 2:
+                return
+    async def main():
+        async with Linked(engine, recorder=RequestRecorder(m)) as link:
+            await leave_after_two(link)
+            while engine.has_unfinished():
+                await asyncio.sleep(0.01)
+    asyncio.run(main())
     assert value(m, "llm_requests_total", finish_reason="abort") == 1
-    assert value(m, "llm_generation_tokens_total") == 2
+    assert 2 <= value(m, "llm_generation_tokens_total") < 50  # what reached the front end before it left
     assert value(m, "llm_request_duration_seconds_count") == 1
     assert_at_rest(m)
 
-    engine.add_request([4, 5, 6], SamplingParams(max_tokens=5))
     run = engine.runner.execute
     engine.runner.execute = lambda batch: 1 / 0  # a fault inside the forward pass
-    assert engine.step()[0].finish_reason == "error"
+    assert run_linked(engine, m, [[4, 5, 6]], SamplingParams(max_tokens=5))[0].finish_reason == "error"
     engine.runner.execute = run
     assert value(m, "llm_requests_total", finish_reason="error") == 1
-    assert engine.generate([[7, 8]], SamplingParams(max_tokens=2))[0]["finish_reason"] == "length"
+    assert value(m, "llm_engine_step_failures_total", error="ZeroDivisionError") == 1
+    assert run_linked(engine, m, [[7, 8]], SamplingParams(max_tokens=2))[0].finish_reason == "length"
     assert value(m, "llm_requests_total", finish_reason="length") == 1
     assert_at_rest(m)
 
@@ -236,7 +257,7 @@ def test_request_span_joins_the_callers_trace_with_gen_ai_attributes_events_and_
                                  "temperature": 0.5, "seed": 7})
             assert r.status_code == 200
             families = scrape(s, openmetrics=True)
-            expected = {f"text_completion {MODEL}", "POST /v1/completions"}
+            expected = {f"text_completion {MODEL}", "POST /v1/completions", "engine.request"}
             spans = receiver.wait_for(lambda spans: expected <= {sp.name for sp in spans if sp.trace_id == trace_id}
                                       and any(t == trace_id for sp in spans for t, _ in sp.links))
 
@@ -255,8 +276,12 @@ def test_request_span_joins_the_callers_trace_with_gen_ai_attributes_events_and_
     assert gen.start_ns == gen.events[0][1] and gen.attributes["llm.request.frontend_seconds"] > 0
     assert [e[1] for e in gen.events] == sorted(e[1] for e in gen.events)
     assert gen.resource["service.name"] == "llm-service"
-    # the request is linked from the steps that changed its life: the one that admitted it, the one it ended in
-    steps = sorted((sp for sp in spans if sp.name == "engine.step" and (trace_id, gen.span_id) in sp.links),
+    # the engine's side of the request: a child span (its context went with the request to the engine), linked
+    # from the steps that changed its life: the one that admitted it, the one it ended in
+    engine_side = mine["engine.request"]
+    assert engine_side.parent_span_id == gen.span_id and gen.start_ns < engine_side.start_ns < gen.end_ns
+    assert [e[0] for e in engine_side.events] == ["scheduled"]
+    steps = sorted((sp for sp in spans if sp.name == "engine.step" and (trace_id, engine_side.span_id) in sp.links),
                    key=lambda sp: sp.start_ns)
     assert [(sp.attributes["llm.step.phase"], sp.attributes["llm.step.admitted"], sp.attributes["llm.step.finished"])
             for sp in steps] == [("prefill", 1, 0), ("decode", 0, 1)]
@@ -282,7 +307,10 @@ def test_preempted_requests_carry_preempted_events_and_step_links(tiny_model, mo
             spans = receiver.wait_for(lambda spans: sum(sp.name.startswith("text_completion") for sp in spans) == 6)
     assert preemptions > 0
     generations = {sp.span_id: sp for sp in spans if sp.name.startswith("text_completion")}
-    preempted = [sp for sp in generations.values() if any(e[0] == "preempted" for e in sp.events)]
+    # the engine's side of each request is a child span of its request span, which carries its preemptions
+    engine_side = [sp for sp in spans if sp.name == "engine.request"]
+    assert sorted(sp.parent_span_id for sp in engine_side) == sorted(generations)
+    preempted = [sp for sp in engine_side if any(e[0] == "preempted" for e in sp.events)]
     assert sum(sum(e[0] == "preempted" for e in sp.events) for sp in preempted) == preemptions
     steps = receiver.wait_for(lambda spans: sum(sp.attributes.get("llm.step.preempted", 0)
                                                 for sp in spans if sp.name == "engine.step") == preemptions)

@@ -128,8 +128,8 @@ class RequestStream:
         backlog = self.client.stream_backlog
         log.warning("request %s: the client fell %d tokens behind; aborting it", self.request_id, backlog)
         self.client.abort(self.request_id)
-        self.client.finished(self, "abort")
         self.fail(SlowReaderError(f"the client fell {backlog} chunks behind the stream; the request was aborted"))
+        self.client.finished(self, "abort")
 
     def take(self) -> RequestOutput:
         """Everything not yet handed out, as one output (the text of a possible stop string kept back)."""
@@ -300,8 +300,8 @@ class EngineClient:
             if not fut.done():
                 fut.set_exception(error)
         for stream in list(self.requests.values()):
-            self.finished(stream, "error")
             stream.fail(error)
+            self.finished(stream, "error")
 
     # -- the receiving task --------------------------------------------------------------------------------
     async def _receive(self) -> None:

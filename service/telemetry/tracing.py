@@ -136,6 +136,7 @@ class Tracing:
         self.trace_text = trace_text
         self.contexts: OrderedDict[str, trace.SpanContext] = OrderedDict()  # request id -> its span's context
         self.engine_spans: dict = {}  # in the engine: request id -> its open engine.request span
+        self._clocks: dict = {}  # span id -> the clock offset its start was stamped with
 
     @property
     def enabled(self) -> bool:
@@ -162,10 +163,11 @@ class Tracing:
             attributes["gen_ai.request.stop_sequences"] = params.stop
         if self.trace_text:
             attributes["gen_ai.prompt"] = prompt if isinstance(prompt, str) else json.dumps(prompt)
-        start = None if arrival is None else _wall_clock()(arrival)
+        at = _wall_clock()  # one offset for the whole span, so its events line up with its start
         span = self.tracer.start_span(f"{operation} {model}", kind=SpanKind.INTERNAL, attributes=attributes,
-                                      start_time=start)
+                                      start_time=None if arrival is None else at(arrival))
         self._remember(request_id, span.get_span_context())
+        self._clocks[span.get_span_context().span_id] = at
         return span
 
     def _remember(self, request_id: str, ctx: trace.SpanContext) -> None:
@@ -181,13 +183,14 @@ class Tracing:
 
     def fail(self, span, exc: BaseException) -> None:
         """A request refused before its stream began (a 503 from the engine, a dead engine)."""
+        self._clocks.pop(span.get_span_context().span_id, None)
         _record_error(span, exc)
         span.end()
 
     async def generation(self, stream: AsyncIterator[RequestOutput], span, model: str
                          ) -> AsyncIterator[RequestOutput]:
         """Wrap a request's output stream in its span (from request_span), ended with the request."""
-        at = _wall_clock()  # one offset for the whole span, so its events line up with its start
+        at = self._clocks.pop(span.get_span_context().span_id, None) or _wall_clock()
         last, text = None, []
         try:
             async for out in stream:
@@ -253,9 +256,17 @@ class Tracing:
                     "llm.step.sequences": step.num_seqs, "llm.step.admitted": len(step.admitted),
                     "llm.step.preempted": len(step.preempted), "llm.step.finished": len(step.finished_ids),
                 }).end(end_time=end)
-        for rid in step.finished_ids:
-            if (span := self.engine_spans.pop(rid, None)) is not None:
-                span.end()
+        spans = self.engine_spans
+        if spans:
+            for rid in step.admitted:
+                if (span := spans.get(rid)) is not None:
+                    span.add_event("scheduled")
+            for rid in step.preempted:
+                if (span := spans.get(rid)) is not None:
+                    span.add_event("preempted")
+            for rid in step.finished_ids:
+                if (span := spans.pop(rid, None)) is not None:
+                    span.end()
 
     def shutdown(self) -> None:
         if self.provider is not None:
