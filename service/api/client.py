@@ -322,6 +322,7 @@ class EngineClient:
                     self.tokenizer = await asyncio.to_thread(load_tokenizer, msg.tokenizer)
                     self.info = msg
                     self.loaded.set()
+                    log.info("linked to the engine process %d: %s", msg.pid, msg.model_name)
                 elif isinstance(msg, Dead):
                     self.fail(EngineDeadError(msg.reason))
                     self.loaded.set()

@@ -51,15 +51,16 @@ class EngineCore:
 
     def run(self) -> None:
         """Serve until stopped and idle; on a failure, tell every front end (Dead) and raise."""
-        hello = messages.encode(self.hello())
-        for sock in self.outboxes:
-            sock.send(hello)
+        hello, unhelloed = messages.encode(self.hello()), set(range(len(self.outboxes)))
         engine = self.engine
         try:
             while not (self.stopping and not engine.has_unfinished()):
                 if self.failure:
                     raise EngineDeadError(self.failure)
-                if not engine.has_unfinished() and not self.inbox.poll(1000):
+                for i in list(unhelloed):  # a front end not yet connected gets it on a later turn
+                    if self._send(i, hello):
+                        unhelloed.discard(i)
+                if not engine.has_unfinished() and not self.inbox.poll(100 if unhelloed else 1000):
                     continue  # idle: blocked in poll; wakes each second to look at stopping and failure
                 self._drain()
                 if engine.has_unfinished():
@@ -67,8 +68,8 @@ class EngineCore:
         except BaseException as exc:
             reason = str(exc) if isinstance(exc, EngineDeadError) else f"engine loop died: {exc!r}"
             dead = messages.encode(Dead(reason))
-            for sock in self.outboxes:
-                sock.send(dead)
+            for i in range(len(self.outboxes)):
+                self._send(i, dead)
             raise
         finally:
             self.close()
@@ -106,7 +107,7 @@ class EngineCore:
                     engine.abort(rid)
                 log.error("front end %d is gone: aborted its %d request(s)", msg.frontend, len(gone))
         for frontend, (accepted, rejected) in replies.items():
-            self.outboxes[frontend].send(messages.encode(Admitted(accepted, rejected)))
+            self._send(frontend, messages.encode(Admitted(accepted, rejected)))
 
     def _add(self, msg: Add) -> None:
         params = msg.params
@@ -133,9 +134,18 @@ class EngineCore:
                 if fe is not None:
                     per[fe].append(row)
         waiting = self.engine.num_waiting
-        for sock, mine in zip(self.outboxes, per):
+        for i, mine in enumerate(per):
             if mine:
-                sock.send(messages.encode(Step(mine, waiting)), copy=False)
+                self._send(i, messages.encode(Step(mine, waiting)))
+
+    def _send(self, frontend: int, data: bytes) -> bool:
+        """Never blocks: a PUSH socket whose front end is gone (or not yet connected) would block the loop for
+        good. What a dead front end misses is dropped; the supervisor's FrontendGone aborts its requests."""
+        try:
+            self.outboxes[frontend].send(data, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
 
 
 def _tell(folder: str, num_frontends: int, msg) -> None:

@@ -1,0 +1,201 @@
+"""The served layout with real processes: one engine process, N front ends on one port, and their faults.
+
+Each test starts `python -m service serve` on random weights and waits on events (log lines, answers, exits),
+never on fixed sleeps.
+"""
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+
+from tests.conftest import wait_until
+from tests.ports import free_port
+
+MODEL = "random:tiny"
+
+
+class Served:
+    """`python -m service serve` in a subprocess, its log kept, its process ids read from its first log line."""
+
+    def __init__(self, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+        self.proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--model", MODEL, "--device", "cpu",
+                                      "--port", str(self.port), "--gpu-sample-interval", "0", *args],
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def __enter__(self) -> "Served":
+        line = wait_until(lambda: next((l for l in self.lines if "serving on" in l), None) or
+                          (self.proc.poll() is not None and pytest.fail(self.log())), 120, "the supervisor's line")
+        self.engine_pid = int(re.search(r"engine process (\d+)", line).group(1))
+        self.frontend_pids = [int(p) for p in re.search(r"\[([\d, ]+)\]", line).group(1).split(",")]
+        linked = lambda: self.log().count("linked to the engine process") == len(self.frontend_pids)
+        wait_until(lambda: linked() or (self.proc.poll() is not None and pytest.fail(self.log())), 120,
+                   "every front end to be linked to the loaded engine")
+        assert self.ready()
+        return self
+
+    def ready(self) -> bool:
+        try:
+            return httpx.get(self.url + "/ready", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        for pid in [self.engine_pid, *self.frontend_pids]:
+            wait_until(lambda: not _alive(pid), 30, f"process {pid} to end with its supervisor")
+
+    def metrics(self) -> str:
+        return httpx.get(self.url + "/metrics", timeout=30).text
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def sample(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def body(**extra) -> dict:
+    return {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True, **extra}
+
+
+def open_streams(url: str, count: int, max_tokens: int) -> tuple[list, list]:
+    """`count` streaming requests, each on its own connection, each read up to its first event."""
+    clients, streams = [], []
+    for _ in range(count):
+        client = httpx.Client(timeout=60)
+        stream = client.stream("POST", url + "/v1/completions", json=body(max_tokens=max_tokens, stream=True))
+        response = stream.__enter__()
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        clients.append(client)
+        streams.append((stream, lines))
+    return clients, streams
+
+
+def test_two_front_ends_one_metrics_truth_and_one_waiting_limit():
+    with Served("--api-servers", "2", "--max-num-seqs", "1", "--max-waiting", "2") as s:
+        with httpx.Client(timeout=60) as c:
+            answers = [c.post(s.url + "/v1/completions", json=body()) for _ in range(12)]
+        assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4 for r in answers)
+        # overload: one running, two waiting; the rest are 503s with Retry-After, never errors or hangs
+        async def burst():
+            async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=40)) as ac:
+                return await asyncio.gather(*[ac.post(s.url + "/v1/completions", json=body(max_tokens=40))
+                                              for _ in range(40)])
+        answers = asyncio.run(burst())
+        statuses = [r.status_code for r in answers]
+        assert set(statuses) <= {200, 503} and statuses.count(503) > 0 and statuses.count(200) >= 3
+        assert all(r.headers["retry-after"] and "waiting" in r.json()["error"]["message"]
+                   for r in answers if r.status_code == 503)
+        ok = 12 + statuses.count(200)
+        def settled():
+            text = s.metrics()
+            return text if sample(text, "llm_requests_total") == ok else None
+        text = wait_until(settled, 60, "every finished request in the merged metrics")
+        # counts exact across both front ends: each series once, summed
+        assert sample(text, "llm_requests_total", finish_reason="length") == ok
+        assert sample(text, "llm_time_to_first_token_seconds_count") == ok
+        assert sample(text, "llm_generation_tokens_total") == 12 * 4 + (ok - 12) * 40
+        assert len(re.findall(r"^llm_requests_total\{[^}]*finish_reason=\"length\"", text, re.M)) == 1
+        # per-process series carry the process label: the engine and both front ends
+        assert {m for m in re.findall(r'^llm_process_threads\{process="([^"]+)"\}', text, re.M)} == \
+            {"engine", "api-0", "api-1"}
+        assert re.search(r'^process_resident_memory_bytes\{process="engine"\}', text, re.M)
+        assert sample(text, "llm_engine_step_seconds_count") > 0 and sample(text, "llm_kv_cache_blocks_used") == 0
+
+
+def test_a_dead_front_end_has_its_requests_aborted_and_the_others_serve_on():
+    with Served("--api-servers", "2") as s:
+        victim = s.frontend_pids[1]
+        clients, streams = [], []
+        # streams until one lands on the victim (the kernel spreads connections among the front ends)
+        for _ in range(40):
+            c, st = open_streams(s.url, 1, 900)
+            clients += c
+            streams += st
+            conns = subprocess.run(["ss", "-tnp"], capture_output=True, text=True).stdout
+            if re.search(rf":{s.port}\s.*pid={victim},", conns):
+                break
+        else:
+            pytest.skip("no connection reached the second front end")
+        os.kill(victim, signal.SIGKILL)
+        try:
+            wait_until(lambda: re.search(r"front end 1 is gone: aborted its (\d+) request", s.log()), 60,
+                       "the engine to abort the dead front end's requests")
+        except AssertionError:
+            raise AssertionError(s.log())
+        for c in clients:
+            c.close()
+        assert int(re.search(r"front end 1 is gone: aborted its (\d+) request", s.log()).group(1)) >= 1
+        with httpx.Client(timeout=60) as c:
+            assert all(c.post(s.url + "/v1/completions", json=body()).status_code == 200 for _ in range(5))
+        wait_until(lambda: sample(s.metrics(), "llm_kv_cache_blocks_used") == 0 and
+                   sample(s.metrics(), "llm_requests_running") == 0, 60, "every KV block to be free again")
+        assert s.proc.poll() is None  # the service goes on
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(60) == 1  # it lost a front end: not a clean exit
+
+
+def test_a_killed_engine_ends_every_request_at_once_and_the_service_exits_non_zero():
+    with Served() as s:
+        clients, streams = open_streams(s.url, 3, 900)
+        os.kill(s.engine_pid, signal.SIGSTOP)  # the requests are in flight and stay there
+        os.kill(s.engine_pid, signal.SIGKILL)
+        for (_, lines) in streams:
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            error = json.loads(events[-2])["error"]
+            assert error["type"] == "service_unavailable" and "engine process died" in error["message"]
+        for c in clients:
+            c.close()
+        assert s.proc.wait(60) == 1
+        assert "the engine process exited" in s.log()
+
+
+def test_sigterm_drains_every_front_end_then_stops_the_engine_with_status_0():
+    with Served("--api-servers", "2") as s:
+        clients, streams = open_streams(s.url, 4, 200)
+        s.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: "draining" in s.log(), 60, "the drain to begin")
+        for (_, lines) in streams:
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+            assert events[-1]["choices"][0]["finish_reason"] == "length"  # every admitted request finishes
+        for c in clients:
+            c.close()
+        assert s.proc.wait(60) == 0
