@@ -39,7 +39,8 @@ def test_rate_run_completes_every_request_with_exact_token_counts(server):
     assert all(r.usage_reported and r.prompt_tokens == 16 and r.output_tokens == 8 for r in results)
     # this server streams one token per chunk: 8 token times, 7 gaps, the first one is the TTFT
     assert all(len(r.chunk_times) == 8 and len(r.itl) == 7 and 0 < r.ttft <= r.e2e for r in results)
-    assert all(r.scheduled <= r.ready <= r.sent < r.ended <= duration for r in results)
+    assert all(r.scheduled <= r.ready <= r.sent < r.ended <= duration for r in results), \
+        [(r.scheduled, r.ready, r.sent, r.ended, duration) for r in results]
     s = summarize(results, duration)
     assert s["requests.completed"] == 24 and s["output_tokens"] == 24 * 8 and s["input_tokens"] == 24 * 16
     assert server.wait_idle()

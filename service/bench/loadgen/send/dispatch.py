@@ -155,8 +155,9 @@ async def run_load(spec: LoadSpec, sample_at: Callable, on_done: Callable[[Reque
                 break
             if mine is not None and not mine(i):
                 continue
-            delay = due - time.perf_counter()
-            if delay > 0:
+            # measured as the result's times are (now - start), so that a request is never sent before its offset;
+            # again if the loop woke it a hair early (asyncio's clock resolution)
+            while (delay := offset - (time.perf_counter() - start)) > 0 and not (stop and stop.draining.is_set()):
                 await _sleep(delay, stop)
             freed = (await _first(slots.acquire(), stop.draining) if stop else await slots.acquire()) if slots else None
             if stop and stop.draining.is_set():
