@@ -258,6 +258,21 @@ def overview() -> dict:
                            "{{phase}}")], "ops", stack=True),
         model_info(),
 
+        row("Processes"),
+        timeseries("Front-end event-loop lag", "How late each front end's event loop runs (label process: api-0 "
+                   "...): every request on that front end waits this long for HTTP, JSON and token handling. "
+                   "Steadily above a few ms, the front ends are the bottleneck: add --api-servers.",
+                   [target(f"max by (instance, process) (llm_event_loop_lag_seconds{{{SEL}}})",
+                           "{{instance}} {{process}}")], "s"),
+        timeseries("CPU per process", "CPU seconds per second of the engine process and each front end: the "
+                   "engine near 1.0 is the Python loop's limit; front ends near 1.0 need more of them.",
+                   [target(f"sum by (instance, process) (rate(process_cpu_seconds_total{{{SEL}}}[$__rate_interval]))",
+                           "{{instance}} {{process}}")], "percentunit"),
+        timeseries("IPC backlog", "Requests each front end has sent to the engine process and not yet heard "
+                   "back about: above zero for long, the engine's loop is not reading its inbox.",
+                   [target(f"sum by (instance, process) (llm_ipc_backlog{{{SEL}}})", "{{instance}} {{process}}")],
+                   "short"),
+
         row("Traces"),
         {"type": "table", "title": "Recent generation requests (Tempo)", "_size": (24, 8), "datasource": TEMPO,
          "description": "The latest generation spans; click a trace id to open it.",

@@ -1,0 +1,82 @@
+"""The engine process alone, driven over its ZeroMQ sockets by a bare client: no HTTP, no text.
+
+    python tests/gpu/ipc_alone.py --model random:llama-1b --requests 1024 --max-num-seqs 256 --rounds 3
+
+Starts the engine process exactly as `serve` does (service.engine.core.run_process), sends every request at
+once (the engine runs --max-num-seqs of them at a time, as `bench offline` does), and counts output tokens
+from the first send to the last finish. Prints one JSON line per round, with the engine process's CPU share.
+"""
+
+import argparse
+import json
+import multiprocessing as mp
+import random
+import time
+
+import psutil
+import zmq
+
+from service.engine import messages
+from service.engine.messages import Add, Admitted, Dead, Hello, Step
+from service.engine.sampling import SamplingParams
+from service.settings import Settings
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:llama-1b")
+    ap.add_argument("--requests", type=int, default=1024)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    settings = Settings()
+    settings.engine.model, settings.engine.max_num_seqs = args.model, args.max_num_seqs
+    settings.server.max_waiting = args.requests * 2
+    settings.telemetry.gpu_sample_interval = 0
+    folder = messages.private_dir()
+    ctx = mp.get_context("spawn")
+    alive_r, alive_w = ctx.Pipe(duplex=False)
+    from service.engine.core import run_process
+
+    engine = ctx.Process(target=run_process, args=(settings, folder, 1, alive_w))
+    engine.start()
+    z = zmq.Context()
+    push, pull = z.socket(zmq.PUSH), z.socket(zmq.PULL)
+    push.connect(messages.inbox(folder))
+    pull.connect(messages.outbox(folder, 0))
+    decode = messages.frontend_decoder.decode
+    hello = decode(pull.recv())
+    assert isinstance(hello, Hello), hello
+    rng = random.Random(1)
+    proc = psutil.Process(engine.pid)
+    for rnd in range(args.rounds):
+        prompts = [[rng.randrange(100, hello.vocab_size - 1) for _ in range(args.input_len)]
+                   for _ in range(args.requests)]
+        t0, cpu0 = time.perf_counter(), sum(proc.cpu_times()[:2])
+        for i, p in enumerate(prompts):
+            params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
+            push.send(messages.encode(Add(f"r{rnd}-{i}", 0, p, params, time.perf_counter())))
+        done, tokens = 0, 0
+        while done < args.requests:
+            msg = decode(pull.recv())
+            if isinstance(msg, Step):
+                for row in msg.rows:
+                    tokens += len(row[1])
+                    done += row[2] is not None
+            elif isinstance(msg, Admitted):
+                assert not msg.rejected, msg.rejected[:3]
+            elif isinstance(msg, Dead):
+                raise SystemExit(msg.reason)
+        wall = time.perf_counter() - t0
+        cpu = sum(proc.cpu_times()[:2]) - cpu0
+        print(json.dumps({"round": rnd, "requests": args.requests, "output_tokens": tokens,
+                          "output_tok_s": round(tokens / wall, 1), "wall_s": round(wall, 3),
+                          "engine_cpu_share": round(cpu / wall, 3)}), flush=True)
+    engine.terminate()
+    engine.join(60)
+
+
+if __name__ == "__main__":
+    main()
