@@ -92,8 +92,9 @@ def test_client_ttft_and_tokens_agree_with_the_servers_metrics(server, monkeypat
     so the server's TTFT must hold it too for the two to agree.
     """
     delay = 1.0  # the client may exceed the server by 5% of its mean: 50 ms and more, room for a loaded machine
-    tokenize = server.engine.tokenize
-    monkeypatch.setattr(server.engine, "tokenize", lambda prompt: time.sleep(delay) or tokenize(prompt))
+    client = server.app.state.server.client  # the front end tokenizes (and validates) each request
+    tokenize = client.tokenize
+    monkeypatch.setattr(client, "tokenize", lambda prompt: time.sleep(delay) or tokenize(prompt))
     [doc] = serve.main(["--url", server.url, "--model", "random:tiny", "--num-requests", "8",
                         "--max-concurrency", "1", "--input-len", "24", "--output-len", "12", "--range-ratio", "0.5",
                         "--random-token-range", "10:500", "--seed", "5", "--progress", "off"])

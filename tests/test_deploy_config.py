@@ -108,7 +108,7 @@ def metric_catalog() -> set[str]:
     metrics = Metrics("m")
     GPUMetrics(metrics.registry)
     names = set()
-    for family in metrics.registry.collect():
+    for family in [*metrics.registry.collect(), *metrics.local.collect()]:
         if family.name.startswith("llm_"):
             suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}.get(family.type, [""])
             names |= {family.name + s for s in suffixes}

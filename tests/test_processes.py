@@ -134,9 +134,9 @@ def test_two_front_ends_one_metrics_truth_and_one_waiting_limit():
         assert sample(text, "llm_generation_tokens_total") == 12 * 4 + (ok - 12) * 40
         assert len(re.findall(r"^llm_requests_total\{[^}]*finish_reason=\"length\"", text, re.M)) == 1
         # per-process series carry the process label: the engine and both front ends
-        assert {m for m in re.findall(r'^llm_process_threads\{process="([^"]+)"\}', text, re.M)} == \
+        assert {m for m in re.findall(r'^llm_process_threads\{model="random:tiny",process="([^"]+)"\}', text, re.M)} == \
             {"engine", "api-0", "api-1"}
-        assert re.search(r'^process_resident_memory_bytes\{process="engine"\}', text, re.M)
+        assert re.search(r'^process_resident_memory_bytes\{model="random:tiny",process="engine"\}', text, re.M)
         assert sample(text, "llm_engine_step_seconds_count") > 0 and sample(text, "llm_kv_cache_blocks_used") == 0
 
 

@@ -60,10 +60,15 @@ def test_default_model_over_two_ranks_with_uneven_heads_equals_one_rank(default_
     assert got == expected
 
 
-def _rank_processes(pid: int) -> list[int]:
-    """The server's spawned tensor-parallel ranks (not multiprocessing's resource tracker)."""
+def _spawned(pid: int) -> list[int]:
     children = open(f"/proc/{pid}/task/{pid}/children").read().split()
     return [int(c) for c in children if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
+
+
+def _rank_processes(pid: int) -> list[int]:
+    """The tensor-parallel ranks: spawned by the engine process (rank 0), itself spawned by the supervisor (not
+    multiprocessing's resource tracker, nor the front ends, which spawn nothing)."""
+    return [rank for child in _spawned(pid) for rank in _spawned(child)]
 
 
 def test_killed_rank_fails_in_flight_requests_and_the_server_exits_non_zero(tmp_path):
@@ -90,7 +95,9 @@ def test_killed_rank_fails_in_flight_requests_and_the_server_exits_non_zero(tmp_
     error = [e for e in events if '"error"' in e]
     assert error and "tensor-parallel rank 1 exited with code -9" in error[0]
     log.seek(0)
-    assert "exiting: tensor-parallel rank 1 exited with code -9" in log.read()
+    text = log.read()  # the engine process fails its requests with the reason, exits 1, and so does the service
+    assert "tensor-parallel rank 1 exited with code -9: failing 1 request(s) in flight" in text
+    assert "the engine process exited (status 1)" in text
 
 
 def test_each_ranks_forward_time_is_counted_by_rank():

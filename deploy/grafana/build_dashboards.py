@@ -266,7 +266,8 @@ def overview() -> dict:
                            "{{instance}} {{process}}")], "s"),
         timeseries("CPU per process", "CPU seconds per second of the engine process and each front end: the "
                    "engine near 1.0 is the Python loop's limit; front ends near 1.0 need more of them.",
-                   [target(f"sum by (instance, process) (rate(process_cpu_seconds_total{{{SEL}}}[$__rate_interval]))",
+                   [target(f"sum by (instance, process) (rate(process_cpu_seconds_total{{{SEL}}}"
+                           f"[$__rate_interval]))",
                            "{{instance}} {{process}}")], "percentunit"),
         timeseries("IPC backlog", "Requests each front end has sent to the engine process and not yet heard "
                    "back about: above zero for long, the engine's loop is not reading its inbox.",

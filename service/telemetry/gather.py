@@ -77,8 +77,9 @@ async def ask(ctx: zmq.asyncio.Context, folder: str, process: str) -> bytes | No
         sock.close(0)
 
 
-def merge(snapshots: dict[str, bytes]) -> list[Metric]:
-    """Families from every process's snapshot: shared ones summed, local ones labelled by process."""
+def merge(snapshots: dict[str, bytes], model: str) -> list[Metric]:
+    """Families from every process's snapshot: shared ones summed, local ones labelled by process (and by the
+    served model, as every other series is, so that one dashboard selector fits all)."""
     families: dict[str, Metric] = {}
     sums: dict[str, dict] = {}  # family -> (sample name, labels) -> [value, exemplar]
     for process, raw in snapshots.items():
@@ -97,7 +98,7 @@ def merge(snapshots: dict[str, bytes]) -> list[Metric]:
         for name, doc, typ, unit, samples in local:
             family = families.setdefault(name, Metric(name, doc, typ, unit))
             for sname, labels, value, timestamp, exemplar in samples:
-                family.samples.append(Sample(sname, {**labels, "process": process}, value, timestamp,
+                family.samples.append(Sample(sname, {**labels, "model": model, "process": process}, value, timestamp,
                                              Exemplar(*exemplar) if exemplar else None))
     for name, into in sums.items():
         families[name].samples.extend(Sample(sname, labels, value, None, Exemplar(*ex) if ex else None)

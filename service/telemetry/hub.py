@@ -91,4 +91,4 @@ class Telemetry:
             self._ask_ctx = self._ask_ctx or zmq.asyncio.Context()
             answers = await asyncio.gather(*(gather.ask(self._ask_ctx, self.folder, p) for p in self.peers))
             snapshots.update((p, raw) for p, raw in zip(self.peers, answers) if raw is not None)
-        return gather.render(gather.merge(snapshots), accept)
+        return gather.render(gather.merge(snapshots, self.metrics.model), accept)
