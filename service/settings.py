@@ -24,7 +24,7 @@ class ServerSettings:
     max_request_bytes: int = 8 * 1024 * 1024  # larger bodies get 413 unread; 8 MiB holds a 128k-token prompt
     # even as JSON-escaped text (~24 bytes a token) or as token ids (~8 bytes a token)
     api_servers: int = 1  # front-end processes (HTTP, JSON, text) on the one port, all feeding one engine
-    # process; docs/serving.md says how to choose it (about one per 30,000 streamed tokens/s, cores allowing)
+    # process; docs/serving.md says how to choose it (about one per 15,000-20,000 streamed tokens/s, cores allowing)
     stream_interval: int = 1  # streamed deltas go out every this many tokens (the first and the last at once)
     stream_backlog: int = 512  # a streaming client that falls this many tokens behind is cut off (its request
     # aborted, blocks freed): a reader that stopped reading must not make the server buffer without bound

@@ -2,7 +2,7 @@
 
 Streamed and non-streamed requests, clients that leave mid-stream or time out, hostile bodies and overload
 bursts run for --duration seconds while the server's /metrics is sampled: RSS, open fds, threads, asyncio
-tasks and KV blocks in use. Once idle again, it must be back where it started (no fd, thread, task or
+tasks (each summed over the engine process and every front end) and KV blocks in use. Once idle again, it must be back where it started (no fd, thread, task or
 block left behind), RSS must not keep climbing, and no request may get an unexpected status. Writes
 soak.csv (the samples), soak.json (the verdict) and soak.png, records the run in the results store (--db),
 and exits 1 on a failed check.
@@ -149,7 +149,12 @@ class Soak:
     async def sample(self, client: httpx.AsyncClient) -> dict[str, float]:
         r = await client.get(self.url + "/metrics", headers=self.metrics_headers)
         r.raise_for_status()
-        values = {s.name: s.value for f in text_string_to_metric_families(r.text) for s in f.samples}
+        # per-process series (label `process`: the engine and every front end) are summed, so that growth in
+        # any one process shows; the others appear once
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(r.text):
+            for s in family.samples:
+                values[s.name] = values.get(s.name, 0.0) + s.value
         return {col: values.get(name, float("nan")) for col, name in WATCHED.items()}
 
     async def sampler(self, client: httpx.AsyncClient, rows: list[dict], start: float, done: asyncio.Event,
