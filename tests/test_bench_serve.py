@@ -37,8 +37,10 @@ def test_rate_run_completes_every_request_with_exact_token_counts(server):
     assert [r.index for r in results] == list(range(24))
     assert all(r.ok and r.status == 200 for r in results), [r.message for r in results if not r.ok]
     assert all(r.usage_reported and r.prompt_tokens == 16 and r.output_tokens == 8 for r in results)
-    # this server streams one token per chunk: 8 token times, 7 gaps, the first one is the TTFT
-    assert all(len(r.chunk_times) == 8 and len(r.itl) == 7 and 0 < r.ttft <= r.e2e for r in results)
+    # this server streams a token per chunk, merging the tokens a lagging stream has not yet taken into one
+    # (on a busy machine its event loop may run behind the engine): 1 to 8 chunk times, one gap fewer
+    assert all(1 <= len(r.chunk_times) <= 8 and len(r.itl) == len(r.chunk_times) - 1 and 0 < r.ttft <= r.e2e
+               for r in results)
     assert all(r.scheduled <= r.ready <= r.sent < r.ended <= duration for r in results), \
         [(r.scheduled, r.ready, r.sent, r.ended, duration) for r in results]
     s = summarize(results, duration)
@@ -124,7 +126,7 @@ def test_cli_writes_json_csv_and_a_sweep_with_plots(server, tmp_path):
     assert run["summary"]["goodput"] > 0 and "ttft_ms.p99" in run["summary"]
     rows = list(csv.DictReader(open(tmp_path / "r.csv")))
     assert len(rows) == 20 and {r["point"] for r in rows} == {"20.0", "80.0"}
-    assert all(r["output_tokens"] == "4" and len(r["itl_ms"].split()) == 3 for r in rows)
+    assert all(r["output_tokens"] == "4" and len(r["itl_ms"].split()) <= 3 for r in rows)  # lagging chunks merge
     serve.main(["--replot", str(out), "--plot-dir", str(tmp_path / "again")])  # from the saved result alone
     for folder in ("plots", "again"):
         for name in ("latency.png", "goodput.png"):
