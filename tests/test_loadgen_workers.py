@@ -15,7 +15,8 @@ from service.bench.loadgen.results.saturation import LAG_P99_LIMIT_S, client_sat
 from service.bench.loadgen.results.summary import summarize
 from service.bench.loadgen.send.dispatch import LoadSpec
 from service.bench.loadgen.send.workers import deal, run_workers
-from service.bench.loadgen.workload.datasets import RandomWorkload
+from service.bench.loadgen.send.request import CHAT
+from service.bench.loadgen.workload.datasets import ListWorkload, RandomWorkload, Sample
 from service.bench.store import open_store, schema
 from tests.conftest import free_port
 from tests.loadgen_hooks import STARVE_S, starve_worker_0
@@ -86,6 +87,27 @@ def test_saturation_is_judged_from_lag_and_cpu_alone():
     first_wave = [RequestResult(i, 0.0, 0.0, sent=1.0) for i in range(100)]  # all due at the start, slots free
     assert not client_saturation(first_wave)["saturated"]
     assert client_saturation(late)["reasons"] == [f"dispatch lag p99 1,000 ms > {LAG_P99_LIMIT_S * 1e3:g} ms"]
+
+
+def test_each_sample_shapes_its_own_request_on_a_schedule_given_as_it_is(mock):
+    # bench soak's mix: streamed, non-streamed, chat, a client that leaves, body fields, a client that gives up
+    shapes = [Sample("a b", 3, 2), Sample("a b", 5, 2, stream=False), Sample("hi", 4, 1, endpoint=CHAT, stream=False),
+              Sample("a b", 6, 2, leave_after=2), Sample("a b", 2, 2, extra={"max_tokens": 7}),
+              Sample("a b", 5000, 2, timeout=0.2)]  # 5,000 tokens 1 ms apart cannot end within 0.2 s
+    workload = ListWorkload(shapes, seed=5)
+    schedule = (0.0, 0.0, 0.0, 0.05, 0.05, 0.1, 0.3, 0.3)
+    run = asyncio.run(run_workers(LoadSpec(mock, "mock", schedule=schedule, num_requests=8), workload, 2))
+    assert [r.scheduled for r in run.results] == list(schedule)
+    for r in run.results:
+        sample = workload.sample(r.index)
+        if sample.leave_after:
+            assert (r.error, r.events, len(r.chunk_times), r.e2e) == ("client_left", 2, 2, None)
+        elif sample.timeout:
+            assert (r.error, r.status) == ("timeout", 200)
+        else:
+            n = (sample.extra or {}).get("max_tokens", sample.output_len)
+            assert r.ok and r.usage_reported and r.output_tokens == n, (sample, r)
+            assert len(r.chunk_times) == (n if sample.stream else 1) and r.e2e >= r.ttft
 
 
 def test_a_server_that_hangs_up_mid_stream_leaves_exact_error_records():
