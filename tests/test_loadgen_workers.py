@@ -11,6 +11,7 @@ import sqlalchemy as sa
 from service.bench import slo
 from service.bench.loadgen import serve
 from service.bench.loadgen.mock_server import running
+from service.bench.loadgen.results import crosscheck
 from service.bench.loadgen.results.saturation import LAG_P99_LIMIT_S, client_saturation
 from service.bench.loadgen.results.summary import summarize
 from service.bench.loadgen.send.dispatch import LoadSpec
@@ -114,6 +115,7 @@ def test_a_server_that_hangs_up_mid_stream_leaves_exact_error_records():
     with running(free_port(), "--drop-every", "3", "--drop-after", "2") as url:
         # one at a time, so the server's k-th request is index k - 1: indices 2, 5 and 8 are cut
         run = load(url, 1, max_concurrency=1, num_requests=9)
+        counted = mock_counts(url)
     failed = [r for r in run.results if not r.ok]
     assert [r.index for r in failed] == [2, 5, 8]
     for r in failed:
@@ -123,6 +125,33 @@ def test_a_server_that_hangs_up_mid_stream_leaves_exact_error_records():
     assert all(r.output_tokens == 4 for r in run.results if r.ok)
     s = summarize(run.results, run.duration)
     assert (s["requests.sent"], s["requests.completed"], s["errors.connection_lost"]) == (9, 6, 3)
+    assert (counted["llm_mock_requests_total"], counted["llm_mock_dropped_requests_total"],
+            counted["llm_mock_streamed_tokens_total"]) == (9, 3, 6 * 4 + 3 * 2)
+
+
+def mock_counts(url: str, route: str = "/v1/completions") -> dict[str, float]:
+    """The mock server's /metrics counters for one route."""
+    samples, why = crosscheck.scrape(url)
+    assert samples is not None, why
+    return {name: value for name, labels, value in samples if labels.get("route") == route}
+
+
+def test_the_mock_servers_metrics_count_every_request_and_streamed_token_across_its_processes():
+    with running(free_port(), "--workers", "2") as url:  # two server processes share the port and the counts
+        assert mock_counts(url)["llm_mock_requests_total"] == 0
+        run = load(url, 2, max_concurrency=4, num_requests=20)
+        chat = asyncio.run(run_workers(LoadSpec(url, "mock", endpoint=CHAT, num_requests=3),
+                                       ListWorkload([Sample("hi", 5, 1, stream=False)]), 1))
+        completions, chats = mock_counts(url), mock_counts(url, CHAT)
+        assert all(r.ok for r in run.results + chat.results)
+        assert completions["llm_mock_requests_total"] == len(run.results) == 20
+        assert completions["llm_mock_streamed_tokens_total"] == sum(r.output_tokens for r in run.results) == 80
+        assert (chats["llm_mock_requests_total"], chats["llm_mock_streamed_tokens_total"]) == (3, 0)  # not streamed
+        assert completions["llm_mock_dropped_requests_total"] == 0
+        # bench serve's cross-check reads it and says why it compares nothing: the mock has no TTFT histogram
+        before, _ = crosscheck.scrape(url)
+        note = crosscheck.check_run(url, None, "mock", before, "", run.results)["note"]
+        assert "none of the known TTFT histograms" in note
 
 
 def test_bench_serve_in_worker_processes_reports_and_stores_the_generators_state(mock, tmp_path):
