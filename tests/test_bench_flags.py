@@ -91,6 +91,13 @@ def test_switches_default_to_what_the_old_flags_left_on():
     assert kernel.parse_args(KERNEL).flush_l2 is True and run.parse_args([]).progress is True
 
 
+def test_workers_is_one_flag_with_one_default_for_every_command_that_sends_load():
+    from service.bench.loadgen.send.workers import default_workers
+    parsers = [serve.parse_args, lambda argv: capacity.parse_args(SLO + argv), soak_args]
+    assert [parse(["--workers", "3"]).workers for parse in parsers] == [3, 3, 3]
+    assert [parse([]).workers for parse in parsers] == [default_workers()] * 3
+
+
 def test_a_switch_takes_only_on_or_off(capsys):
     with pytest.raises(SystemExit) as exc:
         serve.parse_args(["--progress", "yes"])

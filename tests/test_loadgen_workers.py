@@ -11,11 +11,13 @@ import sqlalchemy as sa
 from service.bench import slo
 from service.bench.loadgen import serve
 from service.bench.loadgen.mock_server import running
+from service.bench.loadgen.results import crosscheck
 from service.bench.loadgen.results.saturation import LAG_P99_LIMIT_S, client_saturation
 from service.bench.loadgen.results.summary import summarize
 from service.bench.loadgen.send.dispatch import LoadSpec
 from service.bench.loadgen.send.workers import deal, run_workers
-from service.bench.loadgen.workload.datasets import RandomWorkload
+from service.bench.loadgen.send.request import CHAT
+from service.bench.loadgen.workload.datasets import ListWorkload, RandomWorkload, Sample
 from service.bench.store import open_store, schema
 from tests.conftest import free_port
 from tests.loadgen_hooks import STARVE_S, starve_worker_0
@@ -88,10 +90,32 @@ def test_saturation_is_judged_from_lag_and_cpu_alone():
     assert client_saturation(late)["reasons"] == [f"dispatch lag p99 1,000 ms > {LAG_P99_LIMIT_S * 1e3:g} ms"]
 
 
+def test_each_sample_shapes_its_own_request_on_a_schedule_given_as_it_is(mock):
+    # bench soak's mix: streamed, non-streamed, chat, a client that leaves, body fields, a client that gives up
+    shapes = [Sample("a b", 3, 2), Sample("a b", 5, 2, stream=False), Sample("hi", 4, 1, endpoint=CHAT, stream=False),
+              Sample("a b", 6, 2, leave_after=2), Sample("a b", 2, 2, extra={"max_tokens": 7}),
+              Sample("a b", 5000, 2, timeout=0.2)]  # 5,000 tokens 1 ms apart cannot end within 0.2 s
+    workload = ListWorkload(shapes, seed=5)
+    schedule = (0.0, 0.0, 0.0, 0.05, 0.05, 0.1, 0.3, 0.3)
+    run = asyncio.run(run_workers(LoadSpec(mock, "mock", schedule=schedule, num_requests=8), workload, 2))
+    assert [r.scheduled for r in run.results] == list(schedule)
+    for r in run.results:
+        sample = workload.sample(r.index)
+        if sample.leave_after:
+            assert (r.error, r.events, len(r.chunk_times), r.e2e) == ("client_left", 2, 2, None)
+        elif sample.timeout:
+            assert (r.error, r.status) == ("timeout", 200)
+        else:
+            n = (sample.extra or {}).get("max_tokens", sample.output_len)
+            assert r.ok and r.usage_reported and r.output_tokens == n, (sample, r)
+            assert len(r.chunk_times) == (n if sample.stream else 1) and r.e2e >= r.ttft
+
+
 def test_a_server_that_hangs_up_mid_stream_leaves_exact_error_records():
     with running(free_port(), "--drop-every", "3", "--drop-after", "2") as url:
         # one at a time, so the server's k-th request is index k - 1: indices 2, 5 and 8 are cut
         run = load(url, 1, max_concurrency=1, num_requests=9)
+        counted = mock_counts(url)
     failed = [r for r in run.results if not r.ok]
     assert [r.index for r in failed] == [2, 5, 8]
     for r in failed:
@@ -101,6 +125,33 @@ def test_a_server_that_hangs_up_mid_stream_leaves_exact_error_records():
     assert all(r.output_tokens == 4 for r in run.results if r.ok)
     s = summarize(run.results, run.duration)
     assert (s["requests.sent"], s["requests.completed"], s["errors.connection_lost"]) == (9, 6, 3)
+    assert (counted["llm_mock_requests_total"], counted["llm_mock_dropped_requests_total"],
+            counted["llm_mock_streamed_tokens_total"]) == (9, 3, 6 * 4 + 3 * 2)
+
+
+def mock_counts(url: str, route: str = "/v1/completions") -> dict[str, float]:
+    """The mock server's /metrics counters for one route."""
+    samples, why = crosscheck.scrape(url)
+    assert samples is not None, why
+    return {name: value for name, labels, value in samples if labels.get("route") == route}
+
+
+def test_the_mock_servers_metrics_count_every_request_and_streamed_token_across_its_processes():
+    with running(free_port(), "--workers", "2") as url:  # two server processes share the port and the counts
+        assert mock_counts(url)["llm_mock_requests_total"] == 0
+        run = load(url, 2, max_concurrency=4, num_requests=20)
+        chat = asyncio.run(run_workers(LoadSpec(url, "mock", endpoint=CHAT, num_requests=3),
+                                       ListWorkload([Sample("hi", 5, 1, stream=False)]), 1))
+        completions, chats = mock_counts(url), mock_counts(url, CHAT)
+        assert all(r.ok for r in run.results + chat.results)
+        assert completions["llm_mock_requests_total"] == len(run.results) == 20
+        assert completions["llm_mock_streamed_tokens_total"] == sum(r.output_tokens for r in run.results) == 80
+        assert (chats["llm_mock_requests_total"], chats["llm_mock_streamed_tokens_total"]) == (3, 0)  # not streamed
+        assert completions["llm_mock_dropped_requests_total"] == 0
+        # bench serve's cross-check reads it and says why it compares nothing: the mock has no TTFT histogram
+        before, _ = crosscheck.scrape(url)
+        note = crosscheck.check_run(url, None, "mock", before, "", run.results)["note"]
+        assert "none of the known TTFT histograms" in note
 
 
 def test_bench_serve_in_worker_processes_reports_and_stores_the_generators_state(mock, tmp_path):

@@ -7,6 +7,8 @@ the server is left in, not how much it got through."""
 
 import asyncio
 
+from service.bench.loadgen.send.request import RequestResult
+from service.bench.loadgen.workload.mix import Mix
 from service.bench.soak import Soak, verdict
 from tests.conftest import LiveServer
 
@@ -20,7 +22,7 @@ def test_mixed_traffic_with_overload_bursts_leaves_nothing_behind(default_model)
     result = verdict(rows, soak.tally, rss_growth_mib=64)
     assert result["passed"], (result["checks"], result["unexpected"])
     seen = soak.tally.counts
-    for kind in ("stream", "complete", "leave_stream", "burst", "burst 503"):
+    for kind in ("stream", "complete", "chat", "leave_stream", "time_out", "burst", "burst 503"):
         assert seen.get(kind, 0) > 0, (kind, seen)
     assert any(k.startswith("hostile") for k in seen), seen
     assert rows[-1]["kv_blocks_used"] == 0 and rows[-1]["running"] == rows[-1]["waiting"] == 0
@@ -41,3 +43,24 @@ def test_the_soak_verdict_fails_on_anything_left_behind_or_growing():
     tally.add("unexpected complete: 500", False, "internal error")
     result = verdict(leaky, tally, rss_growth_mib=64)
     assert not result["passed"] and not any(result["checks"].values())
+
+
+def test_each_request_is_judged_by_the_answers_its_kind_may_get():
+    mix = Mix(seed=1)
+    first = {mix.request(i)[1]: i for i in range(6) if mix.request(i)[2] == 200}  # the first turns: one of each kind
+
+    def answer(name, status, error=None):
+        return mix.outcome(RequestResult(first[name], 0, 0, status=status, error=error))
+
+    assert answer("stream", 200) == ("stream", True)
+    assert answer("stream", 200, "truncated_stream") == ("unexpected stream: truncated_stream", False)
+    assert answer("leave_stream", 200, "client_left") == ("leave_stream", True)
+    assert answer("complete", 200, "client_left") == ("unexpected complete: client_left", False)
+    assert answer("time_out", 200, "timeout") == answer("time_out", None, "timeout") == ("time_out", True)
+    assert answer("chat", 503, "http_503") == ("chat 503", True)
+    assert answer("chat", 500, "http_500") == ("unexpected chat: http_500", False)
+    # a hostile body must get exactly its status: served (200) instead of refused is unexpected
+    i = next(i for i in range(1000) if mix.request(i)[2] == 400)
+    name = mix.request(i)[1]
+    assert mix.outcome(RequestResult(i, 0, 0, status=400, error="http_400")) == (name, True)
+    assert mix.outcome(RequestResult(i, 0, 0, status=200)) == (f"unexpected {name}: 200", False)

@@ -72,6 +72,15 @@ def add_warmup_seconds(ap, default: float, help: str, dest: str | None = None) -
                            help=help + " (default %(default)s)", **({"dest": dest} if dest else {}))
 
 
+def add_workers(ap) -> argparse.Action:
+    """--workers N: the load generator's processes (bench serve, capacity and soak)."""
+    from service.bench.loadgen.send.workers import default_workers  # only the commands that send load need it
+
+    return ap.add_argument("--workers", type=int, default=default_workers(), metavar="N",
+                           help="load generator processes, each with its own event loop and share of the "
+                                "concurrency (default: one per CPU but one, here %(default)s)")
+
+
 def add_progress(ap) -> None:
     """--progress on|off (a progress bar while running), and the old --no-progress."""
     deprecated_alias(ap, "--no-progress", add_switch(ap, "progress", True, "a progress bar while running"),

@@ -1,11 +1,12 @@
 """`bench soak`: hours of mixed traffic against a server, watching its resources for anything that grows.
 
 Streamed and non-streamed requests, clients that leave mid-stream or time out, hostile bodies and overload
-bursts run for --duration seconds while the server's /metrics is sampled: RSS, open fds, threads, asyncio
-tasks (each summed over the engine process and every front end) and KV blocks in use. Once idle again, it must be back where it started (no fd, thread, task or
-block left behind), RSS must not keep climbing, and no request may get an unexpected status. Writes
-soak.csv (the samples), soak.json (the verdict) and soak.png, records the run in the results store (--db),
-and exits 1 on a failed check.
+bursts run for --duration seconds, sent from the load generator's --workers processes (as bench serve's and
+bench capacity's load), while the server's /metrics is sampled: RSS, open fds, threads, asyncio tasks (each
+summed over the engine process and every front end) and KV blocks in use. Once idle again, it must be back where
+it started (no fd, thread, task or block left behind), RSS must not keep climbing, and no request may get an
+unexpected status. Writes soak.csv (the samples), soak.json (the verdict) and soak.png, records the run in the
+results store (--db), and exits 1 on a failed check.
 """
 
 import argparse
@@ -13,7 +14,6 @@ import asyncio
 import csv
 import json
 import logging
-import random
 import shlex
 import subprocess
 import sys
@@ -25,6 +25,11 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.bench import flags
+from service.bench.loadgen.send.dispatch import LoadSpec
+from service.bench.loadgen.send.request import RequestResult
+from service.bench.loadgen.send.workers import run_workers
+from service.bench.loadgen.serve import discover_model
+from service.bench.loadgen.workload.mix import Mix, burst_times
 from service.bench.store import StoreError, add_db_argument, open_store
 
 # the series sampled from /metrics: column -> metric sample name
@@ -32,13 +37,6 @@ WATCHED = {"rss_bytes": "process_resident_memory_bytes", "open_fds": "process_op
            "threads": "llm_process_threads", "asyncio_tasks": "llm_asyncio_tasks",
            "kv_blocks_used": "llm_kv_cache_blocks_used", "running": "llm_requests_running",
            "waiting": "llm_requests_waiting"}
-PROMPTS = ["Tell me about the sea.", "Count from one to twenty:", "Write a haiku about autumn.",
-           "Explain what a hash table is.", "List three colors.", "Once upon a time"]
-# the kinds of request, by share of the load in percent
-MIX = {"stream": 35, "complete": 20, "chat": 15, "leave_stream": 12, "time_out": 8, "hostile": 10}
-# bodies no server should answer with a 5xx; each must get exactly this status
-HOSTILE = [({"seed": 2**80}, 400), ({"top_k": 2**80}, 400), ({"max_tokens": -1}, 400), ({"min_tokens": 10**12}, 400),
-           ({"temperature": 1e-30}, 200), ({"stop_token_ids": [2**70]}, 400), ({"logprobs": 10**9}, 400)]
 
 
 @dataclass
@@ -59,92 +57,30 @@ class Tally:
 
 
 class Soak:
+    """The load goes out from the load generator's worker processes (as bench serve's and capacity's does); this
+    process samples the server's /metrics meanwhile and tallies the merged results."""
+
     def __init__(self, url: str, api_key: str | None, metrics_token: str | None, seed: int,
-                 request_timeout: float = 600.0):
+                 request_timeout: float = 600.0, workers: int = 1):
         self.url = url.rstrip("/")
+        self.api_key, self.seed, self.workers = api_key, seed, workers
         self.request_timeout = request_timeout  # past it a slow answer counts as unexpected
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.metrics_headers = {"Authorization": f"Bearer {metrics_token}"} if metrics_token else {}
-        self.rng = random.Random(seed)
         self.tally = Tally()
         self.model = ""
-        # the mix, in a seeded order that starts with one of each kind, so that even a short soak meets them all
-        rest = [kind for kind, share in MIX.items() for _ in range(share - 1)]
-        self.rng.shuffle(rest)
-        self.schedule, self.turn = list(MIX) + rest, 0
+        self.finished = 0  # requests that have ended, for the samples' `requests` column
 
-    def body(self, stream: bool, max_tokens: int) -> dict:
-        return {"model": self.model, "prompt": self.rng.choice(PROMPTS), "max_tokens": max_tokens,
-                "temperature": self.rng.choice([0.0, 0.8]), "stream": stream}
+    async def load(self, mix: Mix, duration: float, **how) -> None:
+        """One load of `duration` seconds from the worker processes; every answer goes into the tally."""
+        spec = LoadSpec(self.url, self.model, duration=duration, seed=self.seed, api_key=self.api_key,
+                        request_timeout=self.request_timeout, **how)
+        run = await run_workers(spec, mix, self.workers, on_done=self.count)
+        for r in run.results:
+            name, ok = mix.outcome(r)
+            self.tally.add(name, ok, r.message)
 
-    async def one(self, client: httpx.AsyncClient) -> None:
-        """One request of a random kind; its outcome goes into the tally."""
-        kind = self.schedule[self.turn % len(self.schedule)]
-        self.turn += 1
-        try:
-            if kind in ("stream", "leave_stream"):
-                keep = self.rng.randint(1, 4) if kind == "leave_stream" else None
-                async with client.stream("POST", self.url + "/v1/completions", headers=self.headers,
-                                         json=self.body(True, self.rng.randint(8, 64))) as r:
-                    if r.status_code != 200:
-                        return self.expect(kind, r.status_code, await r.aread())
-                    events, last = 0, ""
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data: "):
-                            continue
-                        events, last = events + 1, line
-                        if line.startswith('data: {"error"'):
-                            return self.tally.add(f"unexpected {kind}: error event", False, line)
-                        if keep is not None and events >= keep:
-                            return self.tally.add(kind)  # leaving now closes the connection: the server aborts
-                    done = last == "data: [DONE]"
-                    self.tally.add(kind if done else f"unexpected {kind}: no [DONE]", done, last)
-            elif kind == "chat":
-                body = {"model": self.model, "max_tokens": self.rng.randint(4, 32),
-                        "messages": [{"role": "user", "content": self.rng.choice(PROMPTS)}]}
-                r = await client.post(self.url + "/v1/chat/completions", json=body, headers=self.headers)
-                self.expect(kind, r.status_code, r.content)
-            elif kind == "complete":
-                r = await client.post(self.url + "/v1/completions", json=self.body(False, self.rng.randint(4, 48)),
-                                      headers=self.headers)
-                self.expect(kind, r.status_code, r.content)
-            elif kind == "time_out":
-                try:
-                    await client.post(self.url + "/v1/completions", headers=self.headers, timeout=0.3,
-                                      json={**self.body(False, 200), "ignore_eos": True})
-                    self.tally.add(kind)  # finished in time after all
-                except httpx.TimeoutException:
-                    self.tally.add(kind)
-            else:
-                extra, status = self.rng.choice(HOSTILE)
-                r = await client.post(self.url + "/v1/completions", headers=self.headers,
-                                      json={**self.body(False, 4), **extra})
-                self.expect(f"hostile {next(iter(extra))}", r.status_code, r.content, want=status)
-        except httpx.HTTPError as exc:
-            self.tally.add(f"unexpected {kind}: {type(exc).__name__}", False, repr(exc))
-
-    def expect(self, kind: str, status: int, content: bytes, want: int = 200) -> None:
-        if status == want or status == 503:  # 503: backpressure, part of the contract under load
-            self.tally.add(kind if status == want else f"{kind} 503")
-        else:
-            self.tally.add(f"unexpected {kind}: {status}", False, content.decode(errors="replace"))
-
-    async def worker(self, client: httpx.AsyncClient, until: float) -> None:
-        while time.monotonic() < until:
-            await self.one(client)
-
-    async def bursts(self, client: httpx.AsyncClient, until: float, every: float, size: int) -> None:
-        """Overload: `size` requests at once, every `every` seconds; the server may refuse some with 503."""
-        while time.monotonic() + every < until:
-            await asyncio.sleep(every)
-            statuses = await asyncio.gather(*[client.post(
-                self.url + "/v1/completions", json=self.body(False, 4), headers=self.headers) for _ in range(size)],
-                return_exceptions=True)
-            for r in statuses:
-                if isinstance(r, Exception):
-                    self.tally.add(f"unexpected burst: {type(r).__name__}", False, repr(r))
-                else:
-                    self.expect("burst", r.status_code, r.content)
+    def count(self, _: RequestResult) -> None:
+        self.finished += 1
 
     async def sample(self, client: httpx.AsyncClient) -> dict[str, float]:
         r = await client.get(self.url + "/metrics", headers=self.metrics_headers)
@@ -157,16 +93,16 @@ class Soak:
                 values[s.name] = values.get(s.name, 0.0) + s.value
         return {col: values.get(name, float("nan")) for col, name in WATCHED.items()}
 
-    async def sampler(self, client: httpx.AsyncClient, rows: list[dict], start: float, done: asyncio.Event,
-                      every: float) -> None:
+    async def sampler(self, rows: list[dict], start: float, done: asyncio.Event, every: float) -> None:
         """Samples until the load's last request has finished."""
-        while not done.is_set():
-            rows.append({"t": round(time.monotonic() - start, 2), "phase": "load", **await self.sample(client),
-                         "requests": sum(self.tally.counts.values())})
-            try:
-                await asyncio.wait_for(done.wait(), every)
-            except asyncio.TimeoutError:
-                pass
+        async with httpx.AsyncClient(timeout=30) as client:
+            while not done.is_set():
+                rows.append({"t": round(time.monotonic() - start, 2), "phase": "load", **await self.sample(client),
+                             "requests": self.finished})
+                try:
+                    await asyncio.wait_for(done.wait(), every)
+                except asyncio.TimeoutError:
+                    pass
 
     async def idle_sample(self, start: float, timeout: float = 120.0) -> dict:
         """Once the server holds no request and no block (fresh connection: the load's ones are closed)."""
@@ -177,25 +113,25 @@ class Soak:
                 if (s["running"] == s["waiting"] == s["kv_blocks_used"] == 0) or time.monotonic() > deadline:
                     await asyncio.sleep(1.0)  # let closed connections' fds and finished tasks go
                     s = await self.sample(c)
-                    return {"t": round(time.monotonic() - start, 2), "phase": "idle", **s,
-                            "requests": sum(self.tally.counts.values())}
+                    return {"t": round(time.monotonic() - start, 2), "phase": "idle", **s, "requests": self.finished}
                 await asyncio.sleep(0.5)
 
     async def run(self, duration: float, concurrency: int, sample_every: float, burst_every: float,
                   burst_size: int, warmup: float) -> list[dict]:
-        async with httpx.AsyncClient(timeout=30) as c:
-            self.model = (await c.get(self.url + "/v1/models", headers=self.headers)).json()["data"][0]["id"]
+        self.model = await asyncio.to_thread(discover_model, self.url, self.api_key)
         start = time.monotonic()
-        limits = httpx.Limits(max_connections=concurrency + burst_size + 4)
-        async with httpx.AsyncClient(timeout=self.request_timeout, limits=limits) as c:  # warm-up: first-use allocations
-            await asyncio.gather(*[self.worker(c, time.monotonic() + warmup) for _ in range(concurrency)])
+        steady = dict(max_concurrency=concurrency)  # clients sending back to back
+        if warmup > 0:  # first-use allocations, before the first idle sample
+            await self.load(Mix(self.seed), warmup, **steady)
         rows = [await self.idle_sample(start)]
-        until = time.monotonic() + duration
         done = asyncio.Event()
-        async with httpx.AsyncClient(timeout=self.request_timeout, limits=limits) as c:
-            sampling = asyncio.create_task(self.sampler(c, rows, start, done, sample_every))
-            await asyncio.gather(self.bursts(c, until, burst_every, burst_size),
-                                 *[self.worker(c, until) for _ in range(concurrency)])
+        sampling = asyncio.create_task(self.sampler(rows, start, done, sample_every))
+        loads = [self.load(Mix(self.seed), duration, **steady)]
+        if bursts := burst_times(duration, burst_every, burst_size):
+            loads.append(self.load(Mix(self.seed, burst=True), duration, schedule=bursts, num_requests=len(bursts)))
+        try:
+            await asyncio.gather(*loads)
+        finally:
             done.set()
             await sampling
         rows.append(await self.idle_sample(start))
@@ -300,6 +236,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     flags.deprecated_alias(ap, "--warmup", flags.add_warmup_seconds(ap, 30.0, "seconds of load before the first idle "
                                                                               "sample", dest="warmup"))
     a("--concurrency", type=int, default=6, help="clients sending back to back (default %(default)s)")
+    flags.add_workers(ap)
     a("--sample-interval", type=float, default=5.0, help="seconds between /metrics samples (default %(default)s)")
     a("--burst-interval", type=float, default=60.0, help="seconds between overload bursts (default %(default)s)")
     a("--burst-size", type=int, default=48, help="requests in one burst (default %(default)s)")
@@ -319,7 +256,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str] | None = None) -> None:
     args, server_args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the report
-    config = {k: v for k, v in vars(args).items() if k not in ("db", "label", "out", "api_key", "metrics_token")}
+    # --workers says where the load ran, not what load: runs that differ only in it are one configuration
+    config = {k: v for k, v in vars(args).items()
+              if k not in ("db", "label", "out", "api_key", "metrics_token", "workers")}
     config["server_args"] = server_args
     try:
         store = open_store(args.db)  # before the hours of load: a wrong --db fails at once
@@ -338,7 +277,7 @@ def soak_once(args: argparse.Namespace, server_args: list[str]) -> dict:
     """Start the server (unless --url), run the soak, write its files, print the verdict; return it."""
     proc, url = (None, args.url) if args.url else spawn(server_args, args.port)
     try:
-        soak = Soak(url, args.api_key, args.metrics_token, args.seed, args.request_timeout)
+        soak = Soak(url, args.api_key, args.metrics_token, args.seed, args.request_timeout, args.workers)
         rows = asyncio.run(soak.run(args.duration, args.concurrency, args.sample_interval, args.burst_interval,
                                     args.burst_size, args.warmup))
     finally:

@@ -3,8 +3,10 @@
 Every request gets exactly max_tokens tokens (16 when absent): the first after --ttft-ms, the rest --itl-ms
 apart (timed from the request's arrival, so a late wake-up does not push every later token back), streamed one
 token per SSE event, or in one JSON body when not streaming. Usage counts come with the reply (prompt tokens:
-the ids given, or the words of the text). /health and /v1/models answer; there is no /metrics, so `bench serve`
-reports client numbers only. --drop-every K makes every K-th request (counted per worker process) hang up after
+the ids given, or the words of the text). /health and /v1/models answer, and /metrics counts what was served
+(METRICS below; with --workers > 1 each process counts into its own file of one shared folder and /metrics sums
+them, prometheus_client's multiprocess mode, so the counts are exact whichever process answers). It has no TTFT
+histogram, so `bench serve`'s cross-check notes that and reports client numbers only. --drop-every K makes every K-th request (counted per worker process) hang up after
 --drop-after N token events, with the response headers already sent, to test how the client records a lost
 connection. A raw ASGI app on uvicorn (uvloop, httptools); --workers processes share the port.
 """
@@ -16,12 +18,25 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
 CONFIG_ENV = "LLM_MOCK_SERVER_CONFIG"  # how the configuration reaches uvicorn's worker processes
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # set (before uvicorn starts its processes) when --workers > 1
 DEFAULT_MAX_TOKENS = 16
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+# what /metrics counts (Prometheus text; counters, so each name ends in _total there), label `route` (one of ROUTES)
+METRICS = {
+    "llm_mock_requests": "generation requests answered (a body that is not JSON gets a 400 and is not counted)",
+    "llm_mock_streamed_tokens": "token events streamed, one token each (those written before a hang-up included; "
+                                "non-streamed replies are not streamed tokens)",
+    "llm_mock_dropped_requests": "requests hung up on purpose (--drop-every)",
+}
 
 
 @dataclass
@@ -61,6 +76,17 @@ class MockServer:
     def __init__(self, config: MockConfig):
         self.config = config
         self.requests = 0  # in this worker process
+        self.registry = CollectorRegistry()
+        counters = {name: Counter(name, help, ["route"], registry=self.registry) for name, help in METRICS.items()}
+        # route -> metric -> the labelled counter, bound once: the mock must stay cheap per request
+        self.count = {route: {name: c.labels(route) for name, c in counters.items()} for route in ROUTES}
+
+    def metrics(self) -> bytes:
+        if MULTIPROC_ENV not in os.environ:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()  # every process's counts, from the shared folder
+        MultiProcessCollector(merged)
+        return generate_latest(merged)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -73,10 +99,12 @@ class MockServer:
         path, method = scope["path"], scope["method"]
         if method == "GET" and path == "/health":
             return await _json(send, 200, {"status": "ok"})
+        if method == "GET" and path == "/metrics":
+            return await _reply(send, 200, self.metrics(), b"text/plain; version=0.0.4; charset=utf-8")
         if method == "GET" and path == "/v1/models":
             return await _json(send, 200, {"object": "list", "data": [
                 {"id": self.config.model, "object": "model", "owned_by": "mock"}]})
-        if method != "POST" or path not in ("/v1/completions", "/v1/chat/completions"):
+        if method != "POST" or path not in ROUTES:
             return await _json(send, 404, {"error": {"message": f"no route {method} {path}", "type": "not_found"}})
         arrived = time.perf_counter()
         raw = b""
@@ -91,13 +119,18 @@ class MockServer:
         except (ValueError, TypeError, AttributeError) as exc:
             return await _json(send, 400, {"error": {"message": f"bad request body: {exc}", "type": "invalid_request"}})
         self.requests += 1
+        count = self.count[path]
+        count["llm_mock_requests"].inc()
         drop = self.config.drop_every > 0 and self.requests % self.config.drop_every == 0
+        if drop:
+            count["llm_mock_dropped_requests"].inc()
         usage = {"prompt_tokens": _prompt_tokens(body), "completion_tokens": n,
                  "total_tokens": _prompt_tokens(body) + n}
         chat = path.endswith("chat/completions")
         if body.get("stream"):
             await self._stream(send, arrived, n, chat, usage, drop,
-                               (body.get("stream_options") or {}).get("include_usage", False))
+                               (body.get("stream_options") or {}).get("include_usage", False),
+                               count["llm_mock_streamed_tokens"])
         else:
             await self._sleep_until(arrived, n - 1)
             choice = ({"index": 0, "message": {"role": "assistant", "content": " x" * n}, "finish_reason": "length"}
@@ -113,7 +146,7 @@ class MockServer:
             await asyncio.sleep(delay)
 
     async def _stream(self, send, arrived: float, n: int, chat: bool, usage: dict, drop: bool,
-                      include_usage: bool) -> None:
+                      include_usage: bool, streamed: Counter) -> None:
         kind = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": "mock", "object": kind, "model": self.config.model}
         token = _event({**head, "choices": [{"index": 0, "delta": {"content": " x"}, "finish_reason": None}]
@@ -125,11 +158,16 @@ class MockServer:
         if chat:
             await send({"type": "http.response.body", "more_body": True, "body": _event(
                 {**head, "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})})
-        for k in range(n):
-            if drop and k == self.config.drop_after:
-                raise DroppedOnPurpose(f"request {self.requests}: hung up after {k} token events (--drop-every)")
-            await self._sleep_until(arrived, k)
-            await send({"type": "http.response.body", "body": last if k == n - 1 else token, "more_body": True})
+        sent = 0
+        try:
+            for k in range(n):
+                if drop and k == self.config.drop_after:
+                    raise DroppedOnPurpose(f"request {self.requests}: hung up after {k} token events (--drop-every)")
+                await self._sleep_until(arrived, k)
+                await send({"type": "http.response.body", "body": last if k == n - 1 else token, "more_body": True})
+                sent += 1
+        finally:
+            streamed.inc(sent)  # before [DONE] goes out: a client that scrapes once it has every reply sees them all
         if drop:  # --drop-after >= max_tokens: hang up before the end of the stream
             raise DroppedOnPurpose(f"request {self.requests}: hung up after {n} token events (--drop-every)")
         tail = (_event({**head, "choices": [], "usage": usage}) if include_usage else b"") + b"data: [DONE]\n\n"
@@ -137,9 +175,12 @@ class MockServer:
 
 
 async def _json(send, status: int, payload: dict, hang_up: bool = False) -> None:
-    body = json.dumps(payload).encode()
+    await _reply(send, status, json.dumps(payload).encode(), b"application/json", hang_up)
+
+
+async def _reply(send, status: int, body: bytes, content_type: bytes, hang_up: bool = False) -> None:
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]})
     if hang_up:
         await send({"type": "http.response.body", "body": body[:len(body) // 2], "more_body": True})
         raise DroppedOnPurpose("hung up halfway through the body (--drop-every)")
@@ -181,7 +222,10 @@ def main(argv: list[str] | None = None) -> None:
         uvicorn.run(MockServer(config), **options)
     else:
         os.environ[CONFIG_ENV] = json.dumps(asdict(config))
-        uvicorn.run("service.bench.loadgen.mock_server:app_from_env", factory=True, workers=args.workers, **options)
+        with tempfile.TemporaryDirectory(prefix="llm-mock-metrics-") as shared:  # each process's counts, for /metrics
+            os.environ[MULTIPROC_ENV] = shared
+            uvicorn.run("service.bench.loadgen.mock_server:app_from_env", factory=True, workers=args.workers,
+                        **options)
 
 
 @contextmanager

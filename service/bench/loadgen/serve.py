@@ -26,7 +26,7 @@ from service.bench.loadgen.results.saturation import client_saturation
 from service.bench.loadgen.results.record import record_run
 from service.bench.loadgen.results.summary import summarize
 from service.bench.loadgen.send.dispatch import LoadSpec
-from service.bench.loadgen.send.workers import default_workers, run_workers
+from service.bench.loadgen.send.workers import run_workers
 from service.bench.loadgen.send.request import CHAT, COMPLETIONS
 from service.bench.loadgen.workload import datasets
 from service.bench.slo import parse as parse_slo
@@ -57,13 +57,6 @@ def add_server_metrics_argument(ap: argparse.ArgumentParser, old: str) -> None:
     flags.deprecated_alias(ap, old, switch, value=False)
 
 
-def add_workers_argument(ap: argparse.ArgumentParser) -> None:
-    """Shared with bench capacity and bench soak."""
-    ap.add_argument("--workers", type=int, default=default_workers(),
-                    help="load generator processes, each with its own event loop and share of the concurrency "
-                         "(default: one per CPU but one, here %(default)s)")
-
-
 def add_prompt_arguments(ap: argparse.ArgumentParser) -> None:
     a = ap.add_argument_group("prompts").add_argument
     a("--dataset", choices=["random", "builtin", "sharegpt"], default="random", help="default %(default)s")
@@ -92,7 +85,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--num-requests", type=int, default=None, help="requests to send (default 100 when no --duration)")
     a("--duration", type=float, default=None, help="seconds after which no request is sent")
     a("--seed", type=int, default=0, help="seeds the prompts, their lengths and the arrival times (default %(default)s)")
-    add_workers_argument(ap)
+    flags.add_workers(ap)
     add_prompt_arguments(ap)
     g = ap.add_argument_group("results")
     a = g.add_argument

@@ -29,7 +29,7 @@ from service.bench.loadgen.results.summary import summarize
 from service.bench.loadgen.send.dispatch import LoadSpec
 from service.bench.loadgen.send.request import CHAT
 from service.bench.loadgen.serve import (add_prompt_arguments, add_server_arguments, add_server_metrics_argument,
-                                         add_workers_argument, discover_model, make_workload)
+                                         discover_model, make_workload)
 from service.bench.slo import meets, parse as parse_slo
 from service.bench.store import StoreError, add_db_argument, open_store
 
@@ -72,7 +72,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a("--max-error-rate", type=float, default=0.05, help="share of failed requests that stops a probe (default %(default)s)")
     add_server_metrics_argument(g, "--no-server-metrics")
     a("--seed", type=int, default=0, help="probe k uses seed + k (default %(default)s)")
-    add_workers_argument(ap)
+    flags.add_workers(ap)
     add_prompt_arguments(ap)
     g = ap.add_argument_group("results")
     a = g.add_argument

@@ -1,7 +1,8 @@
 """The load loop: one asyncio loop sends requests on a precomputed schedule, under an optional concurrency cap.
 
-Open loop (a request rate), closed loop (a concurrency cap with every request due at once), or both. The run
-is bounded by a request count, a duration (no request is sent after it), and a timeout per request.
+Open loop (a request rate, or arrival times given as they are), closed loop (a concurrency cap with every request
+due at once), or both. The run is bounded by a request count, a duration (no request is sent after it), and a
+timeout per request; each request's sample may choose its own endpoint, streaming, body fields and timeout.
 Each request's dispatch lag (sent minus the earliest moment it could have been sent) measures the generator.
 A caller may end a run early through a `Stop`: drain (send nothing more, let the requests in flight finish) or
 abort (also cancel those in flight; they end with the error kind 'stopped').
@@ -25,6 +26,7 @@ import httpx
 
 from service.bench.loadgen.send.request import RequestResult, request_body, send
 from service.bench.loadgen.workload.arrivals import arrival_offsets
+from service.bench.loadgen.workload.datasets import Sample
 
 KEEPALIVE_S = 2.0
 
@@ -46,6 +48,8 @@ class LoadSpec:
     extra_body: dict = field(default_factory=dict)
     request_timeout: float = 600.0
     api_key: str | None = None
+    schedule: tuple[float, ...] | None = None  # arrival offsets given as they are (bench soak's bursts): the rate,
+    # burstiness and seed then play no part, and num_requests may be at most its length
 
     def check(self) -> None:
         if self.num_requests is None and self.duration is None:
@@ -56,6 +60,8 @@ class LoadSpec:
             raise ValueError("the duration must be > 0 seconds")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("the maximum concurrency must be >= 1")
+        if self.schedule is not None and (self.num_requests or math.inf) > len(self.schedule):
+            raise ValueError("a given schedule bounds the run: the request count must be at most its length")
         if self.num_requests is None and math.isinf(self.request_rate) and self.max_concurrency is None:
             raise ValueError("a duration with an infinite request rate needs --max-concurrency (closed loop) "
                              "or a finite --request-rate")
@@ -123,7 +129,7 @@ async def run_load(spec: LoadSpec, sample_at: Callable, on_done: Callable[[Reque
     system's monotonic clock, the same in every process of the host).
     """
     spec.check()
-    url = spec.base_url.rstrip("/") + spec.endpoint
+    root = spec.base_url.rstrip("/")
     cap = spec.max_concurrency
     limits = httpx.Limits(max_connections=cap, max_keepalive_connections=cap, keepalive_expiry=KEEPALIVE_S)
     headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
@@ -132,16 +138,20 @@ async def run_load(spec: LoadSpec, sample_at: Callable, on_done: Callable[[Reque
     tasks: list[asyncio.Task] = []
 
     async with httpx.AsyncClient(limits=limits, headers=headers, timeout=httpx.Timeout(spec.request_timeout)) as client:
-        async def one(result: RequestResult, body: dict) -> None:
+        async def one(result: RequestResult, sample: Sample) -> None:
             try:
-                await send(client, url, body, result, start, spec.request_timeout, on_first)
+                endpoint = sample.endpoint or spec.endpoint
+                body = request_body(endpoint, spec.model, sample, spec.ignore_eos, spec.temperature, spec.extra_body)
+                await send(client, root + endpoint, body, result, start, sample.timeout or spec.request_timeout,
+                           on_first, sample.leave_after)
             finally:
                 if slots:
                     slots.release()
             if on_done:
                 on_done(result)
 
-        offsets = arrival_offsets(spec.request_rate, spec.burstiness, spec.seed, spec.constant_rate)
+        offsets = (iter(spec.schedule) if spec.schedule is not None else
+                   arrival_offsets(spec.request_rate, spec.burstiness, spec.seed, spec.constant_rate))
         if start_at is not None and start_at > time.perf_counter():
             await asyncio.sleep(start_at - time.perf_counter())
         start = time.perf_counter() if start_at is None else start_at
@@ -168,11 +178,9 @@ async def run_load(spec: LoadSpec, sample_at: Callable, on_done: Callable[[Reque
                 if slots:
                     slots.release()
                 break
-            body = request_body(spec.endpoint, spec.model, sample_at(i), spec.ignore_eos, spec.temperature,
-                                spec.extra_body)
             result = RequestResult(i, offset, offset if freed is None else max(offset, freed - start))
             results.append(result)
-            tasks.append(asyncio.create_task(one(result, body)))
+            tasks.append(asyncio.create_task(one(result, sample_at(i))))
             if on_send:
                 on_send(result)
         if stop:

@@ -5,6 +5,9 @@ chunk with a choice on /v1/completions (its text may be empty for special tokens
 chunk with non-empty content (or reasoning) on /v1/chat/completions (the role-only first chunk is no token;
 a reply without any content has its one token at the finish chunk).
 Output tokens come from the final `usage` chunk; without one, the token-bearing chunks are counted instead.
+A request its sample asks not to stream gets one JSON reply, all its tokens at once (its first token is its last);
+one whose sample says `leave_after` N is hung up by the client after N data events (error kind client_left:
+bench soak's clients that leave, so that the server must abort the request).
 A failure is never raised and never counted as a success: it keeps its kind, the exception's class, and where
 in the exchange it happened (before the response headers, or after N data events of the stream).
 """
@@ -63,15 +66,16 @@ class RequestResult:
 
 def request_body(endpoint: str, model: str, sample: Sample, ignore_eos: bool, temperature: float,
                  extra: dict | None = None) -> dict:
-    body = {"model": model, "max_tokens": sample.output_len, "temperature": temperature, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {"model": model, "max_tokens": sample.output_len, "temperature": temperature, "stream": sample.stream}
+    if sample.stream:
+        body["stream_options"] = {"include_usage": True}
     if ignore_eos:
         body["ignore_eos"] = True  # an extension that vLLM, SGLang and this service accept
     if endpoint == CHAT:
         body["messages"] = [{"role": "user", "content": sample.prompt}]
     else:
         body["prompt"] = sample.prompt
-    return {**body, **(extra or {})}
+    return {**body, **(extra or {}), **(sample.extra or {})}
 
 
 def _error_message(raw: bytes) -> str:
@@ -100,7 +104,7 @@ def _bears_token(chunk: dict, chat: bool, seen: bool) -> bool:
 
 
 async def _read_stream(resp: httpx.Response, result: RequestResult, chat: bool, t0: float,
-                       on_first: Callable | None) -> dict | None:
+                       on_first: Callable | None, leave_after: int | None) -> dict | None:
     """Consume the SSE stream; returns the last usage seen; sets e2e at `data: [DONE]`, or an error kind."""
     usage = None
     async for line in resp.aiter_lines():
@@ -126,9 +130,26 @@ async def _read_stream(resp: httpx.Response, result: RequestResult, chat: bool, 
                 on_first(result)
         if isinstance(chunk.get("usage"), dict):
             usage = chunk["usage"]
+        if leave_after is not None and result.events >= leave_after:
+            result.error, result.message = "client_left", f"the client hung up after {result.events} events, as asked"
+            return usage  # leaving the `async with` closes the connection mid-stream
     if result.e2e is None:
         result.error, result.message = "truncated_stream", "the stream ended without data: [DONE]"
     return usage
+
+
+async def _read_reply(resp: httpx.Response, result: RequestResult, t0: float, on_first: Callable | None) -> dict | None:
+    """A non-streamed reply: its usage; its one time is both the first token's and the end's."""
+    raw = await resp.aread()
+    now = time.perf_counter()
+    reply = json.loads(raw)
+    if not isinstance(reply, dict) or not reply.get("choices"):
+        raise ValueError(f"a reply without choices: {raw[:100]!r}")
+    result.chunk_times.append(now - t0)
+    result.e2e = now - t0
+    if on_first is not None:
+        on_first(result)
+    return reply["usage"] if isinstance(reply.get("usage"), dict) else None
 
 
 def _failure_kind(exc: Exception) -> str | None:
@@ -147,10 +168,12 @@ def _failure_kind(exc: Exception) -> str | None:
 
 
 async def send(client: httpx.AsyncClient, url: str, body: dict, result: RequestResult, start: float,
-               timeout: float, on_first: Callable[[RequestResult], None] | None = None) -> RequestResult:
-    """Stream one request and fill in `result`; never raises for a server or network failure.
+               timeout: float, on_first: Callable[[RequestResult], None] | None = None,
+               leave_after: int | None = None) -> RequestResult:
+    """Send one request (streamed unless the body says `"stream": false`) and fill in `result`; never raises for a
+    server or network failure.
 
-    `on_first` sees the request when its first token arrives."""
+    `on_first` sees the request when its first token arrives; `leave_after` N hangs up after N data events."""
     t0 = time.perf_counter()
     result.sent = t0 - start
     usage = None
@@ -158,8 +181,10 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, result: RequestR
         async with asyncio.timeout(timeout):
             async with client.stream("POST", url, json=body) as resp:
                 result.status = resp.status_code
-                if resp.status_code == 200:
-                    usage = await _read_stream(resp, result, url.endswith(CHAT), t0, on_first)
+                if resp.status_code == 200 and body.get("stream"):
+                    usage = await _read_stream(resp, result, url.endswith(CHAT), t0, on_first, leave_after)
+                elif resp.status_code == 200:
+                    usage = await _read_reply(resp, result, t0, on_first)
                 else:
                     result.error, result.message = f"http_{resp.status_code}", _error_message(await resp.aread())
     except Exception as exc:  # server and network failures become error kinds; any other is a bug here

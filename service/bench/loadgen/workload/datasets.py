@@ -33,6 +33,12 @@ class Sample:
     prompt: str | list[int]  # text, or token ids for /v1/completions
     output_len: int  # max_tokens to send
     prompt_len: int  # tokens: exact for token ids, an estimate for text (the server's usage is what is reported)
+    # a mixed load (bench soak) shapes each request itself; the defaults leave the load's own settings in force
+    endpoint: str | None = None  # instead of the load's endpoint
+    stream: bool = True  # False: one JSON reply, its tokens all at once
+    extra: dict | None = None  # merged into the body last, over the load's extra body
+    timeout: float | None = None  # seconds before the client gives up, instead of the load's request timeout
+    leave_after: int | None = None  # the client hangs up after this many data events (error kind client_left)
 
 
 def estimate_tokens(text: str) -> int:
