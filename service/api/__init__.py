@@ -1,1 +1,1 @@
-"""HTTP API: OpenAI-compatible and native routes over the async engine."""
+"""HTTP API: OpenAI-compatible and native routes in front-end processes, over the engine process."""

@@ -24,7 +24,7 @@ from service.engine import messages
 from service.engine.errors import EngineDeadError, InvalidRequestError, SlowReaderError
 from service.engine.messages import Abort, Add, Admitted, Dead, Hello, Step
 from service.engine.results import RequestOutput, Timings
-from service.engine.sampling import SamplingParams, check_request
+from service.engine.sampling import SamplingParams, check_request, tokenize
 
 log = logging.getLogger(__name__)
 _CONTEXT = 5  # prompt tokens decoded before the output, so that the first token's leading space comes out right
@@ -249,11 +249,7 @@ class EngineClient:
 
     # -- requests ----------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer: send token ids", param="prompt")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        return list(prompt)
+        return tokenize(self.tokenizer, prompt)
 
     async def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str, arrival: float,
                      streaming: bool, traceparent: str | None = None) -> RequestStream:

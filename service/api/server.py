@@ -1,4 +1,5 @@
-"""`serve`: the supervisor of one engine process and N front-end processes on one port.
+"""`serve`: the supervisor of one engine process and N front-end processes on one port, and each process's entry
+(`run_engine`, `run_frontend`): where settings, telemetry and the engine or the app are wired together.
 
 The supervisor binds the port and hands the socket to every front end (the kernel spreads connections among
 them), starts the engine process, and then only watches:
@@ -26,7 +27,8 @@ import uvicorn
 import zmq
 
 from service.engine import messages
-from service.engine.core import _die_with_parent, run_process
+from service.engine.config import display_name
+from service.engine.core import EngineCore
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,66 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
         # uvicorn re-raises captured signals after its shutdown; a finished drain is a clean exit (status 0)
         self._captured_signals.clear()
+
+
+def _tell(folder: str, num_frontends: int, msg) -> None:
+    """Send one message to every front end (the engine's loop never started)."""
+    with zmq.Context() as ctx:
+        for i in range(num_frontends):
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 2000)
+            sock.bind(messages.outbox(folder, i))
+            sock.send(messages.encode(msg))
+            sock.close()
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when its parent (the supervisor) dies, as a container kill would."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def run_engine(settings: Settings, folder: str, num_frontends: int, alive) -> None:
+    """The engine process: load the model, then serve the front ends until the supervisor's SIGTERM.
+
+    `alive` is the write end of a pipe that only this process holds: when it exits (or is killed), the front
+    ends read end-of-file on their ends and fail their requests at once (it is only held, never used).
+    """
+    _die_with_parent()
+    logging.basicConfig(level=settings.server.log_level.upper(),
+                        format="%(asctime)s %(levelname)s engine %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the supervisor leads
+    from service.engine.llm_engine import LLMEngine
+    from service.telemetry.hub import Telemetry
+
+    telemetry = Telemetry(settings.telemetry, settings.server.served_model_name or display_name(settings.engine.model),
+                          process="engine", folder=folder)
+    telemetry.start()
+    try:
+        engine = LLMEngine(settings.engine)
+    except BaseException as exc:
+        log.exception("model failed to load")
+        _tell(folder, num_frontends, messages.Dead(f"model failed to load: {exc!r}"))
+        raise SystemExit(1)
+    telemetry.engine_loaded(engine)
+    core = EngineCore(engine, folder, num_frontends, settings.server.max_waiting, telemetry.tracing)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(core, "stopping", True))
+    if engine.parallel is not None:
+        engine.parallel.on_failure = lambda reason: setattr(core, "failure", reason)
+    log.info("model %s ready on %s; serving %d front end(s)", engine.model_name, engine.device, num_frontends)
+    start = time.monotonic()
+    try:
+        core.run()
+    except BaseException:
+        log.exception("engine loop died after %.0f s", time.monotonic() - start)
+        raise SystemExit(1)
+    finally:
+        engine.close()
+        telemetry.shutdown()
 
 
 def run_frontend(settings: Settings, folder: str, index: int, processes: tuple[str, ...], sock: socket.socket,
@@ -90,7 +152,7 @@ def _supervise(settings: Settings, folder: str, n: int) -> int:
     sock = _bind(settings.server.host, settings.server.port)
     ctx = multiprocessing.get_context("spawn")
     alive_r, alive_w = ctx.Pipe(duplex=False)
-    engine = ctx.Process(target=run_process, args=(settings, folder, n, alive_w), name="engine")
+    engine = ctx.Process(target=run_engine, args=(settings, folder, n, alive_w), name="engine")
     engine.start()
     alive_w.close()  # the engine holds the only write end: its death is end-of-file for every front end
     names = ("engine", *(f"api-{i}" for i in range(n)))

@@ -35,6 +35,7 @@ class ServerState:
         self.client: EngineClient | None = None
         self.engine = None  # the LLMEngine, when its loop runs on a thread of this process
         self.engine_thread: threading.Thread | None = None
+        self.core = None  # its EngineCore, once the model is loaded
         self.load_error: BaseException | None = None
         self.draining = False
         self.fatal: str | None = None  # why the server must exit non-zero (the engine died)
@@ -82,8 +83,8 @@ class ServerState:
         def run():
             try:
                 self.engine = self._load(engine)
-                core = EngineCore(self.engine, folder, 1, self.settings.server.max_waiting, self.telemetry.tracing)
-                self.core = core
+                self.core = core = EngineCore(self.engine, folder, 1, self.settings.server.max_waiting,
+                                              self.telemetry.tracing)
             except BaseException as exc:  # keep serving /health; /ready reports the failure
                 log.exception("model failed to load")
                 self.load_error = exc
@@ -106,9 +107,8 @@ class ServerState:
 
     async def stop(self) -> None:
         if self.engine_thread is not None:
-            core = getattr(self, "core", None)
-            if core is not None:
-                core.stopping = True
+            if self.core is not None:
+                self.core.stopping = True
             await asyncio.to_thread(self.engine_thread.join, 30)
             if self.engine is not None:
                 self.engine.close()

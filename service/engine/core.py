@@ -9,8 +9,6 @@ waiting queue full is rejected in the `Admitted` reply, and its front end answer
 
 import logging
 import os
-import signal
-import time
 
 import zmq
 
@@ -146,66 +144,3 @@ class EngineCore:
             return True
         except zmq.Again:
             return False
-
-
-def _tell(folder: str, num_frontends: int, msg) -> None:
-    """Send one message to every front end (the engine's loop never started)."""
-    with zmq.Context() as ctx:
-        for i in range(num_frontends):
-            sock = ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 2000)
-            sock.bind(messages.outbox(folder, i))
-            sock.send(messages.encode(msg))
-            sock.close()
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to kill this process when its parent (the supervisor) dies, as a container kill would."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def run_process(settings, folder: str, num_frontends: int, alive) -> None:
-    """The engine process: load the model, then serve the front ends until the supervisor's SIGTERM.
-
-    `alive` is the write end of a pipe that only this process holds: when it exits (or is killed), the front
-    ends read end-of-file on their ends and fail their requests at once.
-    """
-    _die_with_parent()
-    logging.basicConfig(level=settings.server.log_level.upper(),
-                        format="%(asctime)s %(levelname)s engine %(name)s: %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the supervisor leads
-    from service.engine.llm_engine import LLMEngine
-    from service.telemetry.hub import Telemetry
-
-    from service.engine.config import display_name
-
-    telemetry = Telemetry(settings.telemetry, settings.server.served_model_name or display_name(settings.engine.model),
-                          process="engine", folder=folder)
-    telemetry.start()
-    try:
-        engine = LLMEngine(settings.engine)
-    except BaseException as exc:
-        log.exception("model failed to load")
-        _tell(folder, num_frontends, Dead(f"model failed to load: {exc!r}"))
-        raise SystemExit(1)
-    telemetry.engine_loaded(engine)
-    core = EngineCore(engine, folder, num_frontends, settings.server.max_waiting, telemetry.tracing)
-    signal.signal(signal.SIGTERM, lambda *_: setattr(core, "stopping", True))
-    if engine.parallel is not None:
-        engine.parallel.on_failure = lambda reason: setattr(core, "failure", reason)
-    log.info("model %s ready on %s; serving %d front end(s)", engine.model_name, engine.device, num_frontends)
-    start = time.monotonic()
-    try:
-        core.run()
-    except BaseException:
-        log.exception("engine loop died after %.0f s", time.monotonic() - start)
-        raise SystemExit(1)
-    finally:
-        engine.close()
-        telemetry.shutdown()
-    del alive

@@ -16,7 +16,7 @@ from service.engine.model_runner import ModelRunner
 from service.engine.models import LoadedModel, load_model
 from service.engine.sampler import SampleResult
 from service.engine.results import RequestOutput, StepObserver, StepStats, Timings
-from service.engine.sampling import SamplingParams, check_request
+from service.engine.sampling import SamplingParams, check_request, tokenize
 from service.engine.scheduler import ScheduledBatch, Scheduler
 from service.engine.sequence import Sequence
 
@@ -98,11 +98,7 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer: send token ids", param="prompt")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        return list(prompt)
+        return tokenize(self.tokenizer, prompt)
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
                       request_id: str | None = None, arrival: float | None = None) -> Sequence:
@@ -149,7 +145,7 @@ class LLMEngine:
         self.scheduler.finish(seq, "abort")
         seq.timings.finished = time.perf_counter()
         out = self._output(seq, [], [])
-        self._observe([out], finished=[request_id])
+        self._observe([out], finished=[out])
         return out
 
     def has_unfinished(self) -> bool:
@@ -192,8 +188,7 @@ class LLMEngine:
                 log.exception("engine step failed; failing its %d requests", len(batch.seqs))
                 outputs = self._read_back(previous) if previous else []
                 failed = self._fail(batch)
-                self._observe(failed, finished=[self._request_id(out) for out in failed], batch=batch,
-                              error=type(exc).__name__)
+                self._observe(failed, finished=failed, batch=batch, error=type(exc).__name__)
                 return outputs + failed
         outputs = self._read_back(previous) if previous else []
         if launched is not None and self.overlap:
@@ -217,8 +212,7 @@ class LLMEngine:
         except Exception as exc:  # a device fault (or NaN logits) surfaces here, when the host waits for the step
             log.exception("engine step failed on the device; failing its %d requests", len(step.batch.seqs))
             failed = self._fail(step.batch)
-            self._observe(failed, finished=[self._request_id(out) for out in failed], batch=step.batch,
-                          error=type(exc).__name__)
+            self._observe(failed, finished=failed, batch=step.batch, error=type(exc).__name__)
             return failed
         now = time.perf_counter()
         outputs, first_tokens, finished = [], [], []
@@ -239,7 +233,7 @@ class LLMEngine:
             if first:
                 first_tokens.append(out)
             if reason:
-                finished.append(seq.request_id)
+                finished.append(out)
         end = time.perf_counter()
         # with overlap, a step's span starts where the previous one's read-back ended, so steps do not overlap
         duration = end - max(step.start, self._last_read_back)
@@ -247,20 +241,20 @@ class LLMEngine:
         self._observe(outputs, first_tokens, finished, step.batch, step.phase, duration)
         return outputs
 
-    def _observe(self, outputs: list, first_tokens: list = (), finished: list[str] = (),
+    def _observe(self, outputs: list, first_tokens: list = (), finished: list = (),
                  batch: ScheduledBatch | None = None, phase: str | None = None, duration: float = 0.0,
                  error: str | None = None) -> None:
         if self.observer is None:
             return
         ids = lambda seqs: [s.request_id for s in seqs]
-        blocks, done = self.blocks, set(finished)
+        blocks = self.blocks
         self.observer(StepStats(
             phase, batch.num_tokens if phase else 0, len(batch.seqs) if phase else 0, duration, outputs,
-            list(first_tokens), [out for out in outputs if self._request_id(out) in done] if done else [],
+            list(first_tokens), list(finished),
             ids(batch.admitted) if phase else [], ids(batch.preempted) if batch else [],
             self.num_running, self.num_waiting, blocks.usage,
             self.parallel.rank_seconds if self.parallel is not None else None, error,
-            finished_ids=tuple(finished),
+            finished_ids=tuple(self._request_id(out) for out in finished),
             kv_blocks_used=blocks.num_used_blocks, kv_blocks_total=blocks.num_usable_blocks))
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:

@@ -65,6 +65,15 @@ class SamplingParams:
             bad("logprobs", f"logprobs must be an integer between 0 and 20, got {self.logprobs!r}")
 
 
+def tokenize(tokenizer, prompt: str | list[int]) -> list[int]:
+    """A prompt's token ids: text through the tokenizer (no special tokens added), ids as they are."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: send token ids", param="prompt")
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    return list(prompt)
+
+
 def check_request(ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
                   has_tokenizer: bool) -> None:
     """Validate a tokenized request against the model (raises InvalidRequestError); fills in max_tokens when

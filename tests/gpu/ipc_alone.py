@@ -2,7 +2,7 @@
 
     python tests/gpu/ipc_alone.py --model random:llama-1b --requests 1024 --max-num-seqs 256 --rounds 3
 
-Starts the engine process exactly as `serve` does (service.engine.core.run_process), sends every request at
+Starts the engine process exactly as `serve` does (service.api.server.run_engine), sends every request at
 once (the engine runs --max-num-seqs of them at a time, as `bench offline` does), and counts output tokens
 from the first send to the last finish. Prints one JSON line per round, with the engine process's CPU share.
 """
@@ -38,9 +38,9 @@ def main() -> None:
     folder = messages.private_dir()
     ctx = mp.get_context("spawn")
     alive_r, alive_w = ctx.Pipe(duplex=False)
-    from service.engine.core import run_process
+    from service.api.server import run_engine
 
-    engine = ctx.Process(target=run_process, args=(settings, folder, 1, alive_w))
+    engine = ctx.Process(target=run_engine, args=(settings, folder, 1, alive_w))
     engine.start()
     z = zmq.Context()
     push, pull = z.socket(zmq.PUSH), z.socket(zmq.PULL)
