@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from service.bench.loadgen.workload.datasets import RandomWorkload
-from service.bench.loadgen.send.dispatch import LoadSpec, run_load
+from service.bench.loadgen.send.dispatch import LoadSpec, Stop, run_load
 from service.bench.loadgen.results.summary import summarize
 
 from tests.conftest import free_port, needs_tools, wait_until
@@ -135,24 +135,49 @@ def dead(pid: int) -> bool:
 
 
 class Load:
-    """The project's load generator in a thread: closed loop through HAProxy, for `seconds` or `requests`."""
+    """The project's load generator in a thread: closed loop through HAProxy, for `requests`, or until `stop()`.
 
-    def __init__(self, base_url: str, seconds: float | None = None, requests: int | None = None,
-                 concurrency: int = 6, output_len: int = 48):
-        self.spec = LoadSpec(base_url=base_url, model=MODEL, max_concurrency=concurrency, duration=seconds,
-                             num_requests=requests, ignore_eos=True, request_timeout=60)
+    A load the test stops runs on however long the machine takes to reach the moment under test: one of fixed
+    length may end before it on a busy machine (seen: a SIGKILL that found no request in flight, so none failed).
+    """
+
+    def __init__(self, base_url: str, requests: int | None = None, concurrency: int = 6, output_len: int = 48):
+        self.spec = LoadSpec(base_url=base_url, model=MODEL, max_concurrency=concurrency, num_requests=requests,
+                             duration=None if requests else 600, ignore_eos=True, request_timeout=60)  # 600: a bound
         self.workload = RandomWorkload(16, output_len, range_ratio=0.5, id_range=(5, 500))
         self.thread = threading.Thread(target=self._run)
+        self.done: list = []  # results as they end, and when each was sent (epoch s): appended from the load's thread
+        self.sent: dict[int, float] = {}
+        self.started = threading.Event()
 
     def _run(self):
-        self.run = asyncio.run(run_load(self.spec, self.workload.sample))
+        async def main():
+            self.loop, self.stopper = asyncio.get_running_loop(), (Stop() if self.spec.num_requests is None else None)
+            self.started.set()
+            return await run_load(self.spec, self.workload.sample, stop=self.stopper, on_done=self.done.append,
+                                  on_send=lambda r: self.sent.__setitem__(r.index, time.time()))
+        try:
+            self.run = asyncio.run(main())
+        finally:
+            self.started.set()  # a load that failed to start does not keep the test waiting
 
     def __enter__(self) -> "Load":
         self.thread.start()
+        self.started.wait(30)
         return self
 
+    def stop(self) -> None:
+        """Send nothing more; the requests in flight finish."""
+        self.loop.call_soon_threadsafe(self.stopper.drain)
+
     def __exit__(self, *exc):
+        if self.stopper is not None and self.thread.is_alive():
+            self.stop()
         self.thread.join(120)
+
+    def ended_after(self, t: float) -> list:
+        """The results of requests sent after `t` (epoch seconds) that have ended so far."""
+        return [r for r in list(self.done) if self.sent[r.index] > t]
 
     def summary(self) -> dict:
         return summarize(self.run.results, self.run.duration)
@@ -223,14 +248,19 @@ def test_load_through_haproxy_spreads_over_every_replica_and_all_of_it_succeeds(
 def test_every_dashboard_and_rule_query_returns_data_over_three_replicas(fleet):
     """Every PromQL expression of rules, dashboards and datasources, with the variables set to All and to one
     replica (alert conditions are false on a healthy fleet; no GPU here); the instance variable lists all three."""
+    one = re.escape(fleet.instances[1]).replace("\\", "\\\\")
+
     def recorded() -> bool:
         # a rate needs a counter that rose between two scrapes: a load that fell between two of them (a quick
-        # one on a quiet machine) left every rate at 0 and the ratio at 0/0; so one more request on each try
-        httpx.post(fleet.lb + "/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1},
-                   timeout=60)
-        return finite(query(fleet, "instance_model:llm_slo_availability_errors:ratio_rate5m"))
+        # one on a quiet machine; a labelled counter is born at its first request, so the scrape that first sees
+        # it sees no rise) left every rate at 0 and the ratio at 0/0; so one more request to each replica on each
+        # try, straight to it (through HAProxy one might miss the replica whose panels are checked alone)
+        for instance in fleet.instances:
+            httpx.post(f"http://{instance}/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1})
+        ratio = "instance_model:llm_slo_availability_errors:ratio_rate5m"
+        return finite(query(fleet, ratio)) and finite(query(fleet, f'{ratio}{{instance=~"{one}"}}'))
     wait_for("recorded rates", recorded, 60, fleet)
-    one = re.escape(fleet.instances[1]).replace("\\", "\\\\")
     checks = [(f"{instance}: {where}", expr, substitute(expr, instance, model))
               for instance, model in ((".*", ".*"), (one, MODEL)) for where, expr in promql_expressions()
               if instance == ".*" or "$instance" in expr]  # rules have no variables: once is enough
@@ -253,13 +283,15 @@ def test_every_dashboard_and_rule_query_returns_data_over_three_replicas(fleet):
 
 def test_sigterm_under_load_drains_the_replica_and_loses_nothing(fleet):
     victim, pid = "replica2", fleet.pids[2]
-    with Load(fleet.lb, seconds=10, output_len=24) as load:
+    with Load(fleet.lb, output_len=24) as load:
         wait_for("requests in flight on replica 2", lambda: fleet.running(2) >= 1, 60, fleet)
         t_term = time.time()
         os.kill(pid, signal.SIGTERM)
         down = wait_for("HAProxy to take replica 2 out",
                         lambda: fleet.servers()[victim]["status"].startswith("DOWN") and time.time(), 60, fleet)
         wait_for("replica 2 to exit", lambda: not os.path.exists(f"/proc/{pid}") and time.time(), 130, fleet)
+        exited = time.time()
+        wait_for("requests sent after it exited to end", lambda: len(load.ended_after(exited)) >= 6, 60, fleet)
     s = load.summary()
     assert s["requests.failed"] == 0 and s["requests.completed"] == s["requests.sent"], fleet.failures(load)
     log = fleet.requests_log()
@@ -282,7 +314,7 @@ def test_sigterm_under_load_drains_the_replica_and_loses_nothing(fleet):
 
 def test_sigkill_under_load_fails_only_its_in_flight_requests_and_fires_the_down_alert(fleet):
     victim, pid, instance = "replica3", fleet.pids[3], fleet.instances[2]
-    with Load(fleet.lb, seconds=8, output_len=24) as load:  # on past HAProxy's DOWN, however long that takes
+    with Load(fleet.lb, output_len=24) as load:  # on past HAProxy's DOWN, however long that takes
         wait_for("requests in flight on replica 3", lambda: fleet.running(3) >= 1, 60, fleet)
         notes_before = len(fleet.sink_log.read_text().splitlines())  # replicas still loading were down at the start
         t_kill = time.time()
@@ -290,6 +322,7 @@ def test_sigkill_under_load_fails_only_its_in_flight_requests_and_fires_the_down
         t_dead = wait_until(lambda: dead(pid) and time.time(), 10, "replica 3 to die", interval=0.005)
         down = wait_for("HAProxy to take replica 3 out",
                         lambda: fleet.servers()[victim]["status"].startswith("DOWN") and time.time(), 60, fleet)
+        wait_for("requests sent after it to end", lambda: len(load.ended_after(down)) >= 6, 60, fleet)
     s = load.summary()
     failed = [r for r in load.run.results if not r.ok]
     assert failed and {r.error for r in failed} <= {"connection_lost", "truncated_stream", "http_502"}, \
