@@ -192,7 +192,9 @@ def test_sigterm_drains_every_front_end_then_stops_the_engine_with_status_0():
     with Served("--api-servers", "2") as s:
         clients, streams = open_streams(s.url, 4, 200)
         s.proc.send_signal(signal.SIGTERM)
-        wait_until(lambda: "draining" in s.log(), 60, "the drain to begin")
+        wait_until(lambda: s.log().count("draining (up to") == 2, 60, "both front ends to begin their drain")
+        with pytest.raises(httpx.HTTPError):  # no longer admitting: refused, or 503
+            httpx.post(s.url + "/v1/completions", json=body(), timeout=30).raise_for_status()
         for (_, lines) in streams:
             events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
             assert events[-1]["choices"][0]["finish_reason"] == "length"  # every admitted request finishes
