@@ -138,6 +138,10 @@ def test_two_front_ends_one_metrics_truth_and_one_waiting_limit():
             {"engine", "api-0", "api-1"}
         assert re.search(r'^process_resident_memory_bytes\{model="random:tiny",process="engine"\}', text, re.M)
         assert sample(text, "llm_engine_step_seconds_count") > 0 and sample(text, "llm_kv_cache_blocks_used") == 0
+        # front ends do HTTP, JSON and text; torch is the engine's alone (it would cost each one ~2 s and ~200 MB)
+        for pid in s.frontend_pids:
+            with open(f"/proc/{pid}/maps") as maps:
+                assert "libtorch" not in maps.read(), f"front end {pid} loaded torch"
 
 
 def test_a_dead_front_end_has_its_requests_aborted_and_the_others_serve_on():

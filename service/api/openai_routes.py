@@ -11,7 +11,6 @@ from service.api.errors import bad_request, checked
 from service.api.schemas import ChatCompletionRequest, CompletionRequest
 from service.api.state import ServerState, collect, get_state
 from service.api.streaming import chat_logprobs, completion_logprobs, sse, usage
-from service.engine.quantization import describe
 
 router = APIRouter()
 
@@ -22,7 +21,7 @@ async def models(state: ServerState = Depends(get_state)):
     return {"object": "list", "data": [{
         "id": state.model_name, "object": "model", "created": 0, "owned_by": "llm-service",
         "max_model_len": state.info.max_model_len, "quantization": state.info.quantization,
-        "quantization_scheme": describe(state.info.quantization)}]}
+        "quantization_scheme": state.info.quantization_scheme}]}
 
 
 @router.post("/v1/completions")

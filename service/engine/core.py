@@ -42,10 +42,12 @@ class EngineCore:
         self.failure: str | None = None  # set from another thread (a lost tensor-parallel rank)
 
     def hello(self) -> Hello:
+        from service.engine.quantization import describe  # here: the supervisor imports this module, without torch
+
         e = self.engine
         return Hello(os.getpid(), e.model_name, e.max_model_len, e.vocab_size, sorted(e.eos_token_ids),
                      e.tokenizer_source if e.tokenizer is not None else None, e.quantization,
-                     str(e.runner.dtype).removeprefix("torch."), e.config.block_size, e.runner.num_blocks)
+                     describe(e.quantization), str(e.runner.dtype).removeprefix("torch."), e.config.block_size, e.runner.num_blocks)
 
     def run(self) -> None:
         """Serve until stopped and idle; on a failure, tell every front end (Dead) and raise."""

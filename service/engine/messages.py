@@ -41,6 +41,7 @@ class Hello(msgspec.Struct, array_like=True, tag="hello"):
     eos_token_ids: list[int]
     tokenizer: str | None  # a folder AutoTokenizer loads; None: token ids only (random weights)
     quantization: str
+    quantization_scheme: str  # what the mode stores and computes in (quantization.describe), for /v1/models
     dtype: str
     block_size: int
     num_blocks: int
