@@ -40,10 +40,13 @@ def test_server_delta_reads_the_catalog_names_and_only_this_models_series():
     m.prompt_tokens_m.inc(48)
     m.finish_m["length"].inc(2)
     m.finish_m["stop"].inc(1)
+    for gap in (0.01, 0.02, 0.03):
+        m.itl_m.observe(gap)
     after = _samples(generate_latest(m.registry).decode())
     d = crosscheck.server_delta(before, after, "mine")
     assert d.kind == "llm-service" and d.ttft_count == 3 and d.ttft_sum == pytest.approx(0.46)
     assert d.generation_tokens == 24 and d.prompt_tokens == 48 and d.requests == 3
+    assert d.itl_count == 3 and d.itl_sum == pytest.approx(0.06)
     assert d.ttft_buckets[0.05] == 1 and d.ttft_buckets[0.15] == 2 and d.ttft_buckets[math.inf] == 3
 
 
@@ -79,6 +82,22 @@ def test_compare_holds_client_and_server_to_the_stated_tolerances():
     assert not crosscheck.compare(slow, [1.055] * 3, 30, 24, 3)["ttft_ms.mean"]["agrees"]
 
 
+def test_the_mean_inter_token_gap_is_held_to_10_ms_or_5_percent_either_way():
+    # the server: 21 gaps, 0.42 s in all (20 ms each); the client times first to last token of each request
+    d = crosscheck.ServerDelta("llm-service", 0.3, 3, {0.1: 3, math.inf: 3}, 30, 24, 3, itl_sum=0.42, itl_count=21)
+    ttft = [0.1, 0.1, 0.1]
+    assert "itl_ms.mean" not in crosscheck.compare(d, ttft, 30, 24, 3)  # no client gaps: no row
+    for decode_s, agrees in ((0.42, True), (0.42 + 21 * 0.0099, True), (0.42 - 21 * 0.0099, True),
+                             (0.42 + 21 * 0.0101, False), (0.42 - 21 * 0.0101, False)):
+        row = crosscheck.compare(d, ttft, 30, 24, 3, decode=(decode_s, 21))["itl_ms.mean"]
+        assert row["server"] == pytest.approx(20.0) and row["agrees"] is agrees, (decode_s, row)
+    assert row["tolerance"] == "|client - server| <= 10.0 ms"
+    long = crosscheck.ServerDelta("llm-service", 0.3, 3, {0.1: 3, math.inf: 3}, 30, 24, 3, itl_sum=21 * 0.4,
+                                  itl_count=21)  # 400 ms a gap: 5% of it, 20 ms
+    assert crosscheck.compare(long, ttft, 30, 24, 3, decode=(21 * 0.419, 21))["itl_ms.mean"]["agrees"]
+    assert not crosscheck.compare(long, ttft, 30, 24, 3, decode=(21 * 0.421, 21))["itl_ms.mean"]["agrees"]
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model):
     with LiveServer(tiny_model, {"max_num_seqs": 32}) as s:
@@ -105,4 +124,5 @@ def test_client_ttft_and_tokens_agree_with_the_servers_metrics(server, monkeypat
     assert check["rows"]["input_tokens"]["server"] == s["input_tokens"]
     assert check["rows"]["first_tokens"]["server"] == check["rows"]["finished_requests"]["server"] == 8
     assert check["rows"]["ttft_ms.mean"]["server"] >= delay * 1e3
+    assert check["rows"]["itl_ms.mean"]["server"] > 0  # streamed: the mean gap is checked too
     assert all(row["agrees"] for row in check["rows"].values()), check["rows"]

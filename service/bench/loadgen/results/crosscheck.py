@@ -1,7 +1,9 @@
 """Cross-check the client's numbers against the server's own Prometheus metrics, scraped before and after a run.
 
-From the deltas: server TTFT mean (sum / count) and bucket-interpolated p50 / p95 next to the client's, and the
-server's token and request counters next to the client's `usage` sums. Client TTFT is a little larger than the
+From the deltas: server TTFT mean (sum / count) and bucket-interpolated p50 / p95 next to the client's, the mean
+gap between output tokens (the server's inter-token histogram, sum / count, next to the client's first-to-last
+token time over its gaps: chunks that carry several tokens count as they should), and the server's token and
+request counters next to the client's `usage` sums. Client TTFT is a little larger than the
 server's: it also holds the HTTP request's way in (up to the server's ASGI request start, where this service's clock
 starts) and the first chunk's way out. A server without these metrics gets a note, never an error.
 """
@@ -16,10 +18,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 # metric names per server kind; the first whose TTFT histogram the server exports is used
 NAME_SETS = {
-    "llm-service": {"ttft": "llm_time_to_first_token_seconds", "prompt": "llm_prompt_tokens_total",
+    "llm-service": {"ttft": "llm_time_to_first_token_seconds", "itl": "llm_time_per_output_token_seconds",
+                    "prompt": "llm_prompt_tokens_total",
                     "generation": "llm_generation_tokens_total", "requests": "llm_requests_total",
                     "model_label": "model"},
-    "vllm": {"ttft": "vllm:time_to_first_token_seconds", "prompt": "vllm:prompt_tokens_total",
+    "vllm": {"ttft": "vllm:time_to_first_token_seconds", "itl": "vllm:inter_token_latency_seconds",
+             "prompt": "vllm:prompt_tokens_total",
              "generation": "vllm:generation_tokens_total", "requests": "vllm:request_success_total",
              "model_label": "model_name"},
 }
@@ -31,6 +35,7 @@ NAME_SETS = {
 # CPU-starved host up to ~1.2% of the server's mean, so 10 ms or 5% leaves room for both.
 TTFT_OVERHEAD_S = 0.010
 TTFT_OVERHEAD_RATIO = 0.05
+# The mean inter-token gap may differ either way (the network may bunch or spread chunks), by the same bound.
 
 Samples = list[tuple[str, dict, float]]
 
@@ -110,6 +115,8 @@ class ServerDelta:
     prompt_tokens: float
     generation_tokens: float
     requests: float
+    itl_sum: float = 0.0  # the inter-token histogram's delta (0 when the server has none)
+    itl_count: float = 0.0
 
 
 def server_delta(before: Samples, after: Samples, model: str | None) -> ServerDelta | None:
@@ -121,12 +128,15 @@ def server_delta(before: Samples, after: Samples, model: str | None) -> ServerDe
             b0, b1 = _buckets(before, names["ttft"], label, model), _buckets(after, names["ttft"], label, model)
             return ServerDelta(kind, d(names["ttft"] + "_sum"), d(names["ttft"] + "_count"),
                                {le: c - b0.get(le, 0.0) for le, c in b1.items()}, d(names["prompt"]),
-                               d(names["generation"]), d(names["requests"]))
+                               d(names["generation"]), d(names["requests"]), d(names["itl"] + "_sum"),
+                               d(names["itl"] + "_count"))
     return None
 
 
-def compare(delta: ServerDelta, ttft_s: list[float], prompt_tokens: int, output_tokens: int, completed: int) -> dict:
-    """Client next to server, with the tolerance each pair is held to and whether it holds."""
+def compare(delta: ServerDelta, ttft_s: list[float], prompt_tokens: int, output_tokens: int, completed: int,
+            decode: tuple[float, int] | None = None) -> dict:
+    """Client next to server, with the tolerance each pair is held to and whether it holds. `decode`: the client's
+    first-to-last token seconds summed over its requests, and their gaps (output tokens - 1, summed)."""
     rows = {}
 
     def exact(name, client, server):
@@ -151,6 +161,12 @@ def compare(delta: ServerDelta, ttft_s: list[float], prompt_tokens: int, output_
                 "client": client_q * 1e3, "server": server_q * 1e3,
                 "tolerance": f"client in the server's bucket ({lower * 1e3:g}, {upper * 1e3:g}] ms + {slack * 1e3:.1f} ms",
                 "agrees": lower <= client_q <= upper + slack}
+    if delta.itl_count > 0 and decode and decode[1] > 0:
+        server_mean, client_mean = delta.itl_sum / delta.itl_count, decode[0] / decode[1]
+        slack = max(TTFT_OVERHEAD_S, TTFT_OVERHEAD_RATIO * server_mean)
+        rows["itl_ms.mean"] = {"client": client_mean * 1e3, "server": server_mean * 1e3,
+                               "tolerance": f"|client - server| <= {slack * 1e3:.1f} ms",
+                               "agrees": abs(client_mean - server_mean) <= slack}
     return rows
 
 
@@ -171,8 +187,10 @@ def check_run(base_url: str, api_key: str | None, model: str, before: Samples | 
     if delta is None:
         return {"note": "the server's /metrics holds none of the known TTFT histograms "
                         f"({', '.join(n['ttft'] for n in NAME_SETS.values())}); client numbers only"}
+    streamed = [r for r in ok if len(r.chunk_times) > 1 and (r.output_tokens or 0) > 1]
+    decode = (sum(r.chunk_times[-1] - r.chunk_times[0] for r in streamed), sum(r.output_tokens - 1 for r in streamed))
     rows = compare(delta, [r.ttft for r in ok], sum(r.prompt_tokens or 0 for r in ok),
-                   sum(r.output_tokens or 0 for r in ok), len(ok))
+                   sum(r.output_tokens or 0 for r in ok), len(ok), decode)
     return {"kind": delta.kind, "rows": rows,
             "note": "counts are exact only when this run was the server's only traffic; client TTFT includes "
                     "the HTTP round trip the server does not see"}
