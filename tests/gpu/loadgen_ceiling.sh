@@ -43,7 +43,7 @@ if [ "$phase" != mock ]; then
   for run in 1 2; do
     echo "== bench serve, run $run"
     python3 -m service bench serve --url http://127.0.0.1:8000 --model $M --max-concurrency 256 \
-      --num-requests 8192 --input-len 128 --output-len 128 --random-token-range 100:30000 --workers 4 \
+      --num-requests 8192 --input-len 128 --output-len 128 --random-token-range 100:30000 --workers ${GEN_WORKERS:-8} \
       --progress off --json $OUT/serve-$run.json 2>&1 | quiet | tail -45
     if [ $run = 1 ]; then
       echo "== independent client (aiohttp, 8 processes)"
