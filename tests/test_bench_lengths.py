@@ -56,3 +56,14 @@ def test_bench_offline_rejects_a_bad_length_as_a_usage_error(capsys):
         offline.main(["--input-len", "uniform:9-2"])
     assert exited.value.code == 2
     assert "LOW <= HIGH, got 'uniform:9-2'" in capsys.readouterr().err
+
+
+def test_telemetry_overhead_is_the_median_of_paired_ratios(tiny_model, monkeypatch):
+    """Each 'on' run is held against the 'off' run just before it; the median of those ratios, and their range."""
+    from tests.conftest import make_engine
+
+    seconds = iter([1.0, 1.5, 2.0, 2.0, 1.0, 1.1])  # off, on, off, on, off, on: ratios 1.5, 1.0, 1.1
+    monkeypatch.setattr(offline, "run_engine", lambda *a: {"seconds": next(seconds)})
+    off, on = offline.telemetry_overhead(make_engine(tiny_model), [[1, 2]], [4], repeats=3)
+    assert (off["runs"], on["runs"]) == ([1.0, 2.0, 1.0], [1.5, 2.0, 1.1])
+    assert on["pair_ratio_median"] == pytest.approx(1.1) and on["pair_ratio_range"] == pytest.approx([1.0, 1.5])

@@ -91,8 +91,12 @@ def telemetry_overhead(engine: LLMEngine, prompts: list[list[int]], output_lens:
              "output_tokens": sum(output_lens), "seconds": sorted(runs[label])[repeats // 2],
              "runs": runs[label]} for label in ("off", "on")]
     rows[1]["observer_share"] = share = inside[0] / sum(runs["on"])
-    overhead = rows[1]["seconds"] / rows[0]["seconds"] - 1
-    print(f"telemetry: median run {overhead:+.1%} slower; time inside the observer {share:.2%} of engine time "
+    # each pair ran back to back: the median of the pairs' ratios cancels drift that medians of runs keep
+    ratios = sorted(on / off for off, on in zip(runs["off"], runs["on"]))
+    rows[1]["pair_ratio_median"] = median = ratios[repeats // 2]
+    rows[1]["pair_ratio_range"] = [ratios[0], ratios[-1]]
+    print(f"telemetry: {median - 1:+.2%} slower (median of {repeats} paired ratios, from {ratios[0] - 1:+.2%} to "
+          f"{ratios[-1] - 1:+.2%}); time inside the observer {share:.2%} of engine time "
           f"(runs off {[round(x, 3) for x in runs['off']]}, on {[round(x, 3) for x in runs['on']]})", flush=True)
     return rows
 
