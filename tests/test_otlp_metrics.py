@@ -3,6 +3,7 @@ the GenAI server instruments from every process, in exact agreement with the Pro
 down, hanging or failing collector never touches."""
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -135,28 +136,29 @@ def test_the_standard_variables_configure_grpc_delta_headers_and_resource(tiny_m
     assert {p.name for p in receiver.points} >= {TTFT, TPOT, DURATION, TOKENS, STEP, "llm.engine.kv_cache.usage"}
 
 
+def scrape(s: LiveServer) -> str:
+    return httpx.get(s.url + "/metrics", timeout=30).text
+
+
 def test_an_outage_is_logged_once_and_cumulative_totals_survive_it(tiny_model, caplog):
     receiver = Receiver("http/protobuf")  # its port is chosen, nothing listens yet: the collector is down
     telemetry = {"otlp_metrics": True, "otlp_metrics_endpoint": receiver.endpoint + "/v1/metrics",
                  "otlp_metrics_interval": 0.2, "otlp_metrics_timeout": 1.0}
     caplog.set_level(logging.INFO, logger="service.telemetry.otlp")
-    with LiveServer(tiny_model, telemetry=telemetry) as s:
-        assert all(r.status_code == 200 for r in post_all(s.url, completions(6, 3)))
-        wait_until(lambda: sample(s_metrics(s), "llm_otlp_metric_export_failures_total", process="api-0") >= 3, 60,
-                   "three failed exports")
-        with receiver:  # the collector comes up: the next export carries every total since the start
+    with contextlib.ExitStack() as up:  # the collector, once up, stays up until the server has stopped
+        with LiveServer(tiny_model, telemetry=telemetry) as s:
+            assert all(r.status_code == 200 for r in post_all(s.url, completions(6, 3)))
+            wait_until(lambda: sample(scrape(s), "llm_otlp_metric_export_failures_total", process="api-0") >= 3,
+                       60, "three failed exports")
+            up.enter_context(receiver)  # the next export carries every total since the start
             points = receiver.wait_for_metrics(lambda pts: total(pts, DURATION) == 6)
             wait_until(lambda: any("work again" in r.getMessage() for r in caplog.records), 30, "the recovery line")
-        text = s_metrics(s)
+            text = scrape(s)
     assert total(points, DURATION, "sum") == sample(text, "llm_request_duration_seconds_sum")
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "service.telemetry.otlp"]
     assert len(warnings) == 1 and "export to" in warnings[0].getMessage()
     assert not [r for r in caplog.records if r.name.startswith("opentelemetry.exporter")]
     assert sample(text, "llm_otlp_metric_points_dropped_total", process="api-0") > 0
-
-
-def s_metrics(s: LiveServer) -> str:
-    return httpx.get(s.url + "/metrics", timeout=30).text
 
 
 @pytest.mark.parametrize("collector", ["refusing", "hanging", "erroring"])
@@ -169,7 +171,7 @@ def test_serving_goes_on_when_the_metrics_collector_is_down_hangs_or_fails(tiny_
         s = LiveServer(tiny_model, telemetry=telemetry)
         with s:
             answers = post_all(s.url, completions(40, 8))
-            wait_until(lambda: sample(s_metrics(s), "llm_otlp_metric_export_failures_total") >= 2, 60,
+            wait_until(lambda: sample(scrape(s), "llm_otlp_metric_export_failures_total") >= 2, 60,
                        "two failed exports")
             started = time.monotonic()
         stopped_in = time.monotonic() - started

@@ -17,7 +17,7 @@ from service.engine import StepObserver, StepStats
 from service.settings import TelemetrySettings
 from service.telemetry import gather, otlp
 from service.telemetry.gpu import GPUSampler
-from service.telemetry.metrics import Metrics, OTLPMetrics
+from service.telemetry.metrics import Metrics
 from service.telemetry.recorder import EngineRecorder, RequestRecorder
 from service.telemetry.tracing import Tracing, make_provider
 
@@ -32,14 +32,13 @@ class Telemetry:
         self.metrics = Metrics(model)
         self.tracing = Tracing(make_provider(settings.trace_sample_ratio, process), settings.trace_engine_steps,
                                settings.trace_text)
-        self.meter_provider, instruments = None, None
+        self.meter_provider, self.otlp = None, None  # with --otlp-metrics: the SDK's provider, the instruments
         if settings.otlp_metrics and settings.metrics:
-            self.meter_provider, instruments = otlp.start(settings, self.metrics,
-                                                          resource or otlp.make_resource(process, model))
-        self.otlp: OTLPMetrics | None = instruments
+            self.meter_provider, self.otlp = otlp.start(settings, self.metrics,
+                                                        resource or otlp.make_resource(process, model))
         exemplars = {"trace_id": self.tracing.trace_id} if self.tracing.enabled else {}
-        self.requests = RequestRecorder(self.metrics, otlp=instruments, **exemplars) if settings.metrics else None
-        self.recorder = EngineRecorder(self.metrics, instruments) if settings.metrics else None
+        self.requests = RequestRecorder(self.metrics, otlp=self.otlp, **exemplars) if settings.metrics else None
+        self.recorder = EngineRecorder(self.metrics, self.otlp) if settings.metrics else None
         # what the engine calls after each step; None when nothing is recorded (no cost at all)
         self.observer: StepObserver | None = self._observe_both if self.recorder and self.tracing.trace_steps \
             else self.recorder or (self.tracing.step if self.tracing.enabled else None)
@@ -60,15 +59,13 @@ class Telemetry:
         engine.observer = self.observer
         self.metrics.threads.set_function(threading.active_count)
         if self.otlp is not None:
-            recorder = self.recorder
-            self.otlp.observe_engine(lambda: recorder.state)
+            self.otlp.observe_engine(lambda: self.recorder.state)
 
     def start(self) -> None:
         if self.settings.gpu_sample_interval > 0:
             self.gpu = GPUSampler(self.metrics.registry, self.settings.gpu_sample_interval).start()
             if self.otlp is not None and self.gpu.enabled:
-                gpu = self.gpu
-                self.otlp.observe_gpus(lambda: gpu.last)
+                self.otlp.observe_gpus(lambda: self.gpu.last)
 
     def watch_runtime(self, client_backlog=lambda: 0) -> None:
         """Per-process gauges of a front end: threads, tasks, IPC backlog, event-loop lag (call on its loop)."""
