@@ -126,7 +126,8 @@ def shutdown(provider) -> None:
 
 class _Quiet(logging.Filter):
     """Keeps the SDK exporter's lines out of the log while a watched export runs on this thread (the watch logs
-    once per outage instead); remembers the last one as the outage's reason."""
+    once per outage instead); remembers the first one as the reason (it names the error; later ones say the
+    retries ran out)."""
 
     def __init__(self):
         super().__init__()
@@ -134,7 +135,7 @@ class _Quiet(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(self.local, "on", False):
-            self.local.reason = record.getMessage()
+            self.local.reason = self.local.reason or record.getMessage()
             return False
         return True
 
