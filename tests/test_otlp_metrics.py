@@ -9,10 +9,13 @@ import time
 
 import httpx
 import pytest
+import torch
+from prometheus_client import CollectorRegistry
 
 from service.settings import parse
 from service.telemetry import otlp
-from service.telemetry.metrics import GENAI_DURATION_BUCKETS, GENAI_TPOT_BUCKETS, GENAI_TTFT_BUCKETS
+from service.telemetry.gpu import GPUSampler
+from service.telemetry.metrics import GENAI_DURATION_BUCKETS, GENAI_TPOT_BUCKETS, GENAI_TTFT_BUCKETS, OTLPMetrics
 from tests.conftest import LiveServer, free_port, wait_until
 from tests.otlp import ErroringCollector, HangingCollector, Receiver, latest
 from tests.test_processes import Served, sample
@@ -189,3 +192,27 @@ def test_an_unknown_protocol_or_temporality_is_refused_at_start():
         with pytest.raises(SystemExit) as exit_:
             parse([flag, value])
         assert exit_.value.code == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (run on the GPU machine)")
+def test_gpu_readings_are_pushed_under_the_hw_names_with_the_scraped_values():
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    registry, reader = CollectorRegistry(), InMemoryMetricReader()
+    sampler = GPUSampler(registry, interval=3600)  # one reading, taken as it starts
+    try:
+        instruments = OTLPMetrics(MeterProvider([reader]).get_meter("test"), MODEL)
+        instruments.observe_gpus(lambda: sampler.last)
+        pushed = {(m.name, dp.attributes["hw.id"]): dp.value for rm in reader.get_metrics_data().resource_metrics
+                  for sm in rm.scope_metrics for m in sm.metrics for dp in m.data.data_points}
+        assert sampler.gpus
+        for index, _ in sampler.gpus:
+            scraped = lambda name: registry.get_sample_value(name, {"gpu": index})
+            assert pushed[("hw.gpu.utilization", index)] == scraped("llm_gpu_utilization_ratio")
+            assert pushed[("hw.gpu.memory.usage", index)] == scraped("llm_gpu_memory_used_bytes") > 0
+            assert pushed[("hw.gpu.memory.limit", index)] == scraped("llm_gpu_memory_total_bytes") > 0
+            if scraped("llm_gpu_power_watts") is not None:  # some boards do not report power
+                assert pushed[("hw.power", index)] == scraped("llm_gpu_power_watts")
+    finally:
+        sampler.stop()
