@@ -10,8 +10,8 @@ instruments of `OTLPMetrics` (service.telemetry.otlp), fed by the same recorders
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from opentelemetry.metrics import Meter, Observation
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
 
 disable_created_metrics()  # `*_created` series add nothing the dashboards use
