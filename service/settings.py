@@ -37,13 +37,28 @@ class ServerSettings:
 
 @dataclasses.dataclass
 class TelemetrySettings:
-    """Metrics are always served at /metrics; traces go out over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set."""
+    """Metrics are always served at /metrics, and pushed over OTLP with --otlp-metrics; traces go out over OTLP
+    when OTEL_EXPORTER_OTLP_ENDPOINT is set."""
 
     metrics: bool = True  # record request and engine metrics (off: /metrics has process metrics only)
     trace_sample_ratio: float = 1.0  # share of new traces kept; a sampled incoming traceparent is always kept
     trace_engine_steps: bool = True  # a span for each step that changes the batch, linked to those requests
     trace_text: bool = False  # put prompt and output text in request spans
     gpu_sample_interval: float = 5.0  # seconds between NVML readings; 0: no GPU metrics
+    otlp_metrics: bool = False  # also push metrics over OTLP from every process: the GenAI server instruments
+    # and the engine's state (docs/telemetry.md); each option below left unset reads its standard OTEL_* variable
+    otlp_metrics_endpoint: str | None = None  # OTEL_EXPORTER_OTLP_METRICS_ENDPOINT (over HTTP the full URL, e.g.
+    # http://prometheus:9090/api/v1/otlp/v1/metrics); else OTEL_EXPORTER_OTLP_ENDPOINT (+ /v1/metrics over HTTP)
+    otlp_metrics_protocol: str | None = None  # http/protobuf or grpc; OTEL_EXPORTER_OTLP_METRICS_PROTOCOL, else
+    # OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf
+    otlp_metrics_headers: str | None = None  # "key=value,..." sent with each export (a backend's API key);
+    # OTEL_EXPORTER_OTLP_METRICS_HEADERS, else OTEL_EXPORTER_OTLP_HEADERS
+    otlp_metrics_interval: float | None = None  # seconds between exports; OTEL_METRIC_EXPORT_INTERVAL (in ms),
+    # else 60
+    otlp_metrics_timeout: float | None = None  # seconds one export may take; OTEL_EXPORTER_OTLP_METRICS_TIMEOUT
+    # (seconds, as the Python SDK reads it), else OTEL_EXPORTER_OTLP_TIMEOUT, else 10
+    otlp_metrics_temporality: str | None = None  # cumulative (what Prometheus takes), delta or lowmemory;
+    # OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE, else cumulative
 
 
 @dataclasses.dataclass
@@ -95,8 +110,10 @@ def parse(argv: list[str] | None = None, prog: str = "service serve") -> Setting
     add_arguments(parser)
     settings = from_namespace(parser.parse_args(argv))
     from service.engine.quantization import check_config
+    from service.telemetry.otlp import check_settings
     try:
         check_config(settings.engine)
+        check_settings(settings.telemetry)
     except ValueError as exc:  # refused at start, in one line, before the model loads
         parser.exit(2, f"{prog}: error: {exc}\n")
     return settings

@@ -1,4 +1,5 @@
-"""Real OTLP trace receivers for tests: HTTP/protobuf and gRPC, decoding ExportTraceServiceRequest."""
+"""Real OTLP receivers for tests: HTTP/protobuf and gRPC, decoding ExportTraceServiceRequest and
+ExportMetricsServiceRequest."""
 
 import socket
 import threading
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from tests.conftest import free_port
@@ -53,20 +55,81 @@ def decode(request: trace_service_pb2.ExportTraceServiceRequest) -> list[Span]:
     return spans
 
 
+@dataclass
+class Point:
+    """One data point of an exported metric: a histogram's count, sum and buckets, or a sum's or gauge's value."""
+    resource: dict
+    name: str
+    kind: str  # histogram, sum, gauge
+    unit: str
+    attributes: dict
+    time_ns: int
+    value: float | None = None
+    count: int | None = None
+    sum: float | None = None
+    bounds: tuple = ()
+    bucket_counts: tuple = ()
+    temporality: int = 0  # AggregationTemporality: 1 delta, 2 cumulative (0 for gauges)
+    monotonic: bool = False
+
+
+def decode_metrics(request: metrics_service_pb2.ExportMetricsServiceRequest) -> list[Point]:
+    points = []
+    for rm in request.resource_metrics:
+        resource = _attributes(rm.resource.attributes)
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                kind = m.WhichOneof("data")
+                data = getattr(m, kind)
+                for dp in data.data_points:
+                    point = Point(resource, m.name, kind, m.unit, _attributes(dp.attributes), dp.time_unix_nano,
+                                  temporality=getattr(data, "aggregation_temporality", 0),
+                                  monotonic=getattr(data, "is_monotonic", False))
+                    if kind == "histogram":
+                        point.count, point.sum = dp.count, dp.sum
+                        point.bounds, point.bucket_counts = tuple(dp.explicit_bounds), tuple(dp.bucket_counts)
+                    else:
+                        point.value = getattr(dp, dp.WhichOneof("value"))
+                    points.append(point)
+    return points
+
+
+def _hashable(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+def latest(points: list[Point]) -> dict[tuple, Point]:
+    """The newest point of each series: (service.instance.id, metric name, attributes) -> point."""
+    out: dict[tuple, Point] = {}
+    for p in sorted(points, key=lambda p: p.time_ns):
+        key = (p.resource.get("service.instance.id"), p.name,
+               tuple(sorted((k, _hashable(v)) for k, v in p.attributes.items())))
+        out[key] = p
+    return out
+
+
 class Receiver:
-    """Collects every span exported to it; `protocol` is 'http/protobuf' or 'grpc'."""
+    """Collects every span and every metric data point exported to it; `protocol` is 'http/protobuf' or 'grpc'."""
 
     def __init__(self, protocol: str):
         self.protocol = protocol
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.spans: list[Span] = []
+        self.points: list[Point] = []
+        self.headers: dict[str, str] = {}  # of the last metrics export (HTTP headers or gRPC metadata)
         self._lock = threading.Lock()
 
     def _add(self, raw: bytes) -> None:
         spans = decode(trace_service_pb2.ExportTraceServiceRequest.FromString(raw))
         with self._lock:
             self.spans.extend(spans)
+
+    def _add_metrics(self, raw: bytes, headers) -> None:
+        points = decode_metrics(metrics_service_pb2.ExportMetricsServiceRequest.FromString(raw))
+        with self._lock:
+            self.points.extend(points)
+            self.headers = {k.lower(): v for k, v in headers}
 
     def __enter__(self) -> "Receiver":
         if self.protocol == "grpc":
@@ -77,8 +140,14 @@ class Receiver:
                     receiver._add(request.SerializeToString())
                     return trace_service_pb2.ExportTraceServiceResponse()
 
+            class MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
+                def Export(self, request, context):
+                    receiver._add_metrics(request.SerializeToString(), context.invocation_metadata())
+                    return metrics_service_pb2.ExportMetricsServiceResponse()
+
             self._server = grpc.server(futures.ThreadPoolExecutor(4))
             trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), self._server)
+            metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(MetricsService(), self._server)
             self._server.add_insecure_port(f"127.0.0.1:{self.port}")
             self._server.start()
         else:
@@ -87,9 +156,13 @@ class Receiver:
             class Handler(BaseHTTPRequestHandler):
                 def do_POST(self):
                     body = self.rfile.read(int(self.headers["Content-Length"]))
-                    assert self.path == "/v1/traces", self.path
-                    receiver._add(body)
-                    reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+                    if self.path == "/v1/metrics":
+                        receiver._add_metrics(body, self.headers.items())
+                        reply = metrics_service_pb2.ExportMetricsServiceResponse().SerializeToString()
+                    else:
+                        assert self.path == "/v1/traces", self.path
+                        receiver._add(body)
+                        reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
                     self.send_response(200)
                     self.send_header("Content-Type", "application/x-protobuf")
                     self.send_header("Content-Length", str(len(reply)))
@@ -120,6 +193,17 @@ class Receiver:
                 return spans
             time.sleep(0.05)
         raise AssertionError(f"spans never matched; got {[s.name for s in spans]}")
+
+    def wait_for_metrics(self, predicate, timeout: float = 60.0) -> dict[tuple, Point]:
+        """Poll until predicate(latest points) is true; return them."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                now = latest(self.points)
+            if predicate(now):
+                return now
+            time.sleep(0.05)
+        raise AssertionError(f"metrics never matched; got {sorted({(k[0], k[1]) for k in now})}")
 
 
 class HangingCollector:

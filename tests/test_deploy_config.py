@@ -216,6 +216,20 @@ def test_service_exports_traces_to_the_tempo_receiver_that_listens_on_that_port_
 
 
 @needs_tools("docker-compose")
+def test_service_pushes_otlp_metrics_to_prometheus_whose_otlp_receiver_is_on():
+    config = compose_config(COMPOSE)
+    env = config["services"]["service"]["environment"]
+    assert env["LLM_OTLP_METRICS"] == "true"
+    endpoint = re.fullmatch(r"http://(\w[\w-]*):(\d+)(/.*)", env["OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"])
+    assert endpoint and endpoint.group(1) == "prometheus" and endpoint.group(3) == "/api/v1/otlp/v1/metrics"
+    assert endpoint.group(2) == "9090"  # the port Prometheus listens on in its container
+    assert "--enable-feature=otlp-write-receiver" in config["services"]["prometheus"]["command"]
+    # the receiver takes OTLP/HTTP with cumulative temporality only
+    assert env["OTEL_EXPORTER_OTLP_METRICS_PROTOCOL"] == "http/protobuf"
+    assert env["OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE"] == "cumulative"
+
+
+@needs_tools("docker-compose")
 def test_grafana_provisioning_paths_match_the_mounted_volumes():
     grafana = compose_config(COMPOSE)["services"]["grafana"]
     bind = mounts(grafana)
@@ -364,7 +378,10 @@ def test_dashboards_have_fixed_uids_instance_and_model_variables_and_exemplars_o
             g = p["gridPos"]
             assert g["x"] + g["w"] <= 24, (name, p["title"])
             for t in p.get("targets", []):
-                if "expr" in t and "llm:" not in t["expr"] and "llm_gpu_" not in t["expr"] \
+                # pushed GenAI series have no scrape instance (theirs is service.instance.id): $model only
+                if "gen_ai_" in t.get("expr", ""):
+                    assert "$model" in t["expr"], (name, p["title"], t["expr"])
+                elif "expr" in t and "llm:" not in t["expr"] and "llm_gpu_" not in t["expr"] \
                         and "ALERTS" not in t["expr"]:
                     assert "$instance" in t["expr"] and "$model" in t["expr"], (name, p["title"], t["expr"])
     overview = {p["title"]: p for p in panels(dashes["llm-overview.json"])}

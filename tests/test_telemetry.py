@@ -37,7 +37,8 @@ CATALOG = {
     "llm_batch_tokens": "histogram", "llm_tensor_parallel_forward_seconds": "counter", "llm_model_info": "gauge",
     "llm_engine_step_failures": "counter", "llm_kv_cache_blocks_used": "gauge",
     "llm_process_threads": "gauge", "llm_asyncio_tasks": "gauge", "llm_event_loop_lag_seconds": "gauge",
-    "llm_ipc_backlog": "gauge",
+    "llm_ipc_backlog": "gauge", "llm_otlp_metric_export_failures": "counter",
+    "llm_otlp_metric_points_dropped": "counter",
 }
 GPU_GAUGES = ["llm_gpu_utilization_ratio", "llm_gpu_memory_used_bytes", "llm_gpu_memory_total_bytes",
               "llm_gpu_power_watts", "llm_gpu_temperature_celsius", "llm_gpu_sm_clock_hertz"]

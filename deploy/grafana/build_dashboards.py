@@ -229,6 +229,18 @@ def overview() -> dict:
                            f"rate5m{{{SEL}}}))", p) for p in ("queue", "prefill", "decode", "frontend")], "s", w=12),
         timeseries("Queue time", "From arrival to first scheduling: above a few ms the server is saturated.",
                    quantiles("llm_request_queue_seconds"), "s", w=12),
+        timeseries("TTFT p95: scraped and pushed (GenAI)", "The same first tokens, measured once, seen two ways: "
+                   "llm_time_to_first_token_seconds scraped from /metrics, and gen_ai.server.time_to_first_token "
+                   "pushed over OTLP (--otlp-metrics; Prometheus's OTLP receiver names it "
+                   "gen_ai_server_time_to_first_token_seconds). Their counts and sums agree exactly; the p95s differ "
+                   "within a bucket, as the GenAI histogram has the semantic conventions' own buckets. The pushed "
+                   "series follow the model variable only: their instance is the process (docs/telemetry.md).",
+                   [target(f"histogram_quantile(0.95, sum by (le) (instance_model:llm_time_to_first_token_seconds_"
+                           f"bucket:rate5m{{{SEL}}}))", "llm_time_to_first_token_seconds (scraped)"),
+                    target('histogram_quantile(0.95, sum by (le) (rate(gen_ai_server_time_to_first_token_seconds_'
+                           'bucket{gen_ai_request_model=~"$model"}[5m])))',
+                           "gen_ai.server.time_to_first_token (OTLP)")],
+                   "s", w=24, h=7),
 
         row("Engine"),
         timeseries("KV cache usage", "Share of KV cache blocks held by requests, per instance. Near full, "

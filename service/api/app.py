@@ -14,6 +14,7 @@ from service.api.state import ServerState
 from service.engine.config import display_name
 from service.settings import Settings
 from service.telemetry.hub import Telemetry
+from service.telemetry.otlp import server_resource
 
 
 def create_app(settings: Settings | None = None, engine: "LLMEngine | None" = None, folder: str | None = None,
@@ -25,7 +26,9 @@ def create_app(settings: Settings | None = None, engine: "LLMEngine | None" = No
     settings = settings or Settings()
     model = settings.server.served_model_name or (engine.model_name if engine else display_name(settings.engine.model))
     process = f"api-{frontend}"
-    telemetry = Telemetry(settings.telemetry, model, process, folder, tuple(p for p in processes if p != process))
+    resource = server_resource(settings, process, model) if settings.telemetry.otlp_metrics else None
+    telemetry = Telemetry(settings.telemetry, model, process, folder, tuple(p for p in processes if p != process),
+                          resource)
     state = ServerState(settings, telemetry, frontend)
 
     @asynccontextmanager

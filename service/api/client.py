@@ -42,9 +42,10 @@ class RequestStream:
     """One request's state in the front end, read as an async iterator of merged RequestOutputs."""
 
     def __init__(self, client: "EngineClient", request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 arrival: float, streaming: bool):
+                 arrival: float, streaming: bool, operation: str = "generate"):
         self.client, self.request_id, self.prompt_ids, self.params = client, request_id, prompt_ids, params
         self.streaming = streaming
+        self.operation = operation  # chat, text_completion or generate (gen_ai.operation.name)
         self.timings = Timings(arrival=arrival)
         self.token_ids: list[int] = []
         self.logprobs: list = []
@@ -252,7 +253,7 @@ class EngineClient:
         return tokenize(self.tokenizer, prompt)
 
     async def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str, arrival: float,
-                     streaming: bool, traceparent: str | None = None) -> RequestStream:
+                     streaming: bool, traceparent: str | None = None, operation: str = "generate") -> RequestStream:
         """Validate (InvalidRequestError), send, and wait for the engine to admit it (503 when it does not)."""
         if self.error is not None:
             raise EngineDeadError(str(self.error))
@@ -261,7 +262,7 @@ class EngineClient:
         check_request(ids, params, info.max_model_len, info.vocab_size, self.tokenizer is not None)
         if request_id in self.requests or request_id in self.pending:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        stream = RequestStream(self, request_id, ids, params, arrival, streaming)
+        stream = RequestStream(self, request_id, ids, params, arrival, streaming, operation)
         admitted = asyncio.get_running_loop().create_future()
         # known before it is sent: its first step's message may be read before this coroutine resumes
         self.pending[request_id], self.requests[request_id] = admitted, stream
@@ -332,6 +333,7 @@ class EngineClient:
         now = time.perf_counter()
         requests, recorder = self.requests, self.recorder
         gaps: list[float] = []
+        tokens = 0
         for row in msg.rows:
             stream = requests.get(row[0])
             if stream is None:
@@ -344,6 +346,8 @@ class EngineClient:
                     recorder.first_token(stream)
                 else:
                     gaps.append(now - previous)
-                recorder.tokens(kept)
-        if recorder is not None and gaps:
-            recorder.gaps(Counter(gaps))
+                tokens += kept
+        if recorder is not None and tokens:
+            recorder.tokens(tokens)
+            if gaps:
+                recorder.gaps(Counter(gaps))

@@ -83,9 +83,11 @@ def run_engine(settings: Settings, folder: str, num_frontends: int, alive) -> No
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the supervisor leads
     from service.engine.llm_engine import LLMEngine
     from service.telemetry.hub import Telemetry
+    from service.telemetry.otlp import server_resource
 
-    telemetry = Telemetry(settings.telemetry, settings.server.served_model_name or display_name(settings.engine.model),
-                          process="engine", folder=folder)
+    model = settings.server.served_model_name or display_name(settings.engine.model)
+    resource = server_resource(settings, "engine", model) if settings.telemetry.otlp_metrics else None
+    telemetry = Telemetry(settings.telemetry, model, process="engine", folder=folder, resource=resource)
     telemetry.start()
     try:
         engine = LLMEngine(settings.engine)

@@ -141,7 +141,7 @@ class ServerState:
             if tracing.enabled else None
         try:
             stream: RequestStream = await self.client.submit(
-                prompt, params, request_id, arrival, streaming, tracing.traceparent(span) if span else None)
+                prompt, params, request_id, arrival, streaming, tracing.traceparent(span) if span else None, operation)
         except BaseException as exc:
             if span is not None:
                 tracing.fail(span, exc)

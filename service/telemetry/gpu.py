@@ -36,6 +36,7 @@ class GPUSampler:
     def __init__(self, registry: CollectorRegistry, interval: float = 5.0):
         self.interval = interval
         self.gpus: list[tuple[str, object]] = []
+        self.last: dict[str, dict[str, float]] = {}  # GPU index -> reading -> value, as last sampled (for OTLP)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         try:
@@ -79,16 +80,19 @@ class GPUSampler:
     def sample(self) -> None:
         nvml, m = self.nvml, self.metrics
         readings = [
-            (m.utilization, lambda h: nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0),
-            (m.memory_used, lambda h: nvml.nvmlDeviceGetMemoryInfo(h).used),
-            (m.memory_total, lambda h: nvml.nvmlDeviceGetMemoryInfo(h).total),
-            (m.power, lambda h: nvml.nvmlDeviceGetPowerUsage(h) / 1000.0),
-            (m.temperature, lambda h: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)),
-            (m.sm_clock, lambda h: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM) * 1e6),
+            ("utilization", m.utilization, lambda h: nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0),
+            ("memory_used", m.memory_used, lambda h: nvml.nvmlDeviceGetMemoryInfo(h).used),
+            ("memory_total", m.memory_total, lambda h: nvml.nvmlDeviceGetMemoryInfo(h).total),
+            ("power", m.power, lambda h: nvml.nvmlDeviceGetPowerUsage(h) / 1000.0),
+            ("temperature", m.temperature, lambda h: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)),
+            ("sm_clock", m.sm_clock, lambda h: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM) * 1e6),
         ]
         for index, handle in self.gpus:
-            for gauge, read in readings:
+            values = {}
+            for name, gauge, read in readings:
                 try:
-                    gauge.labels(index).set(read(handle))
+                    values[name] = read(handle)
                 except nvml.NVMLError:
-                    pass
+                    continue
+                gauge.labels(index).set(values[name])
+            self.last[index] = values

@@ -3,7 +3,8 @@
 A front end builds it with `process="api-<i>"`: it records requests (`requests`, a RequestRecorder) and serves
 `render` at /metrics, which gathers every process of the server. The engine process builds it with
 `process="engine"` and hands `observer` to the engine. With no `folder` (one process: tests, the engine in a
-thread) the same object plays both parts and nothing is gathered.
+thread) the same object plays both parts and nothing is gathered. With --otlp-metrics each process also pushes
+its own metrics over OTLP (service.telemetry.otlp), described by `resource` (service.telemetry.otlp.make_resource).
 """
 
 import asyncio
@@ -14,7 +15,7 @@ import zmq.asyncio
 
 from service.engine import StepObserver, StepStats
 from service.settings import TelemetrySettings
-from service.telemetry import gather
+from service.telemetry import gather, otlp
 from service.telemetry.gpu import GPUSampler
 from service.telemetry.metrics import Metrics
 from service.telemetry.recorder import EngineRecorder, RequestRecorder
@@ -25,15 +26,19 @@ LAG_PERIOD = 0.5  # seconds between the event-loop lag checks
 
 class Telemetry:
     def __init__(self, settings: TelemetrySettings, model: str, process: str = "api-0", folder: str | None = None,
-                 peers: tuple[str, ...] = ()):
+                 peers: tuple[str, ...] = (), resource=None):
         self.settings = settings
         self.process, self.folder, self.peers = process, folder, peers  # peers: the other processes to gather
         self.metrics = Metrics(model)
         self.tracing = Tracing(make_provider(settings.trace_sample_ratio, process), settings.trace_engine_steps,
                                settings.trace_text)
+        self.meter_provider, self.otlp = None, None  # with --otlp-metrics: the SDK's provider, the instruments
+        if settings.otlp_metrics and settings.metrics:
+            self.meter_provider, self.otlp = otlp.start(settings, self.metrics,
+                                                        resource or otlp.make_resource(process, model))
         exemplars = {"trace_id": self.tracing.trace_id} if self.tracing.enabled else {}
-        self.requests = RequestRecorder(self.metrics, **exemplars) if settings.metrics else None
-        self.recorder = EngineRecorder(self.metrics) if settings.metrics else None
+        self.requests = RequestRecorder(self.metrics, otlp=self.otlp, **exemplars) if settings.metrics else None
+        self.recorder = EngineRecorder(self.metrics, self.otlp) if settings.metrics else None
         # what the engine calls after each step; None when nothing is recorded (no cost at all)
         self.observer: StepObserver | None = self._observe_both if self.recorder and self.tracing.trace_steps \
             else self.recorder or (self.tracing.step if self.tracing.enabled else None)
@@ -53,10 +58,14 @@ class Telemetry:
                                        str(engine.runner.num_blocks)).set(1)
         engine.observer = self.observer
         self.metrics.threads.set_function(threading.active_count)
+        if self.otlp is not None:
+            self.otlp.observe_engine(lambda: self.recorder.state)
 
     def start(self) -> None:
         if self.settings.gpu_sample_interval > 0:
             self.gpu = GPUSampler(self.metrics.registry, self.settings.gpu_sample_interval).start()
+            if self.otlp is not None and self.gpu.enabled:
+                self.otlp.observe_gpus(lambda: self.gpu.last)
 
     def watch_runtime(self, client_backlog=lambda: 0) -> None:
         """Per-process gauges of a front end: threads, tasks, IPC backlog, event-loop lag (call on its loop)."""
@@ -83,6 +92,8 @@ class Telemetry:
         if self._ask_ctx is not None:
             self._ask_ctx.term()
         self.tracing.shutdown()
+        if self.meter_provider is not None:
+            otlp.shutdown(self.meter_provider)
 
     async def render(self, accept: str | None) -> tuple[bytes, str]:
         """Every process's metrics, merged, in the format the scraper asks for."""

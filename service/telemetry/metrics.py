@@ -1,12 +1,16 @@
-"""Every Prometheus metric the service exports: names, types, labels, buckets and help text, in one place.
+"""Every metric the service exports: names, types, labels, buckets and help text, in one place.
 
 Dashboards and alerts in deploy/ query these names; change them only together with those files.
 Each process of a server (the engine, each front end) owns a `Metrics`: `registry` holds the series that are
 summed across processes at /metrics (each is set by the one process that measures it, the others leave it at
 zero), `local` the per-process ones (process_*, threads, tasks, event-loop lag, IPC backlog), which /metrics
-shows with a `process` label (service.telemetry.gather).
+shows with a `process` label (service.telemetry.gather). With --otlp-metrics each process also pushes the
+instruments of `OTLPMetrics` (service.telemetry.otlp), fed by the same recorders at the same points.
 """
 
+from collections.abc import Callable
+
+from opentelemetry.metrics import Meter, Observation
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
 
@@ -108,6 +112,14 @@ class Metrics:
                               "(HTTP, JSON, text and token handling all run on it).", registry=local)
         self.ipc_backlog = Gauge("llm_ipc_backlog", "Requests a front end has sent to the engine process and not "
                                  "yet heard back about (admitted or refused).", registry=local)
+        self.otlp_export_failures = Counter("llm_otlp_metric_export_failures", "OTLP metric exports "
+                                            "(--otlp-metrics) that failed: the collector down, refusing, or slower "
+                                            "than the export timeout. Serving never waits on an export.",
+                                            registry=local)
+        self.otlp_points_dropped = Counter("llm_otlp_metric_points_dropped", "Data points of the failed OTLP "
+                                           "metric exports. With cumulative temporality the next export that "
+                                           "succeeds carries their totals again; with delta they are lost.",
+                                           registry=local)
 
         # children bound to this server's model, so the hot path does no label lookups
         self.ttft_m, self.itl_m, self.duration_m = self.ttft.labels(model), self.itl.labels(model), \
@@ -141,3 +153,63 @@ class GPUMetrics:
         self.power = Gauge("llm_gpu_power_watts", "GPU power draw.", g, registry=registry)
         self.temperature = Gauge("llm_gpu_temperature_celsius", "GPU core temperature.", g, registry=registry)
         self.sm_clock = Gauge("llm_gpu_sm_clock_hertz", "Current SM clock.", g, registry=registry)
+
+
+# -- pushed over OTLP (--otlp-metrics) ------------------------------------------------------------------------
+# The GenAI model-server instruments as the OpenTelemetry semantic conventions v1.41.0 define them (names, units,
+# attributes, and the bucket boundaries they advise); token counts and the engine's state under this project's
+# `llm.*` names, GPU readings under the conventions' `hw.*` names. docs/telemetry.md maps each to its `llm_*` twin.
+SEMCONV_VERSION = "1.41.0"
+GENAI_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+GENAI_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+GENAI_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+PROVIDER = "llm-service"  # gen_ai.provider.name, as in the request spans
+
+
+class OTLPMetrics:
+    """The instruments one process pushes. The front ends' RequestRecorder records the request instruments and the
+    engine's EngineRecorder the step time, each beside its Prometheus twin; the engine's state and the GPU readings
+    are read at each export (`observe_engine`, `observe_gpus`)."""
+
+    def __init__(self, meter: Meter, model: str):
+        self.meter, self.model = meter, model
+        self.ttft = meter.create_histogram(
+            "gen_ai.server.time_to_first_token", "s", "Time to generate first token for successful responses.",
+            explicit_bucket_boundaries_advisory=GENAI_TTFT_BUCKETS)
+        self.tpot = meter.create_histogram(
+            "gen_ai.server.time_per_output_token", "s", "Time per output token generated after the first token for "
+            "successful responses.", explicit_bucket_boundaries_advisory=GENAI_TPOT_BUCKETS)
+        self.duration = meter.create_histogram(
+            "gen_ai.server.request.duration", "s", "Generative AI server request duration such as time-to-last byte "
+            "or last output token.", explicit_bucket_boundaries_advisory=GENAI_DURATION_BUCKETS)
+        self.tokens = meter.create_counter(
+            "llm.server.token.usage", "{token}", "Tokens the server processed, by gen_ai.token.type: input (prompt "
+            "tokens, counted at each request's first token) and output (generated).")
+        self.step = meter.create_histogram(
+            "llm.engine.step.duration", "s", "Duration of one engine step (one forward pass and sampling), by "
+            "llm.step.phase.", explicit_bucket_boundaries_advisory=STEP_BUCKETS)
+
+    def observe_engine(self, state: Callable[[], tuple[int, int, float]]) -> None:
+        """Gauges of the engine's state after its last step: `state()` is (running, waiting, KV usage)."""
+        attributes = {"gen_ai.request.model": self.model}
+        for index, name, unit, description in (
+                (0, "llm.engine.requests.running", "{request}", "Requests in the running batch."),
+                (1, "llm.engine.requests.waiting", "{request}", "Requests waiting to be scheduled (preempted ones "
+                 "included)."),
+                (2, "llm.engine.kv_cache.usage", "1", "Share of KV cache blocks in use by requests.")):
+            self.meter.create_observable_gauge(
+                name, [lambda options, i=index: [Observation(state()[i], attributes)]], unit, description)
+
+    def observe_gpus(self, readings: Callable[[], dict[str, dict[str, float]]]) -> None:
+        """The GPU sampler's last readings (GPU index -> reading -> value) under the conventions' hw.* names."""
+        def observe(reading: str, extra: dict | None = None):
+            return [lambda options: [Observation(values[reading], {"hw.id": gpu, **(extra or {})})
+                                     for gpu, values in list(readings().items()) if reading in values]]
+        m = self.meter
+        m.create_observable_gauge("hw.gpu.utilization", observe("utilization"), "1",
+                                  "Fraction of time spent in a specific task.")
+        m.create_observable_up_down_counter("hw.gpu.memory.usage", observe("memory_used"), "By", "GPU memory used.")
+        m.create_observable_up_down_counter("hw.gpu.memory.limit", observe("memory_total"), "By",
+                                            "Size of the GPU memory.")
+        m.create_observable_gauge("hw.power", observe("power", {"hw.type": "gpu"}), "W",
+                                  "Instantaneous power consumed by the component.")
