@@ -183,27 +183,26 @@ class Receiver:
             self._server.shutdown()
             self._server.server_close()
 
-    def wait_for(self, predicate, timeout: float = 60.0) -> list[Span]:
-        """Poll until predicate(spans) is true; return the spans."""
+    def _wait(self, snapshot, predicate, timeout: float, describe):
+        """Poll snapshot() (taken under the lock) until predicate holds on it; return it."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
-                spans = list(self.spans)
-            if predicate(spans):
-                return spans
-            time.sleep(0.05)
-        raise AssertionError(f"spans never matched; got {[s.name for s in spans]}")
-
-    def wait_for_metrics(self, predicate, timeout: float = 60.0) -> dict[tuple, Point]:
-        """Poll until predicate(latest points) is true; return them."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._lock:
-                now = latest(self.points)
+                now = snapshot()
             if predicate(now):
                 return now
             time.sleep(0.05)
-        raise AssertionError(f"metrics never matched; got {sorted({(k[0], k[1]) for k in now})}")
+        raise AssertionError(describe(now))
+
+    def wait_for(self, predicate, timeout: float = 60.0) -> list[Span]:
+        """Poll until predicate(spans) is true; return the spans."""
+        return self._wait(lambda: list(self.spans), predicate, timeout,
+                          lambda spans: f"spans never matched; got {[s.name for s in spans]}")
+
+    def wait_for_metrics(self, predicate, timeout: float = 60.0) -> dict[tuple, Point]:
+        """Poll until predicate(latest points) is true; return them."""
+        return self._wait(lambda: latest(self.points), predicate, timeout,
+                          lambda now: f"metrics never matched; got {sorted({(k[0], k[1]) for k in now})}")
 
 
 class HangingCollector:
