@@ -89,39 +89,44 @@ def wide_model(tmp_path_factory):
     return str(folder)
 
 
-def test_measured_cpu_peak_is_within_tolerance_and_every_step_is_stored(wide_model, tmp_path, capsys):
-    """RSS growth must be within -5% / +20% of the prediction: the calculator counts tensors, RSS also holds the
+def _bench_model_in_a_fresh_process(*argv: str) -> subprocess.CompletedProcess:
+    """RSS late in a long test process carries allocator slack and other tests' leftovers, as large as these small
+    models' whole step (seen: 1.40-1.47x the prediction late in a CI run, 0.98-1.08x alone): measure in a new one."""
+    done = subprocess.run([sys.executable, "-m", "service", "bench", "model", *argv],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_measured_cpu_peak_is_within_tolerance_and_every_step_is_stored(wide_model, tmp_path):
+    """RSS growth must be within -5% / +30% of the prediction: the calculator counts tensors, RSS also holds the
     allocator's slack, oneDNN's scratch buffers and Python objects (tens of MB), so it reads high, never low."""
     db = f"sqlite:///{tmp_path / 'bench.db'}"
-    rows = main(["--sizes", wide_model, "--context", "32", "--batch", "2", "--modes", "fwd,fwd+bwd,train",
-                 "--warmup", "1", "--iterations", "2", "--threads", "1", "--db", db, "--label", "t",
-                 "--json", str(tmp_path / "m.json")])
-    assert [r["status"] for r in rows] == ["ok", "ok", "ok"]
+    done = _bench_model_in_a_fresh_process(
+        "--sizes", wide_model, "--context", "32", "--batch", "2", "--modes", "fwd,fwd+bwd,train", "--warmup", "1",
+        "--iterations", "2", "--threads", "1", "--db", db, "--label", "t", "--json", str(tmp_path / "m.json"))
+    rows = json.loads((tmp_path / "m.json").read_text())
+    assert [(r["mode"], r["status"]) for r in rows] == [("fwd", "ok"), ("fwd+bwd", "ok"), ("train", "ok")]
     for r in rows:
-        ratio = r["peak_bytes"] / r["estimate"].peak
-        print(f"{r['case'].mode}: measured / predicted = {ratio:.3f}")
-        # RSS also holds the allocator's slack, which grows in a process that has already run hundreds of tests
-        # (seen: 1.202 late in a full suite, 1.01-1.08 alone); the calculator itself is checked to +0.3..+10.6%
-        # against CUDA max allocated on the H100 (docs/benchmarks.md)
-        assert 0.95 < ratio < 1.3, (r["case"].mode, r["peak_bytes"], r["estimate"].peak)
-    assert "| 32 | train | fp32 | off |" in capsys.readouterr().out
+        ratio = r["peak_bytes"] / r["predicted_bytes"]
+        print(f"{r['mode']}: measured / predicted = {ratio:.3f}")
+        # the calculator itself is checked to +0.3..+10.6% against CUDA max allocated on the H100 (docs/benchmarks.md)
+        assert 0.95 < ratio < 1.3, (r["mode"], r["peak_bytes"], r["predicted_bytes"])
+    assert "| 32 | train | fp32 | off |" in done.stdout
     runs = _rows(db, schema.runs)
     assert [(r["kind"], r["status"], r["label"]) for r in runs] == [("model", "ok", "t")] * 3
     assert runs[2]["config"] == {"size": wide_model, "context": 32, "batch": 2, "mode": "train", "precision": "fp32",
                                  "compile": False, "attention": "sdpa", "device": "cpu", "warmup": 1, "steps": 2}
     stored = [(m["run_id"], m["metric"], m["unit"], m["iteration"], m["value"]) for m in _rows(db, schema.measurements)]
     expected = []
-    for r in rows:
-        expected.append((r["run_id"], "predicted_memory_bytes", "bytes", 0, float(r["estimate"].peak)))
-        for phase, values in r["times"].items():
-            expected += [(r["run_id"], f"{phase}_seconds", "s", i, v) for i, v in enumerate(values)]
-        expected.append((r["run_id"], "peak_memory_bytes", "bytes", 0, float(r["peak_bytes"])))
+    for run, r in zip(runs, rows):
+        expected.append((run["id"], "predicted_memory_bytes", "bytes", 0, float(r["predicted_bytes"])))
+        for phase, values in r["seconds"].items():
+            expected += [(run["id"], f"{phase}_seconds", "s", i, v) for i, v in enumerate(values)]
+        expected.append((run["id"], "peak_memory_bytes", "bytes", 0, float(r["peak_bytes"])))
     assert stored == expected
-    written = json.loads((tmp_path / "m.json").read_text())
-    assert [(w["mode"], w["status"], w["predicted_bytes"], w["peak_bytes"], w["seconds"]) for w in written] == [
-        (r["case"].mode, "ok", r["estimate"].peak, r["peak_bytes"], r["times"]) for r in rows]
-    assert [list(r["times"]) for r in rows] == [["forward"], ["forward", "backward"],
-                                                ["forward", "backward", "optimizer"]]
+    assert [list(r["seconds"]) for r in rows] == [["forward"], ["forward", "backward"],
+                                                  ["forward", "backward", "optimizer"]]
 
 
 def test_a_size_that_cannot_fit_is_reported_and_the_run_goes_on(tmp_path, capsys):
@@ -176,17 +181,14 @@ def test_a_json_file_that_cannot_be_written_is_a_one_line_error(tmp_path):
 
 
 def test_quantized_forward_is_measured_on_its_stored_weights_and_what_cannot_run_is_skipped(wide_model, tmp_path):
-    """In a fresh process: RSS late in a long test process carries tens of MB of allocator slack, as large as
-    these small models' whole forward pass (seen: 1.47x the prediction there, 0.98-1.03x alone)."""
+    """In a fresh process, as the peak test above."""
     db = f"sqlite:///{tmp_path / 'bench.db'}"
 
     def bench(modes: str, precision: str, quantization: str, name: str):
-        done = subprocess.run(
-            [sys.executable, "-m", "service", "bench", "model", "--sizes", wide_model, "--context", "32", "--batch",
-             "2", "--modes", modes, "--precision", precision, "--quantization", quantization, "--warmup", "1",
-             "--iterations", "2", "--threads", "1", "--db", db, "--json", str(tmp_path / name)],
-            capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
+        done = _bench_model_in_a_fresh_process(
+            "--sizes", wide_model, "--context", "32", "--batch", "2", "--modes", modes, "--precision", precision,
+            "--quantization", quantization, "--warmup", "1", "--iterations", "2", "--threads", "1", "--db", db,
+            "--json", str(tmp_path / name))
         return done, json.loads((tmp_path / name).read_text())
     # training in fp32 only: a bf16 backward pass on CPU takes seconds (a 2 x 10 s step at this size)
     done, rows = bench("fwd", "fp32,bf16", "none,int8,int4,fp8", "fwd.json")
