@@ -1,0 +1,116 @@
+"""Where a decode step's time goes on the GPU (issue 26): the engine's own step durations by phase, the decode
+step against its roofline, and a profile of decode steps (host time per op, GPU busy time per step).
+
+The step duration is what `llm_engine_step_seconds` observes (StepStats.duration: with overlap, read-back to
+read-back). The roofline of a decode step is max(FLOPs / the bf16 peak, (weight bytes + KV bytes read) / the
+memory bandwidth), data-sheet H100 SXM figures: 989 TFLOP/s dense bf16, 3.35 TB/s.
+
+Usage (device tool, after `source tests/gpu/env.sh`):
+  python3 tests/gpu/decode_steps.py --model random:llama-1b --num-requests 1 --input-len 128 --output-len 512
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+PEAK_FLOPS, PEAK_BYTES = 989e12, 3.35e12
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:llama-1b")
+    ap.add_argument("--num-requests", type=int, default=1)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=512)
+    ap.add_argument("--profile-steps", type=int, default=40, help="decode steps profiled after the timed run")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cpu: a check of this script, not a figure")
+    args = ap.parse_args()
+
+    from service.engine.config import EngineConfig
+    from service.engine.llm_engine import LLMEngine
+    from service.engine.sampling import SamplingParams
+
+    t0 = time.perf_counter()
+    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, max_num_seqs=max(args.num_requests, 1),
+                                    max_num_batched_tokens=8192, gpu_memory_utilization=args.gpu_memory_utilization,
+                                    cuda_graphs=not args.no_cuda_graphs))
+    model = engine.runner.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    n_params = sum(p.numel() for p in model.parameters())
+    cfg = model.config.get_text_config()
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * torch.tensor([], dtype=model.dtype).element_size()
+    print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s: {n_params / 1e9:.2f} B parameters, "
+          f"{weight_bytes / 1e9:.2f} GB, KV {kv_per_token} B/token", flush=True)
+
+    steps = []  # (phase, duration, sequences, context tokens read)
+
+    def observe(stats):
+        if stats.phase is not None:
+            context = sum(o.num_prompt_tokens + o.num_output_tokens for o in stats.outputs)
+            steps.append((stats.phase, stats.duration, stats.num_seqs, context))
+
+    engine.observer = observe
+    prompts = [[(7 * i + j) % 1000 + 10 for j in range(args.input_len)] for i in range(args.num_requests)]
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
+    engine.generate(prompts[:1], SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0))  # warm-up
+    steps.clear()
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    engine.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    out_tokens = args.num_requests * args.output_len
+    print(f"{args.num_requests} x {args.input_len}/{args.output_len}: {wall:.3f} s, "
+          f"{out_tokens / wall:,.0f} output tok/s, {len(steps)} steps")
+    for phase in ("prefill", "mixed", "decode"):
+        d = sorted(s[1] for s in steps if s[0] == phase)
+        if d:
+            print(f"{phase:8s} steps {len(d):5d}: p50 {1e3 * statistics.median(d):.3f} ms, "
+                  f"p90 {1e3 * d[int(0.9 * (len(d) - 1))]:.3f} ms, sum {sum(d):.3f} s")
+    decode = [s for s in steps if s[0] == "decode"]
+    if decode:
+        full = [s for s in decode if s[2] == max(x[2] for x in decode)]
+        batch = full[0][2]
+        roof = [max(2 * n_params * batch / PEAK_FLOPS, (weight_bytes + ctx * kv_per_token) / PEAK_BYTES)
+                for _, _, _, ctx in full]
+        measured = statistics.median(s[1] for s in full)
+        print(f"decode at batch {batch} ({len(full)} steps): p50 {1e3 * measured:.3f} ms, roofline p50 "
+              f"{1e3 * statistics.median(roof):.3f} ms (compute {1e3 * 2 * n_params * batch / PEAK_FLOPS:.3f} ms, "
+              f"weights {1e3 * weight_bytes / PEAK_BYTES:.3f} ms, KV at median context "
+              f"{1e3 * statistics.median(c for *_, c in full) * kv_per_token / PEAK_BYTES:.3f} ms): "
+              f"{measured / statistics.median(roof):.2f}x the roofline", flush=True)
+
+    if args.profile_steps:  # decode steps only: one request with a short prompt, after its first steps
+        from torch.profiler import ProfilerActivity, profile
+        seq = engine.make_sequence(prompts[0], SamplingParams(max_tokens=args.profile_steps + 20, ignore_eos=True,
+                                                              temperature=0.0))
+        engine.add_sequence(seq)
+        for _ in range(10):
+            engine.step()
+        sync()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            for _ in range(args.profile_steps):
+                engine.step()
+            sync()
+            per_step = (time.perf_counter() - t0) / args.profile_steps
+        while not seq.is_finished:
+            engine.step()
+        events = prof.key_averages()
+        gpu = sum(e.self_device_time_total for e in events) / 1e3 / args.profile_steps
+        print(f"profiled {args.profile_steps} decode steps at batch 1: {1e3 * per_step:.3f} ms a step under the "
+              f"profiler, GPU busy {gpu:.3f} ms a step")
+        print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
+        print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
