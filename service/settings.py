@@ -61,6 +61,39 @@ class TelemetrySettings:
     # OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE, else cumulative
 
 
+# OTLP metrics options: a flag's value, else its standard OTEL_* variable (telemetry/otlp.py reads them here)
+OTLP_PROTOCOLS = ("http/protobuf", "grpc")
+OTLP_TEMPORALITIES = ("cumulative", "delta", "lowmemory")
+
+
+def otlp_option(value, *variables: str):
+    """A flag's value, else the first standard variable that is set."""
+    if value is not None:
+        return value
+    return next((os.environ[v] for v in variables if os.environ.get(v)), None)
+
+
+def otlp_protocol(settings: TelemetrySettings) -> str:
+    return otlp_option(settings.otlp_metrics_protocol, "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
+                       "OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf"
+
+
+def otlp_temporality(settings: TelemetrySettings) -> str:
+    return (otlp_option(settings.otlp_metrics_temporality, "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE")
+            or "cumulative").lower()
+
+
+def check_otlp(settings: TelemetrySettings) -> None:
+    """Refuse, at start, a protocol or temporality the exporter does not know (even with --otlp-metrics off, so a
+    typo is not found only the day it is turned on)."""
+    if otlp_protocol(settings) not in OTLP_PROTOCOLS:
+        raise ValueError(f"OTLP metrics protocol {otlp_protocol(settings)!r} is not supported: use "
+                         f"{' or '.join(OTLP_PROTOCOLS)}")
+    if otlp_temporality(settings) not in OTLP_TEMPORALITIES:
+        raise ValueError(f"OTLP metrics temporality {otlp_temporality(settings)!r} is not known: use "
+                         f"{', '.join(OTLP_TEMPORALITIES)}")
+
+
 @dataclasses.dataclass
 class Settings:
     server: ServerSettings = dataclasses.field(default_factory=ServerSettings)
@@ -110,10 +143,9 @@ def parse(argv: list[str] | None = None, prog: str = "service serve") -> Setting
     add_arguments(parser)
     settings = from_namespace(parser.parse_args(argv))
     from service.engine.quantization import check_config
-    from service.telemetry.otlp import check_settings
     try:
         check_config(settings.engine)
-        check_settings(settings.telemetry)
+        check_otlp(settings.telemetry)
     except ValueError as exc:  # refused at start, in one line, before the model loads
         parser.exit(2, f"{prog}: error: {exc}\n")
     return settings

@@ -15,43 +15,14 @@ import threading
 from contextlib import contextmanager
 
 from service import __version__
-from service.settings import Settings, TelemetrySettings
+from service.settings import Settings, TelemetrySettings, otlp_option, otlp_protocol, otlp_temporality
 from service.telemetry.metrics import SEMCONV_VERSION, Metrics, OTLPMetrics
 
 log = logging.getLogger(__name__)
-PROTOCOLS = ("http/protobuf", "grpc")
-TEMPORALITIES = ("cumulative", "delta", "lowmemory")
 SHUTDOWN_TIMEOUT_MS = 5000  # the last export at shutdown gets this long, then the process goes on exiting
 _SDK_LOGGERS = ("opentelemetry.exporter.otlp.proto.http.metric_exporter", "opentelemetry.exporter.otlp.common.http",
                 "opentelemetry.exporter.otlp.proto.grpc.exporter",
                 "opentelemetry.exporter.otlp.proto.grpc.metric_exporter")
-
-
-def _setting(value, *variables: str):
-    """A flag's value, else the first standard variable that is set."""
-    if value is not None:
-        return value
-    return next((os.environ[v] for v in variables if os.environ.get(v)), None)
-
-
-def protocol(settings: TelemetrySettings) -> str:
-    return _setting(settings.otlp_metrics_protocol, "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
-                    "OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf"
-
-
-def temporality(settings: TelemetrySettings) -> str:
-    return (_setting(settings.otlp_metrics_temporality, "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE")
-            or "cumulative").lower()
-
-
-def check_settings(settings: TelemetrySettings) -> None:
-    """Refuse, at start, a protocol or temporality the exporter does not know (even with --otlp-metrics off, so a
-    typo is not found only the day it is turned on)."""
-    if protocol(settings) not in PROTOCOLS:
-        raise ValueError(f"OTLP metrics protocol {protocol(settings)!r} is not supported: use {' or '.join(PROTOCOLS)}")
-    if temporality(settings) not in TEMPORALITIES:
-        raise ValueError(f"OTLP metrics temporality {temporality(settings)!r} is not known: use "
-                         f"{', '.join(TEMPORALITIES)}")
 
 
 def make_resource(process: str, model: str, quantization: str = "none", tensor_parallel_size: int = 1,
@@ -80,13 +51,13 @@ def _exporter(settings: TelemetrySettings):
     from opentelemetry.sdk.metrics.export import AggregationTemporality
     from opentelemetry.util.re import parse_env_headers
 
-    if protocol(settings) == "grpc":
+    if otlp_protocol(settings) == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
     else:
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
     # as the SDK reads OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE; spelt out so that the flag can set it
     delta = {"cumulative": (), "delta": (Counter, Histogram, ObservableCounter),
-             "lowmemory": (Counter, Histogram)}[temporality(settings)]
+             "lowmemory": (Counter, Histogram)}[otlp_temporality(settings)]
     preferred = {kind: AggregationTemporality.DELTA if kind in delta else AggregationTemporality.CUMULATIVE
                  for kind in (Counter, Histogram, ObservableCounter)}
     headers = settings.otlp_metrics_headers
@@ -102,16 +73,16 @@ def start(settings: TelemetrySettings, metrics: Metrics, resource) -> tuple:
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
     exporter = _exporter(settings)
-    endpoint = _setting(settings.otlp_metrics_endpoint, "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
-                        "OTEL_EXPORTER_OTLP_ENDPOINT") or "the SDK's default (localhost)"
-    exporter.watch = Watch(metrics, f"{protocol(settings)} {endpoint}")
+    endpoint = otlp_option(settings.otlp_metrics_endpoint, "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+                           "OTEL_EXPORTER_OTLP_ENDPOINT") or "the SDK's default (localhost)"
+    exporter.watch = Watch(metrics, f"{otlp_protocol(settings)} {endpoint}")
     interval = settings.otlp_metrics_interval
     if interval is None:
         interval = float(os.environ.get("OTEL_METRIC_EXPORT_INTERVAL") or 60000) / 1000
     reader = PeriodicExportingMetricReader(exporter, export_interval_millis=interval * 1000)
     provider = MeterProvider([reader], resource=resource, shutdown_on_exit=False)
     log.info("OTLP metrics on: %s, to %s every %g s (GenAI semantic conventions v%s), as %s",
-             temporality(settings), exporter.watch.endpoint, interval, SEMCONV_VERSION,
+             otlp_temporality(settings), exporter.watch.endpoint, interval, SEMCONV_VERSION,
              resource.attributes["service.instance.id"])
     return provider, OTLPMetrics(provider.get_meter("service", __version__), metrics.model)
 
