@@ -129,6 +129,21 @@ def test_top_k_and_top_p_keep_only_the_allowed_tokens():
     assert probs[0] > 0.5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_fast_path_takes_the_first_maximum_and_fails_on_one_nan_logit(dtype):
+    from types import SimpleNamespace
+
+    from service.engine.sampler import NonFiniteLogitsError
+    seqs = [SimpleNamespace(params=SamplingParams(temperature=0, max_tokens=4))] * 3
+    logits = torch.randn(3, 1000).to(dtype)
+    logits[1, [7, 500]] = 99.0  # a tie: argmax's first index
+    assert Sampler(torch.device("cpu"))(logits, seqs).read()[0] == logits.argmax(-1).tolist()
+    assert Sampler(torch.device("cpu"))(logits, seqs).read()[0][1] == 7
+    logits[2, 321] = float("nan")  # one NaN among finite logits still fails the step
+    with pytest.raises(NonFiniteLogitsError, match="NaN logits for 3 sequences"):
+        Sampler(torch.device("cpu"))(logits, seqs).read()
+
+
 def test_logprobs_are_returned_for_the_sampled_token(engine):
     rid = engine.add_request(PROMPT, SamplingParams(max_tokens=3, temperature=0, logprobs=2))
     outs = []

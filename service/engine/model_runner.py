@@ -8,7 +8,7 @@ pinned_upload's double-buffered uploads), kv_cache (the cache's shape and size) 
 
 import torch
 
-from service.engine import compilation
+from service.engine import compilation, fusion
 from service.engine.attention import ForwardContext, forward_context, torch_paged_attention
 from service.engine.config import EngineConfig
 from service.engine.cuda_graphs import DecodeGraphs
@@ -40,6 +40,7 @@ class ModelRunner:
             self.backend = torch_paged_attention
         else:
             raise ValueError(f"unknown attention backend {backend!r}: use auto, torch or triton")
+        self.fused_layers = fusion.fuse_qkv(model) if config.fuse_qkv else 0
         self.compiled = device.type == "cuda" and config.compile and compilation.compile_layers(self)
         self.num_blocks = config.num_blocks or blocks_that_fit(self)
         self.max_model_len = min(max_model_len, (self.num_blocks - 1) * self.block_size)
@@ -116,4 +117,5 @@ class ModelRunner:
     def uncompile(self) -> None:
         """Give the model back as it was loaded (for others that run it, such as the benchmark's peers)."""
         compilation.uncompile(self.model)
-        self.compiled = False
+        fusion.unfuse_qkv(self.model)
+        self.compiled, self.fused_layers = False, 0

@@ -70,13 +70,15 @@ class Sampler:
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        nan = torch.isnan(logits).any().reshape(1)  # read back with the tokens: no extra device sync
         banned = self._min_tokens_bans(seqs)
         wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         greedy = [s.params.greedy for s in seqs]
         if all(greedy) and not banned and not wanted:
-            # argmax is the same in the model's dtype: skip the float copy of [rows, vocab]
-            return SampleResult(logits.argmax(-1), nan, [], [], [], self.copy_stream)
+            # argmax is the same in the model's dtype: skip the float copy of [rows, vocab]. max propagates NaN, so
+            # the row maxima tell whether any logit was NaN: one reduction over the logits instead of two
+            top, tokens = logits.max(-1)
+            return SampleResult(tokens, top.isnan().any().reshape(1), [], [], [], self.copy_stream)
+        nan = torch.isnan(logits).any().reshape(1)  # read back with the tokens: no extra device sync
         logits = logits.float()
         if banned:
             rows, cols = zip(*banned)

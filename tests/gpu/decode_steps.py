@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=40, help="decode steps profiled after the timed run")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--no-fuse-qkv", action="store_true", help="three multiplies for q, k, v (transformers' way)")
     ap.add_argument("--device", default="cuda", help="cpu: a check of this script, not a figure")
     args = ap.parse_args()
 
@@ -37,7 +38,7 @@ def main() -> None:
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, max_num_seqs=max(args.num_requests, 1),
                                     max_num_batched_tokens=8192, gpu_memory_utilization=args.gpu_memory_utilization,
-                                    cuda_graphs=not args.no_cuda_graphs))
+                                    cuda_graphs=not args.no_cuda_graphs, fuse_qkv=not args.no_fuse_qkv))
     model = engine.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     n_params = sum(p.numel() for p in model.parameters())
@@ -47,7 +48,8 @@ def main() -> None:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     kv_per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * torch.tensor([], dtype=model.dtype).element_size()
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s: {n_params / 1e9:.2f} B parameters, "
-          f"{weight_bytes / 1e9:.2f} GB, KV {kv_per_token} B/token", flush=True)
+          f"{weight_bytes / 1e9:.2f} GB, KV {kv_per_token} B/token, q/k/v fused in {engine.runner.fused_layers} layers",
+          flush=True)
 
     steps = []  # (phase, duration, sequences, context tokens read)
 

@@ -176,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.deprecated_alias(ap, "--no-cuda-graphs", graphs, value=False)
     compile_ = flags.add_switch(ap, "compile", True, "torch.compile the decoder layers (off: run them eagerly)")
     flags.deprecated_alias(ap, "--no-compile", compile_, value=False)
+    flags.add_switch(ap, "fuse-qkv", True, "one multiply for the q, k and v projections (off: three, as transformers)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="split the model over this many ranks (GPUs, or gloo processes on CPU); peers are skipped")
     ap.add_argument("--peers", default="generate_batch,static",
@@ -232,7 +233,7 @@ def engine_config(args: argparse.Namespace, p: Plan) -> EngineConfig:
     return EngineConfig(model=p.model, device=p.device.type, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
                         gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=args.cuda_graphs,
-                        compile=args.compile, tensor_parallel_size=args.tensor_parallel_size,
+                        compile=args.compile, fuse_qkv=args.fuse_qkv, tensor_parallel_size=args.tensor_parallel_size,
                         enable_prefix_caching=False, quantization=p.modes[0])
 
 

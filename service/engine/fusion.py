@@ -1,0 +1,102 @@
+"""One matrix multiply for the query, key and value projections of each attention layer.
+
+transformers' Llama-family attention runs q_proj, k_proj and v_proj as three multiplies over the same input. In a
+decode step the key and value ones are small (a 1B model's: 2 MB of weights each), and a small multiply does not
+reach the memory bandwidth: on an H100 at one row the three took 15.1 us and one multiply over the concatenated
+weights 5.3 us; at 256 rows 17.3 us and 8.2 us (tests/gpu/decode_kernels.py). `fuse_qkv` concatenates them into
+one `qkv_proj` and gives the attention module a forward pass that splits its output; everything after the
+projections (norms, rotary embedding, the attention function, o_proj) is the model's own code, as its own
+forward pass calls it.
+
+Only the attention classes whose forward pass is known (below) are fused, and only plain floating-point weights:
+a quantized checkpoint or --quantization keeps its own projections.
+"""
+
+import sys
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from service.engine.attention import ATTN_IMPLEMENTATION, paged_attention_forward
+
+# transformers attention classes whose forward pass is Llama's: project, (Qwen3: per-head norms of q and k),
+# rotary embedding, attention (Mistral, Qwen2 and Qwen3: with a sliding window), o_proj
+FUSABLE = {"LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention"}
+
+
+def fuse_qkv(model: torch.nn.Module) -> int:
+    """Replace q_proj, k_proj and v_proj of every fusable attention module by one qkv_proj; return how many."""
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ in FUSABLE and _plain(module):
+            _fuse(module)
+            count += 1
+    return count
+
+
+def unfuse_qkv(model: torch.nn.Module) -> None:
+    """Give every fused attention module its three projections and its class's forward pass back."""
+    for module in model.modules():
+        if "qkv_proj" not in module._modules:
+            continue
+        fused = module.qkv_proj
+        weights = fused.weight.split(module.qkv_sizes)
+        biases = fused.bias.split(module.qkv_sizes) if fused.bias is not None else [None] * 3
+        for name, weight, bias in zip(("q_proj", "k_proj", "v_proj"), weights, biases):
+            linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+            linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+            if bias is not None:
+                linear.bias = torch.nn.Parameter(bias, requires_grad=False)
+            setattr(module, name, linear)
+        del module.qkv_proj, module.qkv_sizes, module.fused_sliding_window, module.model_code, module.forward
+
+
+def _plain(module) -> bool:
+    projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+    return all(type(p) is torch.nn.Linear and type(p.weight) is torch.nn.Parameter and p.weight.is_floating_point()
+               for p in projections) and len({p.in_features for p in projections}) == 1 \
+        and len({p.bias is None for p in projections}) == 1
+
+
+def _fuse(module) -> None:
+    q, k, v = module.q_proj, module.k_proj, module.v_proj
+    sizes = [q.out_features, k.out_features, v.out_features]
+    fused = torch.nn.Linear(q.in_features, sum(sizes), bias=q.bias is not None, device="meta")
+    with torch.no_grad():
+        fused.weight = torch.nn.Parameter(torch.cat([q.weight, k.weight, v.weight]), requires_grad=False)
+        if q.bias is not None:
+            fused.bias = torch.nn.Parameter(torch.cat([q.bias, k.bias, v.bias]), requires_grad=False)
+    del module.q_proj, module.k_proj, module.v_proj
+    module.qkv_proj = fused
+    module.qkv_sizes = sizes
+    # Mistral reads its window from the config, Qwen2 and Qwen3 keep one per layer (None on full-attention layers)
+    module.fused_sliding_window = (module.sliding_window if hasattr(module, "sliding_window")
+                                   else getattr(module.config, "sliding_window", None))
+    module.model_code = sys.modules[type(module).__module__]  # its apply_rotary_pos_emb and eager attention
+    module.forward = _fused_forward.__get__(module)
+
+
+def _fused_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                   past_key_values=None, **kwargs):
+    """The model's attention forward pass with one projection: [B, T, hidden] -> ([B, T, hidden], weights).
+
+    With the engine's paged attention or any other transformers attention (the offline bench runs the same
+    weights through `generate` with sdpa and a KV cache of transformers' own)."""
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    q, k, v = (t.view(hidden_shape) for t in self.qkv_proj(hidden_states).split(self.qkv_sizes, dim=-1))
+    if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over each head of q and k, before the rotary embedding
+        q, k = self.q_norm(q), self.k_norm(k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    cos, sin = position_embeddings
+    q, k = self.model_code.apply_rotary_pos_emb(q, k, cos, sin)
+    if past_key_values is not None:
+        k, v = past_key_values.update(k, v, self.layer_idx)
+    implementation = self.config._attn_implementation
+    interface = (paged_attention_forward if implementation == ATTN_IMPLEMENTATION else
+                 ALL_ATTENTION_FUNCTIONS.get_interface(implementation, self.model_code.eager_attention_forward))
+    if type(self).__name__ != "LlamaAttention":
+        kwargs["sliding_window"] = self.fused_sliding_window
+    out, weights = interface(self, q, k, v, attention_mask, dropout=0.0 if not self.training else
+                             self.attention_dropout, scaling=self.scaling, **kwargs)
+    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
