@@ -17,8 +17,6 @@ import sys
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from service.engine.attention import ATTN_IMPLEMENTATION, paged_attention_forward
-
 # transformers attention classes whose forward pass is Llama's: project, (Qwen3: per-head norms of q and k),
 # rotary embedding, attention (Mistral, Qwen2 and Qwen3: with a sliding window), o_proj
 FUSABLE = {"LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention"}
@@ -69,7 +67,8 @@ def _fuse(module) -> None:
     del module.q_proj, module.k_proj, module.v_proj
     module.qkv_proj = fused
     module.qkv_sizes = sizes
-    # Mistral reads its window from the config, Qwen2 and Qwen3 keep one per layer (None on full-attention layers)
+    # Mistral reads its window from the config, Qwen2 and Qwen3 keep one per layer (None on full-attention layers);
+    # Llama has none (None: every attention function's default)
     module.fused_sliding_window = (module.sliding_window if hasattr(module, "sliding_window")
                                    else getattr(module.config, "sliding_window", None))
     module.model_code = sys.modules[type(module).__module__]  # its apply_rotary_pos_emb and eager attention
@@ -92,11 +91,10 @@ def _fused_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
     q, k = self.model_code.apply_rotary_pos_emb(q, k, cos, sin)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, self.layer_idx)
-    implementation = self.config._attn_implementation
-    interface = (paged_attention_forward if implementation == ATTN_IMPLEMENTATION else
-                 ALL_ATTENTION_FUNCTIONS.get_interface(implementation, self.model_code.eager_attention_forward))
-    if type(self).__name__ != "LlamaAttention":
-        kwargs["sliding_window"] = self.fused_sliding_window
+    # the engine's paged attention is registered there too (attention.py), as the model's own forward finds it
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                      self.model_code.eager_attention_forward)
     out, weights = interface(self, q, k, v, attention_mask, dropout=0.0 if not self.training else
-                             self.attention_dropout, scaling=self.scaling, **kwargs)
+                             self.attention_dropout, scaling=self.scaling, sliding_window=self.fused_sliding_window,
+                             **kwargs)
     return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
