@@ -41,18 +41,21 @@ def _attributes(kvs) -> dict:
     return {kv.key: _value(kv.value) for kv in kvs}
 
 
+def _scoped(resources, scopes: str, items: str):
+    """(resource attributes, item) for each item of an OTLP export: resources hold scopes, scopes hold items."""
+    for r in resources:
+        resource = _attributes(r.resource.attributes)
+        for scope in getattr(r, scopes):
+            for item in getattr(scope, items):
+                yield resource, item
+
+
 def decode(request: trace_service_pb2.ExportTraceServiceRequest) -> list[Span]:
-    spans = []
-    for rs in request.resource_spans:
-        resource = _attributes(rs.resource.attributes)
-        for ss in rs.scope_spans:
-            for s in ss.spans:
-                spans.append(Span(
-                    s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), s.name, _attributes(s.attributes),
-                    [(e.name, e.time_unix_nano, _attributes(e.attributes)) for e in s.events],
-                    [(link.trace_id.hex(), link.span_id.hex()) for link in s.links],
-                    s.start_time_unix_nano, s.end_time_unix_nano, s.status.code, resource))
-    return spans
+    return [Span(s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), s.name, _attributes(s.attributes),
+                 [(e.name, e.time_unix_nano, _attributes(e.attributes)) for e in s.events],
+                 [(link.trace_id.hex(), link.span_id.hex()) for link in s.links],
+                 s.start_time_unix_nano, s.end_time_unix_nano, s.status.code, resource)
+            for resource, s in _scoped(request.resource_spans, "scope_spans", "spans")]
 
 
 @dataclass
@@ -75,22 +78,19 @@ class Point:
 
 def decode_metrics(request: metrics_service_pb2.ExportMetricsServiceRequest) -> list[Point]:
     points = []
-    for rm in request.resource_metrics:
-        resource = _attributes(rm.resource.attributes)
-        for sm in rm.scope_metrics:
-            for m in sm.metrics:
-                kind = m.WhichOneof("data")
-                data = getattr(m, kind)
-                for dp in data.data_points:
-                    point = Point(resource, m.name, kind, m.unit, _attributes(dp.attributes), dp.time_unix_nano,
-                                  temporality=getattr(data, "aggregation_temporality", 0),
-                                  monotonic=getattr(data, "is_monotonic", False))
-                    if kind == "histogram":
-                        point.count, point.sum = dp.count, dp.sum
-                        point.bounds, point.bucket_counts = tuple(dp.explicit_bounds), tuple(dp.bucket_counts)
-                    else:
-                        point.value = getattr(dp, dp.WhichOneof("value"))
-                    points.append(point)
+    for resource, m in _scoped(request.resource_metrics, "scope_metrics", "metrics"):
+        kind = m.WhichOneof("data")
+        data = getattr(m, kind)
+        for dp in data.data_points:
+            point = Point(resource, m.name, kind, m.unit, _attributes(dp.attributes), dp.time_unix_nano,
+                          temporality=getattr(data, "aggregation_temporality", 0),
+                          monotonic=getattr(data, "is_monotonic", False))
+            if kind == "histogram":
+                point.count, point.sum = dp.count, dp.sum
+                point.bounds, point.bucket_counts = tuple(dp.explicit_bounds), tuple(dp.bucket_counts)
+            else:
+                point.value = getattr(dp, dp.WhichOneof("value"))
+            points.append(point)
     return points
 
 
