@@ -78,13 +78,13 @@ def main() -> None:
                   f"p90 {1e3 * d[int(0.9 * (len(d) - 1))]:.3f} ms, sum {sum(d):.3f} s")
     decode = [s for s in steps if s[0] == "decode"]
     if decode:
-        full = [s for s in decode if s[2] == max(x[2] for x in decode)]
-        batch = full[0][2]
-        roof = [max(2 * n_params * batch / PEAK_FLOPS, (weight_bytes + ctx * kv_per_token) / PEAK_BYTES)
-                for _, _, _, ctx in full]
+        batch = max(s[2] for s in decode)
+        full = [s for s in decode if s[2] == batch]
+        compute = 2 * n_params * batch / PEAK_FLOPS
+        roof = [max(compute, (weight_bytes + ctx * kv_per_token) / PEAK_BYTES) for _, _, _, ctx in full]
         measured = statistics.median(s[1] for s in full)
         print(f"decode at batch {batch} ({len(full)} steps): p50 {1e3 * measured:.3f} ms, roofline p50 "
-              f"{1e3 * statistics.median(roof):.3f} ms (compute {1e3 * 2 * n_params * batch / PEAK_FLOPS:.3f} ms, "
+              f"{1e3 * statistics.median(roof):.3f} ms (compute {1e3 * compute:.3f} ms, "
               f"weights {1e3 * weight_bytes / PEAK_BYTES:.3f} ms, KV at median context "
               f"{1e3 * statistics.median(c for *_, c in full) * kv_per_token / PEAK_BYTES:.3f} ms): "
               f"{measured / statistics.median(roof):.2f}x the roofline", flush=True)
