@@ -1,4 +1,5 @@
 import os
+import shutil
 
 import pytest
 import torch
@@ -153,7 +154,7 @@ class Linked:
         from service.engine.core import EngineCore
         from service.engine.messages import private_dir
 
-        folder = private_dir()
+        self.folder = folder = private_dir()
         self.core = EngineCore(self.engine, folder, 1, self.max_waiting)
         self.thread = threading.Thread(target=self.core.run, name="engine-loop", daemon=True)
         self.thread.start()
@@ -167,6 +168,7 @@ class Linked:
         self.core.stopping = True
         await asyncio.to_thread(self.thread.join, 60)
         await self.client.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     async def submit(self, prompt, params, request_id: str | None = None, streaming: bool = True):
         import time

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import os
 
 import httpx
 import openai
@@ -223,3 +224,6 @@ def test_api_key_is_required_when_configured(default_model):
         good = openai.OpenAI(base_url=s.url + "/v1", api_key="sekret")
         assert good.completions.create(model=MODEL, prompt="x", max_tokens=1).usage.completion_tokens == 1
         assert httpx.get(s.url + "/health").status_code == 200  # probes need no key
+        folder = s.app.state.server.folder
+        assert os.path.exists(os.path.join(folder, "engine"))
+    assert not os.path.exists(folder)  # the engine's socket folder goes with the server

@@ -8,6 +8,7 @@ so every path a request takes is the one it takes in production.
 
 import asyncio
 import logging
+import shutil
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -36,6 +37,7 @@ class ServerState:
         self.engine = None  # the LLMEngine, when its loop runs on a thread of this process
         self.engine_thread: threading.Thread | None = None
         self.core = None  # its EngineCore, once the model is loaded
+        self.folder: str | None = None  # the sockets' folder when this process made it (the engine runs here)
         self.load_error: BaseException | None = None
         self.draining = False
         self.fatal: str | None = None  # why the server must exit non-zero (the engine died)
@@ -77,7 +79,7 @@ class ServerState:
         """Load the engine (unless given) and run its loop on a thread of this process, behind the sockets."""
         from service.engine.core import EngineCore
 
-        folder = messages.private_dir()
+        self.folder = folder = messages.private_dir()
         self.connect(folder)
 
         def run():
@@ -114,6 +116,8 @@ class ServerState:
                 self.engine.close()
         if self.client is not None:
             await self.client.close()
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
     def check_model(self, name: str) -> None:
         if not self.loaded:
