@@ -92,9 +92,10 @@ class LLMEngine:
         return config, loaded
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks, if any."""
+        """Stop the other tensor-parallel ranks, if any, and give back the KV cache and CUDA graphs."""
         if self.parallel is not None:
             self.parallel.close()
+        self.runner.release()
 
     # -- requests -------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -52,6 +52,15 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(self)
             self.graphs = self.decode_graphs.graphs
 
+    def release(self) -> None:
+        """Give back the KV cache and the CUDA graphs now, not when a reference cycle is next collected (a
+        process that makes engines one after another, such as `bench run`, would otherwise run out of GPU memory).
+        The runner cannot run after this."""
+        self.kv_caches, self.graphs, self._fed = [], {}, None
+        self.decode_graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     @property
     def kv_cache_bytes(self) -> int:
         return 2 * self.layers * self.num_blocks * self.block_size * self.kv_heads * self.head_dim * self.dtype.itemsize
