@@ -137,7 +137,7 @@ def test_bench_run_on_cuda_records_gpu_samples_and_cuda_peak_memory(tmp_path):
     db = f"sqlite:///{tmp_path / 'bench.db'}"
     configs = run.main(["--db", db, "--model", "random:tiny", "--device", "cuda", "--batch-size", "4",
                         "--input-len", "16", "--output-len", "8", "--cuda-graphs", "off,on", "--warmup", "1",
-                        "--iterations", "3", "--sample-interval", "0.01", "--progress", "off"])
+                        "--iterations", "3", "--repeats", "1", "--sample-interval", "0.01", "--progress", "off"])
     assert [(c["skip"], c.get("error")) for c in configs] == [(None, None), (None, None)]
     assert configs[1]["name"] == "tiny-cuda-b4-in16-out8-triton-eager-graphs-bf16"
     with sa.create_engine(db).connect() as conn:
