@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from service.bench.machine_speed import METRIC as MACHINE
 from service.bench.regress import cli, export, history
 from service.bench.regress.directions import direction
 from service.bench.bootstrap import median_ratio_ci
@@ -111,20 +112,25 @@ def test_a_step_is_named_at_its_commit_and_one_noisy_run_is_not():
 def test_metric_directions_come_from_their_units():
     assert [direction(m) for m in ("output_tokens_per_second", "wall_seconds", "peak_memory_bytes", "steps",
                                    "ttft_ms.p95", "output_throughput", "concurrency.max",
-                                   "capacity_concurrent_requests", "max_abs_error", "predicted_memory_bytes")
-            ] == [1, -1, -1, 0, -1, 1, 0, 1, -1, 0]
+                                   "capacity_concurrent_requests", "max_abs_error", "predicted_memory_bytes",
+                                   MACHINE)
+            ] == [1, -1, -1, 0, -1, 1, 0, 1, -1, 0, 0]
 
 
-def record(url, label, scale, commit="c0ffee00", iterations=10, seed=0, config=None, runs=1):
-    """`runs` runs of one configuration (as bench run --repeats stores them); the id of the last."""
+def record(url, label, scale, commit="c0ffee00", iterations=10, seed=0, config=None, runs=1, machine=None):
+    """`runs` runs of one configuration (as bench run --repeats stores them); the id of the last. `machine`: how
+    slow the machine was during each run (times scale with it), recorded as bench run on CPU does."""
     rng = np.random.default_rng(seed)
     store = open_store(url, {"commit": commit})
-    for _ in range(runs):
+    for k in range(runs):
         with store.run(kind="run", config=config or {"batch_size": 4}, label=label, name="b4") as run:
             for i in range(iterations):
-                run.measure("wall_seconds", rng.normal(1.0, 0.01) * scale, unit="s", iteration=i)
-                run.measure("output_tokens_per_second", rng.normal(100, 1) / scale, unit="tok/s", iteration=i)
+                slow = scale if machine is None else scale * machine[k] * rng.normal(1, 0.01)
+                run.measure("wall_seconds", rng.normal(1.0, 0.01) * slow, unit="s", iteration=i)
+                run.measure("output_tokens_per_second", rng.normal(100, 1) / slow, unit="tok/s", iteration=i)
                 run.measure("steps", 7, iteration=i)
+                if machine is not None:
+                    run.measure(MACHINE, 0.012 * machine[k] * rng.normal(1, 0.01), unit="s", iteration=i)
     return run.id
 
 
@@ -148,6 +154,23 @@ def test_regress_exits_1_on_a_slower_candidate_and_0_on_an_unchanged_one(store_u
     assert [(v["candidate_ref"], v["metric"], v["verdict"]) for v in saved] == [
         ("slow", "output_tokens_per_second", "regressed"), ("slow", "wall_seconds", "regressed"),
         ("same", "output_tokens_per_second", "unchanged"), ("same", "wall_seconds", "unchanged")]
+
+
+def test_a_baseline_measured_while_the_machine_ran_slow_is_judged_per_unit_of_the_machines_speed(store_url, capsys):
+    # the baseline's three runs all came at a moment when the machine ran 30% slow: between-run noise measured at
+    # that one moment cannot see it; the machine's reference, timed beside every iteration, can
+    record(store_url, "base", 1.0, seed=1, runs=3, machine=[1.30, 1.28, 1.32])
+    record(store_url, "same", 1.0, seed=2, runs=3, machine=[0.80, 0.78, 0.82])  # unchanged code, a fast moment
+    record(store_url, "double", 1.5, seed=3, runs=3, machine=[0.70, 0.72, 0.69])  # 1.5x slower, a faster moment
+    assert regress(store_url, "--baseline", "base", "--candidate", "same", "--machine-speed", "off") == 0
+    assert "2 improved" in capsys.readouterr().out  # raw: the unchanged rerun reads 38% faster
+    assert regress(store_url, "--baseline", "base", "--candidate", "double", "--machine-speed", "off") == 0
+    assert "2 improved" in capsys.readouterr().out  # and the 1.5x slowdown reads faster too
+    assert regress(store_url, "--baseline", "base", "--candidate", "same", "--markdown") == 0
+    out = capsys.readouterr().out
+    assert "2 unchanged" in out and "per unit of the machine's speed (its reference 0.61" in out
+    assert regress(store_url, "--baseline", "base", "--candidate", "double") == 1
+    assert "2 regressed" in capsys.readouterr().out
 
 
 def test_regress_matches_by_run_id_and_commit_and_writes_markdown(store_url, capsys):

@@ -5,7 +5,8 @@ whole matrix once, then again), so that the repeats are spread over time: their 
 that `bench regress` judges a difference against (repeats share the process and its loaded weights).
 
 Per measured iteration: wall time, process CPU time, output and total tokens/s, TTFT and inter-token times from the engine's own
-per-request timings, steps and peak memory; a device sampler records CPU/RSS/GPU readings meanwhile. A
+per-request timings, steps and peak memory, and on CPU the machine's own speed just then
+(`service/bench/machine_speed.py`, which `bench regress` judges time metrics against); a device sampler records CPU/RSS/GPU readings meanwhile. A
 configuration's repeats already stored for this commit, machine and label are not run again (a killed matrix
 resumes); --force runs them all again.
 """
@@ -23,6 +24,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from service.bench import flags
+from service.bench.machine_speed import METRIC as MACHINE_REFERENCE
+from service.bench.machine_speed import reference_seconds
 from service.bench.offline import matrix
 from service.bench.offline.lengths import Lengths
 from service.bench.offline.offline import random_prompts
@@ -34,7 +37,8 @@ from service.engine.models import load_model
 
 UNITS = {"wall_seconds": "s", "cpu_seconds": "s", "output_tokens_per_second": "tok/s",
          "total_tokens_per_second": "tok/s", "ttft_median_seconds": "s", "ttft_p90_seconds": "s",
-         "itl_median_seconds": "s", "itl_p90_seconds": "s", "steps": "count", "peak_memory_bytes": "B"}
+         "itl_median_seconds": "s", "itl_p90_seconds": "s", "steps": "count", "peak_memory_bytes": "B",
+         MACHINE_REFERENCE: "s"}
 
 
 def parse_args(argv):
@@ -144,8 +148,14 @@ def measure(run, c: dict, settings: dict, models: Models, advance) -> dict[str, 
         prompts = random_prompts(c["batch_size"], Lengths.parse(c["input_len"]), vocab, settings["seed"])
         output_lens = Lengths.parse(c["output_len"]).sample(c["batch_size"], settings["seed"] + 1)
         values: dict[str, list[float]] = {}
+        on_cpu = engine.device.type == "cpu"
+        before = reference_seconds() if on_cpu else None
         for i in range(settings["warmup"] + settings["iterations"]):
             result = iteration(engine, prompts, output_lens)
+            if on_cpu:  # the machine's speed just before and just after (the next iteration's "before")
+                after = reference_seconds()
+                result[MACHINE_REFERENCE] = (before * after) ** 0.5
+                before = after
             if i >= settings["warmup"]:
                 for metric, value in result.items():
                     if value == value:  # NaN: no inter-token gaps when every request makes one token

@@ -8,6 +8,7 @@ say so (a change is then at most "maybe regressed"). Exit 1 on a regression, 0 o
 """
 
 import argparse
+import dataclasses
 import fnmatch
 import sys
 
@@ -15,6 +16,9 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from service.bench import flags
+from service.bench.machine_speed import METRIC as REFERENCE
+from service.bench.machine_speed import normalizable, per_machine_speed
 from service.bench.regress import queries
 from service.bench.regress.directions import direction
 from service.bench.regress.verdicts import MIN_ITERATIONS, find_steps, judge_runs, parse_threshold
@@ -36,6 +40,8 @@ def parse_args(argv):
     ap.add_argument("--min-iterations", type=int, default=MIN_ITERATIONS,
                     help="fewer measured iterations on either side: inconclusive (default %(default)s)")
     ap.add_argument("--markdown", action="store_true", help="print a Markdown table (for a pull-request comment)")
+    flags.add_switch(ap, "machine-speed", True, "judge times and rates per unit of the machine's speed at each "
+                     "iteration, where every run on both sides recorded it (bench run on CPU)")
     add_db_argument(ap)
     args = ap.parse_args(argv)
     if (args.history is None) == (args.baseline is None or args.candidate is None):
@@ -64,7 +70,11 @@ def compare(store, args, threshold: float, only) -> list[dict]:
         vb, vc = [values[r["id"]] for r in b], [values[r["id"]] for r in c]
         for metric in _judged(set.intersection(*(set(v) for v in vb + vc)), only):
             xb, xc = [v[metric][1] for v in vb], [v[metric][1] for v in vc]
-            verdict = judge_runs(xb, xc, direction(metric), threshold, args.min_iterations)
+            judged_b, judged_c, machine = _per_machine_speed(vb, vc, metric) if args.machine_speed else (xb, xc, None)
+            verdict = judge_runs(judged_b, judged_c, direction(metric), threshold, args.min_iterations)
+            if machine is not None:
+                verdict = dataclasses.replace(verdict, why=f"{verdict.why}; per unit of the machine's speed "
+                                              f"(its reference {machine:.3f}x)")
             rows.append({"configuration": c[0]["name"], "config_hash": c[0]["config_hash"],
                          "baseline_run": b[0]["id"], "candidate_run": c[0]["id"], "metric": metric,
                          "unit": vb[0][metric][0], "baseline": _typical(xb), "candidate": _typical(xc),
@@ -72,6 +82,19 @@ def compare(store, args, threshold: float, only) -> list[dict]:
     if not rows:
         raise StoreError("empty comparison: the matched runs share no metric with a known better direction")
     return rows
+
+
+def _per_machine_speed(vb: list[dict], vc: list[dict], metric: str):
+    """Both sides' runs of a time or rate metric in units of the machine's reference at each iteration, and the
+    reference's ratio candidate/baseline; unchanged (and None) where a run lacks the reference or the metric
+    does not scale with the machine's speed."""
+    xb, xc = [v[metric][1] for v in vb], [v[metric][1] for v in vc]
+    power = normalizable(metric)
+    if not power or not all(REFERENCE in v and len(v[REFERENCE][1]) == len(v[metric][1]) for v in vb + vc):
+        return xb, xc, None
+    rb, rc = [v[REFERENCE][1] for v in vb], [v[REFERENCE][1] for v in vc]
+    return ([per_machine_speed(x, r, power) for x, r in zip(xb, rb)],
+            [per_machine_speed(x, r, power) for x, r in zip(xc, rc)], _typical(rc) / _typical(rb))
 
 
 def _typical(runs: list) -> float:
