@@ -44,10 +44,10 @@ bench_run() {  # LABEL [EVERY]: one `bench run` with the defaults (3 repeats), s
     local label=$1 every=${2:-}
     if [ -n "$every" ]; then
         SLOW_LINEAR_EVERY=$every PYTHONPATH="$OUT/slow${PYTHONPATH:+:$PYTHONPATH}" \
-            $PYTHON -m service bench run $RUN_ARGS --label "$label" --no-progress >"$OUT/run-$label.log" 2>&1
+            $PYTHON -m service bench run $RUN_ARGS --label "$label" --progress off >"$OUT/run-$label.log" 2>&1
         grep -q "regress-proof: every $every. linear" "$OUT/run-$label.log" || { echo "the slow-down was not loaded"; exit 2; }
     else
-        $PYTHON -m service bench run $RUN_ARGS --label "$label" --no-progress >"$OUT/run-$label.log" 2>&1
+        $PYTHON -m service bench run $RUN_ARGS --label "$label" --progress off >"$OUT/run-$label.log" 2>&1
     fi
 }
 

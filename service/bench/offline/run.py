@@ -4,11 +4,11 @@ Every configuration runs --repeats times (3 by default), each repeat a stored ru
 whole matrix once, then again), so that the repeats are spread over time: their spread is the noise between runs
 that `bench regress` judges a difference against (repeats share the process and its loaded weights).
 
-Per measured iteration: wall time, process CPU time, output and total tokens/s, TTFT and inter-token times from the engine's own
-per-request timings, steps and peak memory, and on CPU the machine's own speed just then
-(`service/bench/machine_speed.py`, which `bench regress` judges time metrics against); a device sampler records CPU/RSS/GPU readings meanwhile. A
-configuration's repeats already stored for this commit, machine and label are not run again (a killed matrix
-resumes); --force runs them all again.
+Per measured iteration: wall time, process CPU time, output and total tokens/s, TTFT and inter-token times from the
+engine's own per-request timings, steps and peak memory, and on CPU the machine's own speed just then
+(`service/bench/machine_speed.py`: `bench regress` judges times per unit of it); a device sampler records CPU/RSS/GPU
+readings meanwhile. A configuration's repeats already stored for this commit, machine and label are not run again
+(a killed matrix resumes); --force runs them all again.
 """
 
 import argparse
