@@ -172,3 +172,24 @@ def test_overlap_bench_times_both_modes_and_stores_the_run(tmp_path, capsys):
     assert sorted(result["modes"]) == ["off", "on"]
     assert all(m["tokens"] == 9 and len(m["runs"]) == 1 and m["profile"]["steps"] == 2 for m in result["modes"].values())
     assert "stored as run 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_held_admissions_change_no_output_and_free_every_block(tiny_case, overlap):
+    """Requests arriving one a step while the batch decodes wait (admission_wait_steps, the CUDA default's
+    policy) and join together: every output still equals transformers', and the cache ends empty."""
+    loaded, prompts, references = tiny_case
+    engine = make_engine(loaded, overlap=overlap, max_num_seqs=8, admission_wait_steps=3)
+    held, outputs, ids = [], {}, []
+    for p in prompts[:6]:  # 6 of at most 8 running: under load
+        ids.append(engine.add_request(p, greedy()))
+    pending = list(prompts[6:16])
+    while engine.has_unfinished() or pending:
+        if pending:
+            ids.append(engine.add_request(pending.pop(0), greedy()))
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        held.append(engine.scheduler.held_steps)
+    assert [outputs[i] for i in ids] == references[:16]
+    assert max(held) == 3  # arrivals were held, never longer than the limit
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks

@@ -85,3 +85,51 @@ def test_a_sequence_that_must_preempt_itself_reports_it():
     batch = ScheduledBatch([], [], [])
     assert not sched.make_room(a, 1, batch)
     assert batch.preempted == [a] and sched.running == [] and list(sched.waiting) == [a]
+
+
+def _step(sched: Scheduler) -> ScheduledBatch:
+    """Schedule a step and apply it as the engine does, every sampled token being 7 (no stop)."""
+    batch = sched.schedule()
+    sampled = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
+    sched.advance(batch, sampled)
+    sched.postprocess(batch, sampled, [7] * len(sampled), lambda s, t: None)
+    return batch
+
+
+def _decoding(wait_steps: int, max_num_seqs: int = 8, running: int = 2) -> Scheduler:
+    sched = Scheduler(BlockManager(64, 16, enable_prefix_caching=False), max_num_seqs, 64, wait_steps)
+    for i in range(running):
+        sched.add(seq(f"r{i}", 4))
+    assert [b.phase for b in (_step(sched), _step(sched))] == ["prefill", "decode"]
+    return sched
+
+
+def test_under_load_arrivals_wait_a_few_decode_steps_then_join_together():
+    sched = _decoding(wait_steps=2)  # 2 running of at most 8: under load (a quarter or more)
+    sched.add(seq("a", 10))
+    first = _step(sched)
+    assert [s.request_id for s in first.seqs] == ["r0", "r1"] and first.phase == "decode" and sched.held_steps == 1
+    sched.add(seq("b", 10))
+    second = _step(sched)
+    assert [s.request_id for s in second.seqs] == ["r0", "r1"] and sched.held_steps == 2
+    joined = _step(sched)  # the third step: both join at once
+    assert [s.request_id for s in joined.admitted] == ["a", "b"] and joined.phase == "mixed"
+    assert sched.held_steps == 0 and not sched.waiting
+
+
+def test_arrivals_that_fill_the_budget_light_load_or_a_prefill_in_the_step_are_not_held():
+    sched = _decoding(wait_steps=8)
+    sched.add(seq("big", 70))  # more than the 62 tokens left beside the two decodes
+    assert _step(sched).admitted and sched.held_steps == 0
+    light = _decoding(wait_steps=8, max_num_seqs=16, running=3)  # 3 running of at most 16: under a quarter
+    light.add(seq("a", 4))
+    assert _step(light).admitted
+    off = _decoding(wait_steps=0)  # the CPU default
+    off.add(seq("a", 4))
+    assert _step(off).admitted
+    chunked = _decoding(wait_steps=8)
+    batch = ScheduledBatch([], [], [])
+    chunked._schedule_running(batch, 64)
+    chunked.add(seq("a", 4))
+    assert not chunked.hold_admissions(ScheduledBatch(batch.seqs, [1, 5], []), budget=58)  # a chunk runs anyway
+    assert chunked.hold_admissions(batch, budget=62)

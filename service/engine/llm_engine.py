@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from service.engine.block_manager import BlockManager
-from service.engine.config import EngineConfig, resolve_dtype
+from service.engine.config import EngineConfig, for_device, resolve_dtype
 from service.engine.detokenizer import Detokenizer
 from service.engine.errors import EngineDeadError, InvalidRequestError
 from service.engine.model_runner import ModelRunner
@@ -41,6 +41,7 @@ class LLMEngine:
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
             self.device = torch.device(config.device)
+        self.config = config = for_device(config, self.device.type)
         self.parallel = None  # the tensor-parallel group, when the model is split over several ranks
         if config.tensor_parallel_size > 1:
             config, loaded = self._start_parallel(config, loaded)
@@ -59,7 +60,8 @@ class LLMEngine:
         self.vocab_size = loaded.model.config.get_text_config().vocab_size
         self.tokenizer_source = loaded.tokenizer_source
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.admission_wait_steps)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
         self.observer: StepObserver | None = None  # telemetry sets it; called after every step and abort

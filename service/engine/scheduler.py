@@ -4,8 +4,9 @@ Running sequences are served first, in admission order (save those whose last al
 still on the device); waiting ones are admitted FIFO while the token budget, the sequence cap and
 free blocks allow. When blocks run out, the most recently
 admitted sequence is preempted: its blocks are freed and it is recomputed later.
-Each decision is a method of its own (chunk_size, may_admit, admit, admission_reserve, choose_victim,
-make_room); after the forward pass, advance and postprocess apply a step's results.
+Under load, new requests may wait a few decode steps so that they join the batch together (hold_admissions).
+Each decision is a method of its own (chunk_size, hold_admissions, may_admit, admit, admission_reserve,
+choose_victim, make_room); after the forward pass, advance and postprocess apply a step's results.
 """
 
 from collections import deque
@@ -36,10 +37,13 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 admission_wait_steps: int = 0):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.admission_wait_steps = admission_wait_steps
+        self.held_steps = 0  # steps in a row that held admissions back
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
@@ -54,6 +58,10 @@ class Scheduler:
         """This step's batch: running sequences first, then admissions from the waiting queue."""
         batch = ScheduledBatch([], [], [])
         budget = self._schedule_running(batch, self.max_num_batched_tokens)
+        if self.hold_admissions(batch, budget):
+            self.held_steps += 1
+            return batch
+        self.held_steps = 0
         reserve = self.admission_reserve()
         while self.may_admit(batch, budget):
             admitted = self.admit(budget, reserve)
@@ -104,6 +112,26 @@ class Scheduler:
             self._preempt(victim)
             batch.preempted.append(victim)
             if victim is seq:
+                return False
+        return True
+
+    def hold_admissions(self, batch: ScheduledBatch, budget: int) -> bool:
+        """Whether the waiting requests wait this step, so that later arrivals join the batch with them.
+
+        A step that computes a prefill chunk beside the decodes cannot replay a decode graph, and on CUDA such a
+        step costs the host about the same whatever its size: requests that arrive a few a step would make
+        every step one. So, while the batch is under load (a quarter of max_num_seqs or more running) and all
+        decode, waiting requests are held for up to admission_wait_steps steps in a row (TGI's
+        max_waiting_tokens does the same), unless their tokens already fill the step's budget. Off with 0.
+        """
+        if not self.waiting or self.held_steps >= self.admission_wait_steps or batch.preempted:
+            return False
+        if len(self.running) < max(1, self.max_num_seqs // 4) or any(n > 1 for n in batch.num_new_tokens):
+            return False  # light load, or a prefill chunk runs in this step anyway
+        waiting_tokens = 0
+        for seq in self.waiting:
+            waiting_tokens += seq.num_tokens - seq.num_computed_tokens
+            if waiting_tokens >= budget:
                 return False
         return True
 
