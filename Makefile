@@ -27,7 +27,10 @@ run: $(STAMP)
 	$(PY) -m service serve
 
 # Test files run in parallel, each whole on one worker (its module-scoped servers started once): the suite spends
-# much of its time waiting on servers and subprocesses, so two workers fill a 2-core machine (see docs/testing.md)
-TEST_WORKERS ?= 2
+# a third of its time waiting on servers and subprocesses, so three workers fill a 2-core machine best. Bytecode
+# is written even where the environment says not to (PYTHONDONTWRITEBYTECODE): otherwise every worker and every
+# process a test starts compiles the project again, and pytest rewrites its plugins' asserts anew in each worker
+# (see docs/testing.md)
+TEST_WORKERS ?= 3
 test: $(STAMP) $(TOOLS)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
