@@ -27,10 +27,10 @@ run: $(STAMP)
 	$(PY) -m service serve
 
 # Test files run in parallel, each whole on one worker (its module-scoped servers started once): the suite spends
-# a third of its time waiting on servers and subprocesses, so three workers fill a 2-core machine best. Bytecode
+# a third of its time waiting on servers and subprocesses, so four workers fill a 2-core machine best. Bytecode
 # is written even where the environment says not to (PYTHONDONTWRITEBYTECODE): otherwise every worker and every
 # process a test starts compiles the project again, and pytest rewrites its plugins' asserts anew in each worker
 # (see docs/testing.md)
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 test: $(STAMP) $(TOOLS)
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
