@@ -306,7 +306,9 @@ def test_a_stream_not_read_past_its_backlog_is_aborted_and_its_outputs_dropped(t
                 await anext(stream)
             return first, dict(link.client.requests)
     first, left = asyncio.run(main())
-    assert first.num_output_tokens == 1 and left == {}  # cut and forgotten; what it never read was dropped
+    # the first read may hold more than one token (deltas a lagging reader has not taken are merged into one)
+    assert 1 <= first.num_output_tokens < 500 and not first.finished
+    assert left == {}  # cut and forgotten; what it never read was dropped
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
 
 
