@@ -14,6 +14,8 @@ Usage (device tool, after `source tests/gpu/env.sh`):
 
 import argparse
 import collections
+import contextlib
+import json
 import statistics
 import time
 
@@ -42,13 +44,10 @@ def main() -> None:
     overrides = {}
     for kv in filter(None, args.engine_args.split(",")):
         k, v = kv.split("=")
-        overrides[k] = {"true": True, "false": False}.get(v.lower(), v)
-        for cast in (int, float):
-            try:
-                overrides[k] = cast(v)
-                break
-            except ValueError:
-                pass
+        try:
+            overrides[k] = json.loads(v)  # ints, floats, true/false
+        except ValueError:
+            overrides[k] = v
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, max_num_seqs=args.max_num_seqs,
                                     **overrides))
     steps = []  # (phase, duration, tokens, seqs)
@@ -108,48 +107,48 @@ def main() -> None:
             print("; ".join(line), flush=True)
 
     if args.profile_steps:
+        import cProfile
+        import pstats
+
         from torch.profiler import ProfilerActivity, profile
-        add(args.max_num_seqs - 4 * args.profile_steps)
-        for _ in range(args.input_len // 8 + 8):  # every prompt in, decoding
-            engine.step()
-        sync()
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
-        steps.clear()
-        with profile(activities=activities) as prof:
+
+        def mixed_steps(around_step) -> float:
+            """A full batch decoding while 4 requests arrive a step: profile_steps such steps, each run inside
+            `around_step` (a context manager factory); returns the mean wall time of one."""
+            add(args.max_num_seqs - 4 * args.profile_steps)
+            for _ in range(args.input_len // 8 + 8):  # every prompt in, decoding
+                engine.step()
+            sync()
+            steps.clear()
             t0 = time.perf_counter()
             for _ in range(args.profile_steps):
                 add(4)
-                engine.step()
+                with around_step():
+                    engine.step()
             sync()
             per_step = (time.perf_counter() - t0) / args.profile_steps
-        while engine.has_unfinished():
-            engine.step()
-        import cProfile
-        import pstats
-        add(args.max_num_seqs - 4 * args.profile_steps)
-        for _ in range(args.input_len // 8 + 8):
-            engine.step()
-        sync()
-        host = cProfile.Profile()
-        t0 = time.perf_counter()
-        for _ in range(args.profile_steps):
-            add(4)
-            host.enable()
-            engine.step()
-            host.disable()
-        sync()
-        print(f"cProfile: {args.profile_steps} steps, {1e3 * (time.perf_counter() - t0) / args.profile_steps:.2f} ms a step")
-        pstats.Stats(host).sort_stats("cumulative").print_stats(35)
-        pstats.Stats(host).sort_stats("tottime").print_stats(25)
-        while engine.has_unfinished():
-            engine.step()
+            print(f"{args.profile_steps} steps ({collections.Counter(s[0] for s in steps)}): {1e3 * per_step:.3f} ms "
+                  f"a step under the profiler")
+            while engine.has_unfinished():
+                engine.step()
+            return per_step
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+        prof = profile(activities=activities)
+        prof.start()
+        mixed_steps(contextlib.nullcontext)
+        prof.stop()
         events = prof.key_averages()
         gpu = sum(e.self_device_time_total for e in events) / 1e3 / args.profile_steps
-        print(f"profiled {args.profile_steps} steps ({collections.Counter(s[0] for s in steps)}): {1e3 * per_step:.3f} "
-              f"ms a step under the profiler, GPU busy {gpu:.3f} ms a step")
+        print(f"torch.profiler: GPU busy {gpu:.3f} ms a step")
         print(events.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70))
         print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
 
+        host = cProfile.Profile()
+        mixed_steps(lambda: host)  # a cProfile.Profile is a context manager: enabled inside, disabled after
+        print("cProfile of the host's side of those steps:")
+        pstats.Stats(host).sort_stats("cumulative").print_stats(35)
+        pstats.Stats(host).sort_stats("tottime").print_stats(25)
 
 if __name__ == "__main__":
     main()
