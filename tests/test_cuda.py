@@ -242,7 +242,7 @@ def test_cuda_int4_needs_bfloat16_and_fp8_needs_ada_or_hopper():
             load_model("random:tiny", torch.bfloat16, torch.device("cuda"), quantization="fp8")
 
 
-# -- W8A8 on CUDA: int8 through torch._int_mm, fp8 through torch._scaled_mm (compute capability 8.9+) ----------
+# -- W8A8 on CUDA: int8 through our Triton kernel, fp8 through torch._scaled_mm (compute capability 8.9+) --------
 # Hopper's fp8 MMAs add their 32 products with fewer bits than float32 (about 14: DeepSeek-V3 report, section
 # 3.3.2) before cuBLAS carries the sum on in float32: at most 32 x 2^-14 = 2^-9 of the sum of |terms| more
 FP8_SUM_ERROR = 2.0 ** -9
@@ -255,8 +255,9 @@ def _w8a8_modes():
 
 
 def _ops_run(fn, *args):
-    """fn's result and the names of the operators that ran inside it."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    """fn's result and the names of the operators and GPU kernels that ran inside it."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
         out = fn(*args)
         torch.cuda.synchronize()
     return out, {event.name for event in prof.events()}
@@ -272,19 +273,25 @@ def _within_bound(layer, x, out) -> bool:
 @pytest.mark.parametrize("mode", _w8a8_modes())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows, in_features, out_features", [
-    (1, 2048, 8192), (16, 2048, 512), (17, 576, 1536), (300, 4096, 1024),  # rows <= 16: int8 pads them
-    (5, 72, 40), (33, 100, 64)])  # K or N off a kernel's alignment (int8: 8, fp8: 16): the exact fallback
+    (1, 2048, 8192), (16, 2048, 512), (17, 576, 1536), (300, 4096, 1024), (1000, 2048, 8192),  # every int8 tile
+    (5, 72, 40), (33, 100, 64)])  # K or N off fp8's alignment (16): its exact fallback; int8's kernel masks them
 def test_cuda_w8a8_kernel_lies_within_the_derived_bound_of_the_float32_reference(mode, dtype, rows, in_features,
                                                                                  out_features):
     from service.engine.w8a8 import W8A8Linear
 
-    align = 8 if mode == "int8-w8a8" else 16
-    kernel = in_features % align == 0 and out_features % align == 0
+    int8 = mode == "int8-w8a8"
+    kernel = int8 or (in_features % 16 == 0 and out_features % 16 == 0)
     torch.manual_seed(0)
     layer = W8A8Linear(torch.nn.Linear(in_features, out_features, bias=False, device="cuda"), mode)
     x = (torch.randn(rows, in_features, device="cuda") * torch.rand(rows, 1, device="cuda") * 10).to(dtype)
     out, ops = _ops_run(layer, x)
-    assert (("aten::_int_mm" if mode == "int8-w8a8" else "aten::_scaled_mm") in ops) == kernel, sorted(ops)
+    assert (("_int8_scaled_mm_kernel" if int8 else "aten::_scaled_mm") in ops) == kernel, sorted(ops)
+    if int8:  # exact sums, the rescale in float32 in the same order: bitwise cuBLAS's int32 product rescaled
+        from service.engine.w8a8 import int8_mm, quantize_rows
+
+        codes, scale = quantize_rows(x, torch.int8)
+        exact = (int8_mm(codes, layer.weight).float() * scale * layer.weight_scale).to(dtype)
+        assert torch.equal(out, exact)
     assert out.dtype == dtype and out.shape == (rows, out_features)
     assert _within_bound(layer, x, out)
 
@@ -332,7 +339,7 @@ def test_cuda_w8a8_engine_compiles_once_and_matches_transformers(mode):
 
     loaded = load_model("random:tiny", torch.float32, torch.device("cuda"), quantization=mode)
     engine = make_engine(loaded, device="cuda", num_blocks=64, max_num_seqs=16, max_num_batched_tokens=128)
-    assert engine.runner.compiled and engine.runner.graphs
+    assert engine.runner.compiled and engine.runner.graphs and engine.runner.fused_layers == 2  # q, k, v as one
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     rng = random.Random(7)
     engine.generate([[rng.randrange(5, 500) for _ in range(3 + 5 * i)] for i in range(16)], params)  # compiles

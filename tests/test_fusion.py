@@ -1,4 +1,4 @@
-"""The fused q, k, v projection: the same logits as the model's own attention, for every fused family, with
+"""The fused q, k, v projection and the fused gate and up projection: the same logits as the model's own attention, for every fused family, with
 transformers' attention and KV cache and with the engine's paged attention; quantized weights are left alone."""
 
 import pytest
@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from service.engine import SamplingParams
 from service.engine.attention import ATTN_IMPLEMENTATION
-from service.engine.fusion import fuse_qkv, unfuse_qkv
+from service.engine.fusion import fuse_gate_up, fuse_qkv, unfuse_gate_up, unfuse_qkv
 from service.engine.models import LoadedModel
 from tests.conftest import make_engine
 
@@ -62,7 +62,7 @@ def test_the_engine_runs_a_fused_model_like_transformers(name):
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     loaded = LoadedModel(model=model, tokenizer=None, name=name, max_model_len=256, eos_token_ids=frozenset())
     engine = make_engine(loaded)
-    assert engine.runner.fused_layers == 2
+    assert engine.runner.fused_layers == 2 and engine.runner.fused_mlps == 2
     outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert [o["token_ids"] for o in outs] == ids
 
@@ -73,3 +73,44 @@ def test_quantized_or_odd_projections_are_not_fused():
     attn.k_proj.weight = torch.nn.Parameter(attn.k_proj.weight.to(torch.int8), requires_grad=False)
     assert fuse_qkv(model) == 1  # the other layer only
     assert hasattr(attn, "k_proj") and "forward" not in vars(attn)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2-bias"])
+def test_w8a8_projections_fuse_into_one_that_rounds_as_the_three_did(name):
+    """int8-w8a8 q, k and v (one mode, one input) become one W8A8 layer, gate and up another: stacked codes and per-channel scales, the
+    input quantized once, the same logits bit for bit; unfusing gives the three layers back."""
+    from service.engine import w8a8
+
+    model = model_for(name)
+    w8a8.quantize(model, "int8-w8a8", skip=model.lm_head)
+    ids = torch.randint(5, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).logits
+        assert fuse_qkv(model) == 2 and fuse_gate_up(model) == 2
+        attn = model.model.layers[0].self_attn
+        assert isinstance(attn.qkv_proj, w8a8.W8A8Linear) and attn.qkv_proj.weight.dtype == torch.int8
+        assert attn.qkv_proj.weight_scale.shape == (1, 4 * 16 + 2 * 2 * 16)
+        assert isinstance(model.model.layers[0].mlp.gate_up_proj, w8a8.W8A8Linear)
+        assert torch.equal(model(ids).logits, before)
+        unfuse_qkv(model)
+        unfuse_gate_up(model)
+        assert isinstance(attn.k_proj, w8a8.W8A8Linear) and attn.k_proj.weight.shape == (32, 64)
+        assert torch.equal(model(ids).logits, before)
+    attn.k_proj = w8a8.W8A8Linear(torch.nn.Linear(64, 32, bias=name != "llama"), "fp8-w8a8", simulate=True)
+    assert fuse_qkv(model) == 1  # modes differ in layer 0: only layer 1 fuses
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_fused_gate_up_gives_the_models_own_logits_and_unfusing_restores_it(name):
+    model = model_for(name)
+    ids = torch.randint(5, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).logits
+        assert fuse_gate_up(model) == 2
+        mlp = model.model.layers[0].mlp
+        assert not hasattr(mlp, "gate_proj") and mlp.gate_up_proj.weight.shape == (2 * 128, 64)
+        torch.testing.assert_close(model(ids).logits, before, atol=1e-5, rtol=1e-5)
+        assert fuse_gate_up(model) == 0
+        unfuse_gate_up(model)
+        assert "forward" not in vars(mlp) and mlp.gate_proj.weight.shape == (128, 64)
+        assert torch.equal(model(ids).logits, before)

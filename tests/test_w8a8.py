@@ -111,7 +111,7 @@ def test_compiled_int8_layer_keeps_the_matmul_one_opaque_op_over_any_row_count()
         assert ((out - reference(lin, x)).abs() <= error_bound(lin, x, torch.float32)).all()
         compiles.append(counter.frame_count)
     assert compiles == compiles[:1] * 5  # compiled at the first call only
-    assert any(node.target is torch.ops.llm_service.int8_mm.default
+    assert any(node.target is torch.ops.llm_service.int8_scaled_mm.default
                for graph in counter.graphs for node in graph.graph.nodes)
 
 

@@ -1,4 +1,5 @@
-"""One matrix multiply for the query, key and value projections of each attention layer.
+"""One matrix multiply for the query, key and value projections of each attention layer, and one for the gate and
+up projections of each MLP.
 
 transformers' Llama-family attention runs q_proj, k_proj and v_proj as three multiplies over the same input. In a
 decode step the key and value ones are small (a 1B model's: 2 MB of weights each), and a small multiply does not
@@ -6,10 +7,13 @@ reach the memory bandwidth: on an H100 at one row the three took 15.1 us and one
 weights 5.3 us; at 256 rows 17.3 us and 8.2 us (tests/gpu/decode_kernels.py). `fuse_qkv` concatenates them into
 one `qkv_proj` and gives the attention module a forward pass that splits its output; everything after the
 projections (norms, rotary embedding, the attention function, o_proj) is the model's own code, as its own
-forward pass calls it.
+forward pass calls it. `fuse_gate_up` does the same for the MLP's gate_proj and up_proj (one `gate_up_proj`; the
+forward pass splits it and runs down_proj(act(gate) * up), the family's own formula).
 
-Only the attention classes whose forward pass is known (below) are fused, and only plain floating-point weights:
-a quantized checkpoint or --quantization keeps its own projections.
+Only the attention and MLP classes whose forward pass is known (below) are fused, and only plain floating-point weights
+or W8A8 layers of one mode (engine/w8a8.py: stacking their codes and per-channel scales rounds exactly as the
+separate ones did, and the input is quantized once instead of once per projection): a quantized checkpoint or a weight-only
+--quantization keeps its own projections.
 """
 
 import sys
@@ -17,16 +21,21 @@ import sys
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from service.engine.w8a8 import W8A8Linear
+
 # transformers attention classes whose forward pass is Llama's: project, (Qwen3: per-head norms of q and k),
 # rotary embedding, attention (Mistral, Qwen2 and Qwen3: with a sliding window), o_proj
 FUSABLE = {"LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention"}
+# MLP classes whose forward pass is down_proj(act_fn(gate_proj(x)) * up_proj(x))
+FUSABLE_MLP = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"}
+QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 
 
 def fuse_qkv(model: torch.nn.Module) -> int:
     """Replace q_proj, k_proj and v_proj of every fusable attention module by one qkv_proj; return how many."""
     count = 0
     for module in model.modules():
-        if type(module).__name__ in FUSABLE and _plain(module):
+        if type(module).__name__ in FUSABLE and _plain(module, QKV):
             _fuse(module)
             count += 1
     return count
@@ -37,36 +46,83 @@ def unfuse_qkv(model: torch.nn.Module) -> None:
     for module in model.modules():
         if "qkv_proj" not in module._modules:
             continue
-        fused = module.qkv_proj
-        weights = fused.weight.split(module.qkv_sizes)
-        biases = fused.bias.split(module.qkv_sizes) if fused.bias is not None else [None] * 3
-        for name, weight, bias in zip(("q_proj", "k_proj", "v_proj"), weights, biases):
-            linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-            linear.weight = torch.nn.Parameter(weight, requires_grad=False)
-            if bias is not None:
-                linear.bias = torch.nn.Parameter(bias, requires_grad=False)
-            setattr(module, name, linear)
+        for name, part in zip(QKV, _split(module.qkv_proj, module.qkv_sizes)):
+            setattr(module, name, part)
         del module.qkv_proj, module.qkv_sizes, module.fused_sliding_window, module.model_code, module.forward
 
 
-def _plain(module) -> bool:
-    projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+def fuse_gate_up(model: torch.nn.Module) -> int:
+    """Replace gate_proj and up_proj of every fusable MLP by one gate_up_proj; return how many."""
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ in FUSABLE_MLP and _plain(module, GATE_UP):
+            gate, up = module.gate_proj, module.up_proj
+            module.gate_up_proj = _concatenated([gate, up])
+            module.gate_up_sizes = [gate.out_features, up.out_features]
+            del module.gate_proj, module.up_proj
+            module.forward = _fused_mlp_forward.__get__(module)
+            count += 1
+    return count
+
+
+def unfuse_gate_up(model: torch.nn.Module) -> None:
+    """Give every fused MLP its two projections and its class's forward pass back."""
+    for module in model.modules():
+        if "gate_up_proj" in module._modules:
+            for name, part in zip(GATE_UP, _split(module.gate_up_proj, module.gate_up_sizes)):
+                setattr(module, name, part)
+            del module.gate_up_proj, module.gate_up_sizes, module.forward
+
+
+def _fused_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    gate, up = self.gate_up_proj(x).split(self.gate_up_sizes, dim=-1)
+    return self.down_proj(self.act_fn(gate) * up)
+
+
+def _split(fused: torch.nn.Module, sizes: list[int]) -> list[torch.nn.Module]:
+    """The layers a fused one was concatenated from, by their numbers of outputs."""
+    if isinstance(fused, W8A8Linear):
+        return fused.split(sizes)
+    biases = fused.bias.split(sizes) if fused.bias is not None else [None] * len(sizes)
+    parts = []
+    for weight, bias in zip(fused.weight.split(sizes), biases):
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            linear.bias = torch.nn.Parameter(bias, requires_grad=False)
+        parts.append(linear)
+    return parts
+
+
+def _plain(module, names: tuple[str, ...]) -> bool:
+    """Whether the module's projections `names` can be concatenated: plain float layers or W8A8 layers of one mode,
+    all over one input size, all with a bias or none."""
+    projections = [getattr(module, name, None) for name in names]
+    if all(type(p) is W8A8Linear for p in projections):
+        return len({(p.mode, p.simulate, p.in_features, p.bias is None) for p in projections}) == 1
     return all(type(p) is torch.nn.Linear and type(p.weight) is torch.nn.Parameter and p.weight.is_floating_point()
                for p in projections) and len({p.in_features for p in projections}) == 1 \
         and len({p.bias is None for p in projections}) == 1
 
 
-def _fuse(module) -> None:
-    q, k, v = module.q_proj, module.k_proj, module.v_proj
-    sizes = [q.out_features, k.out_features, v.out_features]
-    fused = torch.nn.Linear(q.in_features, sum(sizes), bias=q.bias is not None, device="meta")
+def _concatenated(layers: list[torch.nn.Module]) -> torch.nn.Module:
+    """One layer whose outputs are those of `layers` side by side."""
+    first = layers[0]
+    if isinstance(first, W8A8Linear):
+        return W8A8Linear.concatenated(layers)
+    fused = torch.nn.Linear(first.in_features, sum(lay.out_features for lay in layers), bias=first.bias is not None,
+                            device="meta")
     with torch.no_grad():
-        fused.weight = torch.nn.Parameter(torch.cat([q.weight, k.weight, v.weight]), requires_grad=False)
-        if q.bias is not None:
-            fused.bias = torch.nn.Parameter(torch.cat([q.bias, k.bias, v.bias]), requires_grad=False)
+        fused.weight = torch.nn.Parameter(torch.cat([lay.weight for lay in layers]), requires_grad=False)
+        if first.bias is not None:
+            fused.bias = torch.nn.Parameter(torch.cat([lay.bias for lay in layers]), requires_grad=False)
+    return fused
+
+
+def _fuse(module) -> None:
+    module.qkv_proj = _concatenated([module.q_proj, module.k_proj, module.v_proj])
+    module.qkv_sizes = [module.q_proj.out_features, module.k_proj.out_features, module.v_proj.out_features]
     del module.q_proj, module.k_proj, module.v_proj
-    module.qkv_proj = fused
-    module.qkv_sizes = sizes
     # Mistral reads its window from the config, Qwen2 and Qwen3 keep one per layer (None on full-attention layers);
     # Llama has none (None: every attention function's default)
     module.fused_sliding_window = (module.sliding_window if hasattr(module, "sliding_window")

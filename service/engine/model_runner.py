@@ -41,6 +41,7 @@ class ModelRunner:
         else:
             raise ValueError(f"unknown attention backend {backend!r}: use auto, torch or triton")
         self.fused_layers = fusion.fuse_qkv(model) if config.fuse_qkv else 0
+        self.fused_mlps = fusion.fuse_gate_up(model) if config.fuse_qkv else 0
         self.compiled = device.type == "cuda" and config.compile and compilation.compile_layers(self)
         self.num_blocks = config.num_blocks or blocks_that_fit(self)
         self.max_model_len = min(max_model_len, (self.num_blocks - 1) * self.block_size)
@@ -127,4 +128,5 @@ class ModelRunner:
         """Give the model back as it was loaded (for others that run it, such as the benchmark's peers)."""
         compilation.uncompile(self.model)
         fusion.unfuse_qkv(self.model)
-        self.compiled, self.fused_layers = False, 0
+        fusion.unfuse_gate_up(self.model)
+        self.compiled, self.fused_layers, self.fused_mlps = False, 0, 0

@@ -7,9 +7,11 @@ magnitude. int8 codes lie in [-127, 127] (round half to even); fp8 codes are flo
 cast rounds). The product is rescaled by token scale times channel scale in float32 and cast to the
 activations' dtype.
 
-Kernels: `torch._int_mm` (exact int32 sums; CUDA and CPU) and `torch._scaled_mm` (fp8 tensor cores, CUDA 8.9+),
-each behind a custom op, so that torch.compile fuses the quantization around a matmul it cannot see and so never
-tunes one per prefill size (what stalled weight-only int8). Shapes a kernel refuses run an exact fallback.
+Kernels: int8 through a Triton kernel of our own on CUDA (engine/triton_int8.py: exact int32 sums on the tensor
+cores and the rescale in its epilogue; cuBLAS's `torch._int_mm` was no faster than bf16 on the H100) and
+`torch._int_mm` on the CPU; fp8 through `torch._scaled_mm` (fp8 tensor cores, CUDA 8.9+). Each sits behind a
+custom op, so that torch.compile fuses the quantization around a matmul it cannot see and so never tunes one per
+prefill size (what stalled weight-only int8). Shapes a kernel refuses run an exact fallback.
 `reference` computes the same rounding in float32 (quantize, dequantize, matmul) and `error_bound` how far a
 kernel may lie from it; a layer built with `simulate=True` runs that reference instead of a kernel (how fp8 is
 measured on a CPU, which never serves it).
@@ -43,11 +45,11 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     return (x * (1 / scale.double()).float()).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
 
 
-@torch.library.custom_op("llm_service::int8_mm", mutates_args=())
 def int8_mm(codes: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """codes [M, K] int8 @ weight [N, K] int8 transposed -> int32 [M, N], exact.
+    """codes [M, K] int8 @ weight [N, K] int8 transposed -> int32 [M, N], exact: `torch._int_mm`, the CPU's kernel
+    (and on CUDA cuBLAS's, kept as the exact reference the Triton kernel is measured and checked against).
 
-    cuBLAS (torch._int_mm on CUDA) wants more than 16 rows and K, N multiples of 8: fewer rows are padded with
+    cuBLAS wants more than 16 rows and K, N multiples of 8: fewer rows are padded with
     zero rows; other K or N go through float64, whose sums of int8 products are exact. The CPU kernel takes any shape.
     """
     if codes.device.type != "cuda":
@@ -61,9 +63,21 @@ def int8_mm(codes: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(codes, weight.t())
 
 
-@int8_mm.register_fake
-def _(codes, weight):
-    return codes.new_empty(codes.shape[0], weight.shape[0], dtype=torch.int32)
+@torch.library.custom_op("llm_service::int8_scaled_mm", mutates_args=())
+def int8_scaled_mm(codes: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """(codes [M, K] * scale [M, 1]) @ (weight [N, K] * weight_scale [1, N]).T in out_dtype; int8 codes, the sums
+    exact, the rescale in float32 (token scale first, then channel scale: the same rounding on every device)."""
+    if codes.device.type == "cuda":
+        from service.engine import triton_int8
+
+        return triton_int8.int8_scaled_mm(codes, scale, weight, weight_scale, out_dtype)
+    return (int8_mm(codes, weight).float() * scale * weight_scale).to(out_dtype)
+
+
+@int8_scaled_mm.register_fake
+def _(codes, scale, weight, weight_scale, out_dtype):
+    return codes.new_empty(codes.shape[0], weight.shape[0], dtype=out_dtype)
 
 
 @functools.cache
@@ -99,14 +113,40 @@ class W8A8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear, mode: str, simulate: bool = False):
         super().__init__()
+        codes, scale = quantize_rows(linear.weight.detach(), CODES[mode])
+        self._hold(codes, scale.reshape(1, -1), linear.bias, mode, simulate)
+
+    def _hold(self, codes, scale, bias, mode, simulate) -> None:
         self.mode, self.codes, self.simulate = mode, CODES[mode], simulate
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        codes, scale = quantize_rows(linear.weight.detach(), self.codes)
-        # [out, in] row-major: its transpose is the column-major operand both kernels want (cuBLAS refuses int8 with
-        # a row-major second operand for many shapes: CUBLAS_STATUS_NOT_SUPPORTED on the H100, 17 rows x 64 x 64)
-        self.weight = nn.Parameter(codes, requires_grad=False)
-        self.weight_scale = nn.Parameter(scale.reshape(1, -1).contiguous(), requires_grad=False)  # [1, out]
-        self.bias = linear.bias
+        self.out_features, self.in_features = codes.shape
+        # [out, in] row-major: K-major, as 8-bit tensor-core instructions want both operands (cuBLAS refuses int8
+        # with a row-major second operand for many shapes: CUBLAS_STATUS_NOT_SUPPORTED on the H100, 17 x 64 x 64)
+        self.weight = nn.Parameter(codes.contiguous(), requires_grad=False)
+        self.weight_scale = nn.Parameter(scale.contiguous(), requires_grad=False)  # [1, out] float32
+        self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def concatenated(cls, layers: list["W8A8Linear"]) -> "W8A8Linear":
+        """One layer whose outputs are those of `layers` (same input, same mode) side by side: the codes and the
+        per-channel scales are stacked, so the one matmul rounds exactly as the separate ones did."""
+        first = layers[0]
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        bias = None if first.bias is None else torch.cat([lay.bias for lay in layers])
+        layer._hold(torch.cat([lay.weight for lay in layers]), torch.cat([lay.weight_scale for lay in layers], 1),
+                    bias, first.mode, first.simulate)
+        return layer
+
+    def split(self, sizes: list[int]) -> list["W8A8Linear"]:
+        """The layers `concatenated` made this one of, by their numbers of outputs."""
+        biases = self.bias.split(sizes) if self.bias is not None else [None] * len(sizes)
+        parts = []
+        for codes, scale, bias in zip(self.weight.split(sizes), self.weight_scale.split(sizes, 1), biases):
+            part = type(self).__new__(type(self))
+            nn.Module.__init__(part)
+            part._hold(codes, scale, bias, self.mode, self.simulate)
+            parts.append(part)
+        return parts
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight the codes stand for, [out, in] float32."""
@@ -118,7 +158,7 @@ class W8A8Linear(nn.Module):
             out = reference(self, rows).to(x.dtype)
         elif self.codes == torch.int8:
             codes, scale = quantize_rows(rows, self.codes)
-            out = (int8_mm(codes, self.weight).float() * scale * self.weight_scale).to(x.dtype)
+            out = int8_scaled_mm(codes, scale, self.weight, self.weight_scale, x.dtype)
         else:
             codes, scale = quantize_rows(rows, self.codes)
             out = fp8_mm(codes, scale, self.weight, self.weight_scale, x.dtype)

@@ -1,0 +1,93 @@
+"""int8-w8a8's matmul on the GPU (issue 27): the Triton kernel (service/engine/triton_int8.py) against cuBLAS's
+int8 matmul plus its rescale (the path before), bf16 and fp8-w8a8's `torch._scaled_mm`, on the linear layers of
+random:llama-1b and random:llama-8b, each timed inside a CUDA graph (triton.testing.do_bench_cudagraph).
+
+  python3 tests/gpu/int8_gemm.py            # the kernel's tile table against the others, and exactness
+  python3 tests/gpu/int8_gemm.py --sweep    # also every candidate tile per row count: the table's source
+
+The activations' quantization is not in these times (it is the same for both int8 paths; fp8's is alike).
+"""
+
+import argparse
+import itertools
+import time
+
+import torch
+import triton
+from triton.testing import do_bench_cudagraph
+
+from service.engine import triton_int8
+from service.engine.w8a8 import int8_mm, quantize_rows
+
+SHAPES = {  # name: (K, N) of x [M, K] @ W.T, W [N, K]: the engine's layers (q, k, v fused; gate, up fused)
+    "1b qkv": (2048, 3072), "1b o": (2048, 2048), "1b gate_up": (2048, 16384), "1b down": (8192, 2048),
+    "8b qkv": (4096, 6144), "8b o": (4096, 4096), "8b gate_up": (4096, 28672), "8b down": (14336, 4096),
+}
+ROWS = [1, 16, 64, 256, 1024, 4096, 8192]
+SWEPT = tuple(SHAPES)
+
+
+def bench(fn) -> float:
+    return do_bench_cudagraph(fn, rep=30) * 1000  # microseconds
+
+
+def candidates(rows):
+    ms = [m for m in (16, 32, 64, 128) if m <= max(16, triton.next_power_of_2(rows))][-2:]
+    return itertools.product(ms, (64, 128, 256), (128, 256), (4, 8), (3, 4))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep-seconds", type=float, default=300)
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma list of row counts")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    print("| layer | rows | bf16 us | cuBLAS int8 + rescale us | Triton int8 us | fp8 us | Triton vs bf16 | exact |")
+    print("|---|---|---|---|---|---|---|---|")
+    best = {}
+    deadline = time.monotonic() + args.sweep_seconds
+    rows_list = [int(r) for r in args.rows.split(",")]
+    for (name, (k, n)), rows in itertools.product(SHAPES.items(), rows_list):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        codes, scale = quantize_rows(x, torch.int8)
+        wcodes, wscale = quantize_rows(w, torch.int8)
+        wscale = wscale.reshape(1, -1).contiguous()
+        exact = (int8_mm(codes, wcodes).float() * scale * wscale)
+        ours = triton_int8.int8_scaled_mm(codes, scale, wcodes, wscale, torch.float32)
+        same = torch.equal(ours, exact) and torch.equal(
+            triton_int8.int8_scaled_mm(codes, scale, wcodes, wscale, torch.bfloat16), exact.bfloat16())
+        t_bf16 = bench(lambda: x @ w.t())
+        t_cublas = bench(lambda: (int8_mm(codes, wcodes).float() * scale * wscale).bfloat16())
+        t_ours = bench(lambda: triton_int8.int8_scaled_mm(codes, scale, wcodes, wscale, torch.bfloat16))
+        f8, f8s = quantize_rows(x, torch.float8_e4m3fn)
+        w8, w8s = quantize_rows(w, torch.float8_e4m3fn)
+        w8s = w8s.reshape(1, -1).contiguous()
+        t_fp8 = bench(lambda: torch._scaled_mm(f8, w8.t(), scale_a=f8s, scale_b=w8s, out_dtype=torch.bfloat16)) \
+            if rows > 0 else float("nan")
+        print(f"| {name} | {rows} | {t_bf16:.1f} | {t_cublas:.1f} | {t_ours:.1f} | {t_fp8:.1f} | "
+              f"{t_bf16 / t_ours:.2f}x | {same} |", flush=True)
+        if args.sweep and name in SWEPT and time.monotonic() < deadline:
+            timed = []
+            for tile in candidates(rows):
+                try:
+                    timed.append((bench(lambda: triton_int8.int8_scaled_mm(
+                        codes, scale, wcodes, wscale, torch.bfloat16, tile=tile)), tile))
+                except Exception as error:  # noqa: BLE001 - tiles that exceed shared memory are skipped
+                    if "OutOfResources" not in type(error).__name__ and "shared memory" not in str(error):
+                        raise
+            timed.sort()
+            best[name, rows] = timed[:3]
+            print(f"    sweep: best {[(round(t, 1), tile) for t, tile in timed[:3]]}", flush=True)
+    if best:
+        print("\nbest tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) per row count, over the layers swept:")
+        for rows in rows_list:
+            tops = [(name, timed[0]) for (name, r), timed in best.items() if r == rows]
+            for name, (t, tile) in tops:
+                print(f"  rows {rows:5d} {name:12s} {t:8.1f} us {tile}")
+
+
+if __name__ == "__main__":
+    main()
