@@ -248,10 +248,11 @@ def test_cuda_int4_needs_bfloat16_and_fp8_needs_ada_or_hopper():
 FP8_SUM_ERROR = 2.0 ** -9
 
 
-def _w8a8_modes():
+def _w8a8_modes(weight_only: bool = False):
+    """The W8A8 modes (and, with weight_only, weight-only int8, which runs the same layer on CUDA)."""
     fp8 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                              reason="fp8 needs compute capability 8.9+")
-    return ["int8-w8a8", pytest.param("fp8-w8a8", marks=fp8)]
+    return ["int8-w8a8", pytest.param("fp8-w8a8", marks=fp8)] + (["int8"] if weight_only else [])
 
 
 def _ops_run(fn, *args):
@@ -270,7 +271,7 @@ def _within_bound(layer, x, out) -> bool:
     return bool(((out.float() - reference(layer, x)).abs() <= bound).all())
 
 
-@pytest.mark.parametrize("mode", _w8a8_modes())
+@pytest.mark.parametrize("mode", _w8a8_modes(weight_only=True))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows, in_features, out_features", [
     (1, 2048, 8192), (16, 2048, 512), (17, 576, 1536), (300, 4096, 1024), (1000, 2048, 8192),  # every int8 tile
@@ -279,14 +280,14 @@ def test_cuda_w8a8_kernel_lies_within_the_derived_bound_of_the_float32_reference
                                                                                  out_features):
     from service.engine.w8a8 import W8A8Linear
 
-    int8 = mode == "int8-w8a8"
+    int8 = mode in ("int8-w8a8", "int8")
     kernel = int8 or (in_features % 16 == 0 and out_features % 16 == 0)
     torch.manual_seed(0)
     layer = W8A8Linear(torch.nn.Linear(in_features, out_features, bias=False, device="cuda"), mode)
     x = (torch.randn(rows, in_features, device="cuda") * torch.rand(rows, 1, device="cuda") * 10).to(dtype)
     out, ops = _ops_run(layer, x)
     assert (("_int8_scaled_mm_kernel" if int8 else "aten::_scaled_mm") in ops) == kernel, sorted(ops)
-    if int8:  # exact sums, the rescale in float32 in the same order: bitwise cuBLAS's int32 product rescaled
+    if mode == "int8-w8a8":  # exact sums, the rescale in float32 in the same order: bitwise cuBLAS's int32 product
         from service.engine.w8a8 import int8_mm, quantize_rows
 
         codes, scale = quantize_rows(x, torch.int8)
@@ -296,7 +297,7 @@ def test_cuda_w8a8_kernel_lies_within_the_derived_bound_of_the_float32_reference
     assert _within_bound(layer, x, out)
 
 
-@pytest.mark.parametrize("mode", _w8a8_modes())
+@pytest.mark.parametrize("mode", _w8a8_modes(weight_only=True))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_w8a8_compiled_and_graph_replayed_layer_equals_eager_with_one_compile_for_all_row_counts(mode, dtype):
     """torch.compile (dynamic, as the engine compiles its layers) rounds the activations exactly as eager code does
@@ -328,16 +329,19 @@ def test_cuda_w8a8_compiled_and_graph_replayed_layer_equals_eager_with_one_compi
     assert torch.equal(out, layer.forward(x))
 
 
-@pytest.mark.parametrize("mode", _w8a8_modes())
+@pytest.mark.parametrize("mode", _w8a8_modes(weight_only=True))
 def test_cuda_w8a8_engine_compiles_once_and_matches_transformers(mode):
     """The engine's compiled, graph-replayed path over W8A8 weights (float32 activations): prefills of many new
     sizes add no compiled graph once the first batch has run (what stalled weight-only int8: inductor tuning
     each new size), and the output matches transformers' eager generate on the same weights - token for token
     for int8, whose sums are exact; fp8's sums depend on the tile shape cuBLAS picks for a batch's row count,
-    so there a near-tie may flip and a share of positions must agree."""
+    so there a near-tie may flip and a share of positions must agree. Weight-only int8 runs the same layers."""
     from torch._dynamo.utils import counters
 
+    from service.engine.w8a8 import W8A8Linear
+
     loaded = load_model("random:tiny", torch.float32, torch.device("cuda"), quantization=mode)
+    assert any(isinstance(m, W8A8Linear) for m in loaded.model.modules())
     engine = make_engine(loaded, device="cuda", num_blocks=64, max_num_seqs=16, max_num_batched_tokens=128)
     assert engine.runner.compiled and engine.runner.graphs and engine.runner.fused_layers == 2  # q, k, v as one
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -348,7 +352,7 @@ def test_cuda_w8a8_engine_compiles_once_and_matches_transformers(mode):
     outs = [o["token_ids"] for o in engine.generate(prompts, params)]
     assert counters["stats"]["unique_graphs"] == graphs
     refs = [reference_greedy(loaded, p, 8) for p in prompts]
-    if mode == "int8-w8a8":
+    if mode != "fp8-w8a8":
         assert outs == refs
     else:
         same = sum(a == b for out, ref in zip(outs, refs) for a, b in zip(out, ref)) / sum(map(len, refs))

@@ -120,3 +120,19 @@ def test_quantize_replaces_every_linear_but_the_one_skipped():
     head = model[2]
     assert w8a8.quantize(model, "int8-w8a8", skip=head) == 1
     assert isinstance(model[0], W8A8Linear) and model[2] is head
+
+
+def test_weight_only_int8_layer_keeps_the_activations_and_lies_within_the_bound():
+    """The layer weight-only int8 runs on CUDA (here its CPU fallback): int8 weights with per-channel scales, the
+    activations multiplied as they are, within the bound of the float32 reference; stacked and split like W8A8."""
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(64, 48, bias=False)
+    lin = W8A8Linear(dense, "int8")
+    assert lin.weight_only and lin.weight.dtype == torch.int8 and lin.weight_scale.shape == (1, 48)
+    x = torch.randn(5, 64) * 4
+    out = lin(x)
+    torch.testing.assert_close(reference(lin, x), x @ lin.dequantized_weight().t(), rtol=0, atol=0)
+    assert ((out - reference(lin, x)).abs() <= error_bound(lin, x, torch.float32)).all()
+    assert (out - dense(x)).abs().max() < 0.02 * dense(x).abs().max()  # int8 weights: close to float32
+    parts = W8A8Linear.concatenated([lin, lin]).split([48, 48])
+    assert all(torch.equal(part(x), out) for part in parts)

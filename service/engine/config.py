@@ -29,7 +29,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs
     compile: bool = True  # on CUDA, torch.compile the decoder layers (slower start, faster steps)
-    fuse_qkv: bool = True  # one multiply for q, k and v of Llama-family attention, one for gate and up (engine/fusion.py)
+    fuse_qkv: bool = True  # one multiply for q, k, v of Llama-family attention, one for gate, up (engine/fusion.py)
     overlap: bool | None = None  # schedule step N+1 while the device runs step N; None: on with CUDA, off on CPU
     attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere; or torch / triton
     seed: int = 0  # seed of the sampler for requests that bring none

@@ -10,10 +10,10 @@ projections (norms, rotary embedding, the attention function, o_proj) is the mod
 forward pass calls it. `fuse_gate_up` does the same for the MLP's gate_proj and up_proj (one `gate_up_proj`; the
 forward pass splits it and runs down_proj(act(gate) * up), the family's own formula).
 
-Only the attention and MLP classes whose forward pass is known (below) are fused, and only plain floating-point weights
-or W8A8 layers of one mode (engine/w8a8.py: stacking their codes and per-channel scales rounds exactly as the
-separate ones did, and the input is quantized once instead of once per projection): a quantized checkpoint or a weight-only
---quantization keeps its own projections.
+Only the attention and MLP classes whose forward pass is known (below) are fused, and only plain floating-point
+weights or W8A8Linear layers of one mode (engine/w8a8.py: the W8A8 modes, and weight-only int8 on CUDA; stacking
+their codes and per-channel scales rounds exactly as the separate layers did, and the input is quantized once
+instead of once per projection): a quantized checkpoint or a torchao --quantization keeps its own projections.
 """
 
 import sys

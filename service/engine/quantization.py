@@ -45,7 +45,8 @@ def check(mode: str, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse, in one line, a mode this device or dtype cannot run (before anything is loaded)."""
     if mode not in MODES:
         raise ValueError(f"unknown quantization {mode!r}: use {', '.join(MODES)}")
-    if mode not in ("none", *W8A8_MODES) and importlib.util.find_spec("torchao") is None:
+    torchao = mode not in ("none", *W8A8_MODES) and not _own_kernel(mode, device)
+    if torchao and importlib.util.find_spec("torchao") is None:
         raise ValueError(f"{mode} weights need torchao, which is not installed here: pip install torchao")
     if mode == "fp8" and device.type != "cuda":
         raise ValueError("fp8 weights need a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper); "
@@ -99,7 +100,7 @@ def quantize(model: torch.nn.Module, mode: str, device: torch.device, simulate: 
     if mode == "none":
         return
     output = model.get_output_embeddings()
-    if mode in W8A8_MODES:
+    if mode in W8A8_MODES or _own_kernel(mode, device):
         count = w8a8.quantize(model, mode, simulate, skip=output)
         log.info("quantized %d linear layers to %s%s", count, mode, " (float32 simulation)" if simulate else "")
         return
@@ -110,6 +111,12 @@ def quantize(model: torch.nn.Module, mode: str, device: torch.device, simulate: 
     quantize_(model, _config(mode, device),
               filter_fn=lambda module, _name: isinstance(module, torch.nn.Linear) and module is not output)
     log.info("quantized %d linear layers to %s weights", _count_quantized(model), mode)
+
+
+def _own_kernel(mode: str, device: torch.device) -> bool:
+    """Weight-only int8 on CUDA runs our Triton kernel (engine/w8a8.py), not torchao's: torch.compile tuned torchao's
+    int8 matmul at every new prefill size, a stall of minutes. On the CPU torchao's int8 kernel stays."""
+    return mode == "int8" and device.type == "cuda"
 
 
 def _config(mode: str, device: torch.device):

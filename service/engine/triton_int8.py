@@ -1,7 +1,11 @@
-"""Triton kernel for int8-w8a8's matmul on CUDA: int8 codes times int8 weights summed exactly in int32 on the
-tensor cores, then rescaled by token scale times channel scale in float32 and written in the output dtype, all
-in one kernel (cuBLAS's int8 matmul, `torch._int_mm`, is no faster than bf16 on the H100 and leaves the
-rescale to another pass over an int32 product twice the output's size).
+"""Triton kernel for int8 weights on CUDA, one per output-channel scale, rescaled in the kernel's epilogue:
+
+- int8-w8a8: int8 activation codes times int8 weights, summed exactly in int32 on the tensor cores, then
+  rescaled by token scale times channel scale in float32 (cuBLAS's int8 matmul, `torch._int_mm`, is no faster
+  than bf16 on the H100 and leaves the rescale to another pass over an int32 product twice the output's size);
+- weight-only int8: activations in bfloat16, float16 or float32, each weight tile widened to their dtype in
+  registers (exactly: int8 fits every one), summed in float32, then rescaled by the channel scale. torch.compile
+  sees one opaque op, so it never tunes an int8 matmul per prefill size (what stalled torchao's int8 under it).
 
 One program computes one BLOCK_M x BLOCK_N tile of the output; programs are grouped along M so that tiles
 sharing weight columns run together and reuse them from L2. Both operands are K-major (the codes [M, K] and the
@@ -19,6 +23,7 @@ def _int8_scaled_mm_kernel(
     A, B, C, scale_a, scale_b, M, N, K,
     stride_am, stride_bn, stride_cm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    WEIGHT_ONLY: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -36,18 +41,27 @@ def _int8_scaled_mm_kernel(
     b_ptr = B + rn[None, :].to(tl.int64) * stride_bn + rk[:, None]
     m_ok = rm[:, None] < M
     n_ok = rn[None, :] < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    if WEIGHT_ONLY:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = rk < K - k * BLOCK_K
         a = tl.load(a_ptr, mask=m_ok & k_ok[None, :], other=0)
         b = tl.load(b_ptr, mask=n_ok & k_ok[:, None], other=0)
-        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        if WEIGHT_ONLY:
+            acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         a_ptr += BLOCK_K
         b_ptr += BLOCK_K
 
-    sa = tl.load(scale_a + rm, mask=rm < M, other=0.0)
     sb = tl.load(scale_b + rn, mask=rn < N, other=0.0)
-    out = acc.to(tl.float32) * sa[:, None] * sb[None, :]
+    out = acc.to(tl.float32)
+    if not WEIGHT_ONLY:
+        sa = tl.load(scale_a + rm, mask=rm < M, other=0.0)
+        out = out * sa[:, None]
+    out = out * sb[None, :]
     c_ptr = C + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
     tl.store(c_ptr, out.to(C.dtype.element_ty), mask=m_ok & n_ok)
 
@@ -56,31 +70,40 @@ WAVE = 128  # output tiles that keep an H100's 132 SMs busy once
 SMALL = 64  # the most rows that get a tile of their own height
 
 
-def tile_for(rows: int, n: int) -> tuple[int, int, int, int, int]:
+def tile_for(rows: int, n: int, weight_only: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for an output of rows x n, from a sweep on the H100
     (tests/gpu/int8_gemm.py --sweep, docs/benchmarks.md): few rows get tiles of their height (16 to 64) and long
-    steps along K; many rows get 128 x 128 tiles where those fill the GPU, 64 x 64 tiles where they would not."""
+    steps along K; many rows get 128 x 128 tiles where those fill the GPU, 64 x 64 tiles where they would not.
+    Weight-only tiles take half the steps along K (their activations are twice the bytes)."""
+    k_div = 2 if weight_only else 1
     if rows <= SMALL:
-        return max(16, triton.next_power_of_2(rows)), 64, 256, 4, 3
+        return max(16, triton.next_power_of_2(rows)), 64, 256 // k_div, 4, 3
     if triton.cdiv(rows, 128) * triton.cdiv(n, 128) >= WAVE:
-        return 128, 128, 128, 8, 3
-    return 64, 64, 256, 4, 3
+        return 128, 128, 128 // k_div, 8, 3
+    return 64, 64, 256 // k_div, 4, 3
 
 
-def int8_scaled_mm(codes: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                   out_dtype: torch.dtype, tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """(codes [M, K] int8 * scale [M, 1]) @ (weight [N, K] int8 * weight_scale [1, N]).T in out_dtype, the sums
-    exact in int32 and the rescale in float32. `tile` overrides the table (for measuring)."""
+def int8_scaled_mm(codes: torch.Tensor, scale: torch.Tensor | None, weight: torch.Tensor,
+                   weight_scale: torch.Tensor, out_dtype: torch.dtype,
+                   tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """(codes [M, K] * scale [M, 1]) @ (weight [N, K] int8 * weight_scale [1, N]).T in out_dtype.
+
+    int8 codes: the sums exact in int32, the rescale in float32. Activations in a float dtype with scale None
+    (weight-only): the sums in float32 (float32 activations in full precision, not TF32). `tile` overrides the
+    table (for measuring)."""
     rows, k = codes.shape
     n = weight.shape[0]
     assert codes.stride(1) == 1 and weight.stride(1) == 1, "both operands K-major"
+    weight_only = codes.dtype != torch.int8
+    assert weight_only == (scale is None), "int8 codes come with their scales, float activations without"
     out = torch.empty(rows, n, dtype=out_dtype, device=codes.device)
     if rows == 0:
         return out
-    block_m, block_n, block_k, warps, stages = tile or tile_for(rows, n)
+    block_m, block_n, block_k, warps, stages = tile or tile_for(rows, n, weight_only)
     grid = (triton.cdiv(rows, block_m) * triton.cdiv(n, block_n),)
     _int8_scaled_mm_kernel[grid](
-        codes, weight, out, scale, weight_scale, rows, n, k,
+        codes, weight, out, weight_scale if scale is None else scale, weight_scale, rows, n, k,
         codes.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=warps, num_stages=stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, WEIGHT_ONLY=weight_only,
+        PRECISION="ieee" if codes.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
     return out

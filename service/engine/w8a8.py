@@ -15,6 +15,10 @@ prefill size (what stalled weight-only int8). Shapes a kernel refuses run an exa
 `reference` computes the same rounding in float32 (quantize, dequantize, matmul) and `error_bound` how far a
 kernel may lie from it; a layer built with `simulate=True` runs that reference instead of a kernel (how fp8 is
 measured on a CPU, which never serves it).
+
+On CUDA the same layer also serves the weight-only `int8` mode (`WEIGHT_ONLY`): the same int8 weights and
+scales, the activations kept in their dtype, the Triton kernel widening each weight tile in registers. It
+replaced torchao's int8 there, whose matmul torch.compile saw and tuned at every new prefill size (a stall).
 """
 
 import functools
@@ -23,6 +27,7 @@ import torch
 from torch import nn
 
 CODES = {"int8-w8a8": torch.int8, "fp8-w8a8": torch.float8_e4m3fn}  # mode -> the dtype of its codes
+WEIGHT_ONLY = {"int8": torch.int8}  # modes whose activations keep their dtype -> the dtype of the weights' codes
 TINY = 1e-12  # the smallest row maximum a scale is made from: an all-zero row gets codes 0, not NaN
 EPS32 = 2.0 ** -24  # float32 unit roundoff
 
@@ -80,6 +85,21 @@ def _(codes, scale, weight, weight_scale, out_dtype):
     return codes.new_empty(codes.shape[0], weight.shape[0], dtype=out_dtype)
 
 
+@torch.library.custom_op("llm_service::int8_weight_mm", mutates_args=())
+def int8_weight_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] int8 * weight_scale [1, N]).T in x's dtype: the sums in float32, then the scale."""
+    if x.device.type == "cuda":
+        from service.engine import triton_int8
+
+        return triton_int8.int8_scaled_mm(x.contiguous(), None, weight, weight_scale, x.dtype)
+    return ((x.float() @ weight.float().t()) * weight_scale).to(x.dtype)
+
+
+@int8_weight_mm.register_fake
+def _(x, weight, weight_scale):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
 @functools.cache
 def _rowwise_scaling(device_index: int) -> bool:
     """torch._scaled_mm scales rows and columns in its epilogue on Hopper (compute capability 9.0) and newer."""
@@ -113,11 +133,12 @@ class W8A8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear, mode: str, simulate: bool = False):
         super().__init__()
-        codes, scale = quantize_rows(linear.weight.detach(), CODES[mode])
+        codes, scale = quantize_rows(linear.weight.detach(), CODES.get(mode) or WEIGHT_ONLY[mode])
         self._hold(codes, scale.reshape(1, -1), linear.bias, mode, simulate)
 
     def _hold(self, codes, scale, bias, mode, simulate) -> None:
-        self.mode, self.codes, self.simulate = mode, CODES[mode], simulate
+        self.mode, self.codes, self.simulate = mode, CODES.get(mode) or WEIGHT_ONLY[mode], simulate
+        self.weight_only = mode in WEIGHT_ONLY
         self.out_features, self.in_features = codes.shape
         # [out, in] row-major: K-major, as 8-bit tensor-core instructions want both operands (cuBLAS refuses int8
         # with a row-major second operand for many shapes: CUBLAS_STATUS_NOT_SUPPORTED on the H100, 17 x 64 x 64)
@@ -156,6 +177,8 @@ class W8A8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if self.simulate:
             out = reference(self, rows).to(x.dtype)
+        elif self.weight_only:
+            out = int8_weight_mm(rows, self.weight, self.weight_scale)
         elif self.codes == torch.int8:
             codes, scale = quantize_rows(rows, self.codes)
             out = int8_scaled_mm(codes, scale, self.weight, self.weight_scale, x.dtype)
@@ -170,10 +193,18 @@ class W8A8Linear(nn.Module):
             (", simulated in float32" if self.simulate else "")
 
 
+def _activations(layer: W8A8Linear, x: torch.Tensor) -> torch.Tensor:
+    """The activations the layer's matmul multiplies, [rows, in] float32: dequantized codes, or (weight-only) x."""
+    rows = x.reshape(-1, layer.in_features)
+    if layer.weight_only:
+        return rows.float()
+    codes, scale = quantize_rows(rows, layer.codes)
+    return codes.float() * scale
+
+
 def reference(layer: W8A8Linear, x: torch.Tensor) -> torch.Tensor:
     """The layer's matmul (no bias) in float32 from the same codes and scales: quantize, dequantize, multiply."""
-    codes, scale = quantize_rows(x.reshape(-1, layer.in_features), layer.codes)
-    out = (codes.float() * scale) @ layer.dequantized_weight().t()
+    out = _activations(layer, x) @ layer.dequantized_weight().t()
     return out.reshape(*x.shape[:-1], layer.out_features)
 
 
@@ -187,8 +218,7 @@ def error_bound(layer: W8A8Linear, x: torch.Tensor, dtype: torch.dtype, kernel_s
     a narrower dtype adds one rounding of each side. A kernel that sums less exactly than float32 adds
     `kernel_sum_error` times the sum of |terms| (int8 sums are exact: 0).
     """
-    codes, scale = quantize_rows(x.reshape(-1, layer.in_features), layer.codes)
-    magnitude = (codes.float().abs() * scale) @ layer.dequantized_weight().abs().t()
+    magnitude = _activations(layer, x).abs() @ layer.dequantized_weight().abs().t()
     bound = ((layer.in_features + 5) * EPS32 + kernel_sum_error) * magnitude
     if dtype != torch.float32:
         ref = reference(layer, x).reshape(bound.shape).abs()

@@ -1,6 +1,7 @@
 """int8-w8a8's matmul on the GPU (issue 27): the Triton kernel (service/engine/triton_int8.py) against cuBLAS's
 int8 matmul plus its rescale (the path before), bf16 and fp8-w8a8's `torch._scaled_mm`, on the linear layers of
-random:llama-1b and random:llama-8b, each timed inside a CUDA graph (triton.testing.do_bench_cudagraph).
+random:llama-1b and random:llama-8b, each timed inside a CUDA graph (triton.testing.do_bench_cudagraph); and the
+same kernel's weight-only int8 path (bf16 activations).
 
   python3 tests/gpu/int8_gemm.py            # the kernel's tile table against the others, and exactness
   python3 tests/gpu/int8_gemm.py --sweep    # also every candidate tile per row count: the table's source
@@ -44,8 +45,9 @@ def main():
     args = parser.parse_args()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
-    print("| layer | rows | bf16 us | cuBLAS int8 + rescale us | Triton int8 us | fp8 us | Triton vs bf16 | exact |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| layer | rows | bf16 us | cuBLAS int8 + rescale us | Triton int8 us | fp8 us | Triton vs bf16 | exact "
+          "| weight-only int8 us | vs bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     best = {}
     deadline = time.monotonic() + args.sweep_seconds
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -67,8 +69,9 @@ def main():
         w8s = w8s.reshape(1, -1).contiguous()
         t_fp8 = bench(lambda: torch._scaled_mm(f8, w8.t(), scale_a=f8s, scale_b=w8s, out_dtype=torch.bfloat16)) \
             if rows > 0 else float("nan")
+        t_wo = bench(lambda: triton_int8.int8_scaled_mm(x, None, wcodes, wscale, torch.bfloat16))
         print(f"| {name} | {rows} | {t_bf16:.1f} | {t_cublas:.1f} | {t_ours:.1f} | {t_fp8:.1f} | "
-              f"{t_bf16 / t_ours:.2f}x | {same} |", flush=True)
+              f"{t_bf16 / t_ours:.2f}x | {same} | {t_wo:.1f} | {t_bf16 / t_wo:.2f}x |", flush=True)
         if args.sweep and name in SWEPT and time.monotonic() < deadline:
             timed = []
             for tile in candidates(rows):
