@@ -25,9 +25,11 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=512)
     ap.add_argument("--profile-steps", type=int, default=40, help="decode steps profiled after the timed run")
+    ap.add_argument("--profile-batch", type=int, default=1, help="requests decoding in the profiled steps")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--no-fuse-qkv", action="store_true", help="three multiplies for q, k, v (transformers' way)")
+    ap.add_argument("--quantization", default="none", help="a --quantization mode (compare the step sums by phase)")
     ap.add_argument("--device", default="cuda", help="cpu: a check of this script, not a figure")
     args = ap.parse_args()
 
@@ -38,7 +40,8 @@ def main() -> None:
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, max_num_seqs=max(args.num_requests, 1),
                                     max_num_batched_tokens=8192, gpu_memory_utilization=args.gpu_memory_utilization,
-                                    cuda_graphs=not args.no_cuda_graphs, fuse_qkv=not args.no_fuse_qkv))
+                                    cuda_graphs=not args.no_cuda_graphs, fuse_qkv=not args.no_fuse_qkv,
+                                    quantization=args.quantization))
     model = engine.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     n_params = sum(p.numel() for p in model.parameters())
@@ -89,12 +92,13 @@ def main() -> None:
               f"{1e3 * statistics.median(c for *_, c in full) * kv_per_token / PEAK_BYTES:.3f} ms): "
               f"{measured / statistics.median(roof):.2f}x the roofline", flush=True)
 
-    if args.profile_steps:  # decode steps only: one request with a short prompt, after its first steps
+    if args.profile_steps:  # decode steps only, at --profile-batch requests, after their prefill
         from torch.profiler import ProfilerActivity, profile
-        seq = engine.make_sequence(prompts[0], SamplingParams(max_tokens=args.profile_steps + 20, ignore_eos=True,
-                                                              temperature=0.0))
-        engine.add_sequence(seq)
-        for _ in range(10):
+        seqs = [engine.make_sequence(p, SamplingParams(max_tokens=args.profile_steps + 20, ignore_eos=True,
+                                                       temperature=0.0)) for p in prompts[:args.profile_batch]]
+        for seq in seqs:
+            engine.add_sequence(seq)
+        for _ in range(15):
             engine.step()
         sync()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
@@ -104,12 +108,12 @@ def main() -> None:
                 engine.step()
             sync()
             per_step = (time.perf_counter() - t0) / args.profile_steps
-        while not seq.is_finished:
+        while not all(seq.is_finished for seq in seqs):
             engine.step()
         events = prof.key_averages()
         gpu = sum(e.self_device_time_total for e in events) / 1e3 / args.profile_steps
-        print(f"profiled {args.profile_steps} decode steps at batch 1: {1e3 * per_step:.3f} ms a step under the "
-              f"profiler, GPU busy {gpu:.3f} ms a step")
+        print(f"profiled {args.profile_steps} decode steps at batch {len(seqs)}: {1e3 * per_step:.3f} ms a step under "
+              f"the profiler, GPU busy {gpu:.3f} ms a step")
         print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
         print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
 
