@@ -359,6 +359,27 @@ def test_cuda_w8a8_engine_compiles_once_and_matches_transformers(mode):
         assert same >= 0.9, same
 
 
+@pytest.mark.parametrize("mode", _w8a8_modes())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows, width", [(1, 8192), (300, 14336), (17, 100)])
+def test_cuda_silu_mul_quantize_kernel_rounds_as_the_eager_ops(mode, dtype, rows, width):
+    """The one-pass kernel for a W8A8 MLP's down-projection input: the codes and scales of quantize_rows over
+    silu(gate) * up, computed as eager code does (expf and an IEEE division may still differ from torch's kernel in
+    a last bit, which can move a code by one step: rarely)."""
+    from service.engine.w8a8 import CODES, quantize_rows, silu_mul_quantize
+
+    torch.manual_seed(0)
+    h = (torch.randn(rows, 2 * width, device="cuda") * 3).to(dtype)
+    (codes, scale), ops = _ops_run(silu_mul_quantize, h, CODES[mode])
+    assert "_silu_mul_quantize_kernel" in ops, sorted(ops)
+    gate, up = h.chunk(2, dim=-1)
+    ref_codes, ref_scale = quantize_rows(torch.nn.functional.silu(gate) * up, CODES[mode])
+    torch.testing.assert_close(scale, ref_scale, rtol=2 ** -7, atol=0)
+    got, ref = codes.float(), ref_codes.float()
+    step = 1.0 if mode == "int8-w8a8" else 2 ** -3 * ref.abs() + 2 ** -9  # one code: int8, or e4m3's spacing
+    assert ((got - ref).abs() <= step).all() and (got != ref).float().mean() <= 1e-3
+
+
 def test_cuda_fp8_w8a8_is_refused_below_compute_capability_8_9():
     if torch.cuda.get_device_capability() >= (8, 9):
         load_model("random:tiny", torch.bfloat16, torch.device("cuda"), quantization="fp8-w8a8")

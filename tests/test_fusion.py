@@ -91,6 +91,7 @@ def test_w8a8_projections_fuse_into_one_that_rounds_as_the_three_did(name):
         assert isinstance(attn.qkv_proj, w8a8.W8A8Linear) and attn.qkv_proj.weight.dtype == torch.int8
         assert attn.qkv_proj.weight_scale.shape == (1, 4 * 16 + 2 * 2 * 16)
         assert isinstance(model.model.layers[0].mlp.gate_up_proj, w8a8.W8A8Linear)
+        assert model.model.layers[0].mlp.silu_codes  # the down projection's codes in one op (silu_mul_quantize)
         assert torch.equal(model(ids).logits, before)
         unfuse_qkv(model)
         unfuse_gate_up(model)

@@ -21,7 +21,7 @@ import sys
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from service.engine.w8a8 import W8A8Linear
+from service.engine.w8a8 import W8A8Linear, silu_mul_quantize
 
 # transformers attention classes whose forward pass is Llama's: project, (Qwen3: per-head norms of q and k),
 # rotary embedding, attention (Mistral, Qwen2 and Qwen3: with a sliding window), o_proj
@@ -59,6 +59,10 @@ def fuse_gate_up(model: torch.nn.Module) -> int:
             gate, up = module.gate_proj, module.up_proj
             module.gate_up_proj = _concatenated([gate, up])
             module.gate_up_sizes = [gate.out_features, up.out_features]
+            # a W8A8 down projection after SiLU takes its input as codes made in one pass (w8a8.silu_mul_quantize)
+            module.silu_codes = (type(module.act_fn).__name__ in ("SiLU", "SiLUActivation")
+                                 and type(module.down_proj) is W8A8Linear and module.down_proj.quantizes_activations
+                                 and gate.out_features == up.out_features)
             del module.gate_proj, module.up_proj
             module.forward = _fused_mlp_forward.__get__(module)
             count += 1
@@ -71,11 +75,15 @@ def unfuse_gate_up(model: torch.nn.Module) -> None:
         if "gate_up_proj" in module._modules:
             for name, part in zip(GATE_UP, _split(module.gate_up_proj, module.gate_up_sizes)):
                 setattr(module, name, part)
-            del module.gate_up_proj, module.gate_up_sizes, module.forward
+            del module.gate_up_proj, module.gate_up_sizes, module.silu_codes, module.forward
 
 
 def _fused_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    gate, up = self.gate_up_proj(x).split(self.gate_up_sizes, dim=-1)
+    h = self.gate_up_proj(x)
+    if self.silu_codes:
+        codes, scale = silu_mul_quantize(h.reshape(-1, h.shape[-1]), self.down_proj.codes)
+        return self.down_proj.from_codes(codes, scale, h.dtype).reshape(*h.shape[:-1], -1)
+    gate, up = h.split(self.gate_up_sizes, dim=-1)
     return self.down_proj(self.act_fn(gate) * up)
 
 

@@ -7,7 +7,7 @@ magnitude. int8 codes lie in [-127, 127] (round half to even); fp8 codes are flo
 cast rounds). The product is rescaled by token scale times channel scale in float32 and cast to the
 activations' dtype.
 
-Kernels: int8 through a Triton kernel of our own on CUDA (engine/triton_int8.py: exact int32 sums on the tensor
+Kernels: int8 through a Triton kernel of our own on CUDA (engine/triton_w8a8.py: exact int32 sums on the tensor
 cores and the rescale in its epilogue; cuBLAS's `torch._int_mm` was no faster than bf16 on the H100) and
 `torch._int_mm` on the CPU; fp8 through `torch._scaled_mm` (fp8 tensor cores, CUDA 8.9+). Each sits behind a
 custom op, so that torch.compile fuses the quantization around a matmul it cannot see and so never tunes one per
@@ -74,9 +74,9 @@ def int8_scaled_mm(codes: torch.Tensor, scale: torch.Tensor, weight: torch.Tenso
     """(codes [M, K] * scale [M, 1]) @ (weight [N, K] * weight_scale [1, N]).T in out_dtype; int8 codes, the sums
     exact, the rescale in float32 (token scale first, then channel scale: the same rounding on every device)."""
     if codes.device.type == "cuda":
-        from service.engine import triton_int8
+        from service.engine import triton_w8a8
 
-        return triton_int8.int8_scaled_mm(codes, scale, weight, weight_scale, out_dtype)
+        return triton_w8a8.int8_scaled_mm(codes, scale, weight, weight_scale, out_dtype)
     return (int8_mm(codes, weight).float() * scale * weight_scale).to(out_dtype)
 
 
@@ -89,15 +89,34 @@ def _(codes, scale, weight, weight_scale, out_dtype):
 def int8_weight_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] int8 * weight_scale [1, N]).T in x's dtype: the sums in float32, then the scale."""
     if x.device.type == "cuda":
-        from service.engine import triton_int8
+        from service.engine import triton_w8a8
 
-        return triton_int8.int8_scaled_mm(x.contiguous(), None, weight, weight_scale, x.dtype)
+        return triton_w8a8.int8_scaled_mm(x.contiguous(), None, weight, weight_scale, x.dtype)
     return ((x.float() @ weight.float().t()) * weight_scale).to(x.dtype)
 
 
 @int8_weight_mm.register_fake
 def _(x, weight, weight_scale):
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("llm_service::silu_mul_quantize", mutates_args=())
+def silu_mul_quantize(h: torch.Tensor, codes_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [M, 2N], a fused gate-and-up projection's output -> quantize_rows(silu(gate) * up): one Triton pass on
+    CUDA (engine/triton_w8a8.py), these very ops elsewhere and for rows wider than its registers hold."""
+    gate, up = h.chunk(2, dim=-1)
+    if h.device.type == "cuda":
+        from service.engine import triton_w8a8
+
+        if gate.shape[1] <= triton_w8a8.MAX_ROW:
+            return triton_w8a8.silu_mul_quantize(h.contiguous(), codes_dtype)
+    return quantize_rows(nn.functional.silu(gate) * up, codes_dtype)
+
+
+@silu_mul_quantize.register_fake
+def _(h, codes_dtype):
+    return (h.new_empty(h.shape[0], h.shape[1] // 2, dtype=codes_dtype),
+            h.new_empty(h.shape[0], 1, dtype=torch.float32))
 
 
 @functools.cache
@@ -139,6 +158,7 @@ class W8A8Linear(nn.Module):
     def _hold(self, codes, scale, bias, mode, simulate) -> None:
         self.mode, self.codes, self.simulate = mode, CODES.get(mode) or WEIGHT_ONLY[mode], simulate
         self.weight_only = mode in WEIGHT_ONLY
+        self.quantizes_activations = not self.weight_only and not simulate  # runs a kernel on 8-bit codes
         self.out_features, self.in_features = codes.shape
         # [out, in] row-major: K-major, as 8-bit tensor-core instructions want both operands (cuBLAS refuses int8
         # with a row-major second operand for many shapes: CUBLAS_STATUS_NOT_SUPPORTED on the H100, 17 x 64 x 64)
@@ -179,13 +199,18 @@ class W8A8Linear(nn.Module):
             out = reference(self, rows).to(x.dtype)
         elif self.weight_only:
             out = int8_weight_mm(rows, self.weight, self.weight_scale)
-        elif self.codes == torch.int8:
-            codes, scale = quantize_rows(rows, self.codes)
-            out = int8_scaled_mm(codes, scale, self.weight, self.weight_scale, x.dtype)
         else:
-            codes, scale = quantize_rows(rows, self.codes)
-            out = fp8_mm(codes, scale, self.weight, self.weight_scale, x.dtype)
+            return self.from_codes(*quantize_rows(rows, self.codes), x.dtype).reshape(*x.shape[:-1], -1)
         out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def from_codes(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The layer's output [rows, out] in dtype for activations already quantized (a W8A8 mode's codes and
+        per-row scales, as quantize_rows makes them)."""
+        if self.codes == torch.int8:
+            out = int8_scaled_mm(codes, scale, self.weight, self.weight_scale, dtype)
+        else:
+            out = fp8_mm(codes, scale, self.weight, self.weight_scale, dtype)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:

@@ -1,4 +1,4 @@
-"""int8-w8a8's matmul on the GPU (issue 27): the Triton kernel (service/engine/triton_int8.py) against cuBLAS's
+"""int8-w8a8's matmul on the GPU (issue 27): the Triton kernel (service/engine/triton_w8a8.py) against cuBLAS's
 int8 matmul plus its rescale (the path before), bf16 and fp8-w8a8's `torch._scaled_mm`, on the linear layers of
 random:llama-1b and random:llama-8b, each timed inside a CUDA graph (triton.testing.do_bench_cudagraph); and the
 same kernel's weight-only int8 path (bf16 activations).
@@ -17,7 +17,7 @@ import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
-from service.engine import triton_int8
+from service.engine import triton_w8a8
 from service.engine.w8a8 import int8_mm, quantize_rows
 
 SHAPES = {  # name: (K, N) of x [M, K] @ W.T, W [N, K]: the engine's layers (q, k, v fused; gate, up fused)
@@ -58,25 +58,25 @@ def main():
         wcodes, wscale = quantize_rows(w, torch.int8)
         wscale = wscale.reshape(1, -1).contiguous()
         exact = (int8_mm(codes, wcodes).float() * scale * wscale)
-        ours = triton_int8.int8_scaled_mm(codes, scale, wcodes, wscale, torch.float32)
+        ours = triton_w8a8.int8_scaled_mm(codes, scale, wcodes, wscale, torch.float32)
         same = torch.equal(ours, exact) and torch.equal(
-            triton_int8.int8_scaled_mm(codes, scale, wcodes, wscale, torch.bfloat16), exact.bfloat16())
+            triton_w8a8.int8_scaled_mm(codes, scale, wcodes, wscale, torch.bfloat16), exact.bfloat16())
         t_bf16 = bench(lambda: x @ w.t())
         t_cublas = bench(lambda: (int8_mm(codes, wcodes).float() * scale * wscale).bfloat16())
-        t_ours = bench(lambda: triton_int8.int8_scaled_mm(codes, scale, wcodes, wscale, torch.bfloat16))
+        t_ours = bench(lambda: triton_w8a8.int8_scaled_mm(codes, scale, wcodes, wscale, torch.bfloat16))
         f8, f8s = quantize_rows(x, torch.float8_e4m3fn)
         w8, w8s = quantize_rows(w, torch.float8_e4m3fn)
         w8s = w8s.reshape(1, -1).contiguous()
         t_fp8 = bench(lambda: torch._scaled_mm(f8, w8.t(), scale_a=f8s, scale_b=w8s, out_dtype=torch.bfloat16)) \
             if rows > 0 else float("nan")
-        t_wo = bench(lambda: triton_int8.int8_scaled_mm(x, None, wcodes, wscale, torch.bfloat16))
+        t_wo = bench(lambda: triton_w8a8.int8_scaled_mm(x, None, wcodes, wscale, torch.bfloat16))
         print(f"| {name} | {rows} | {t_bf16:.1f} | {t_cublas:.1f} | {t_ours:.1f} | {t_fp8:.1f} | "
               f"{t_bf16 / t_ours:.2f}x | {same} | {t_wo:.1f} | {t_bf16 / t_wo:.2f}x |", flush=True)
         if args.sweep and name in SWEPT and time.monotonic() < deadline:
             timed = []
             for tile in candidates(rows):
                 try:
-                    timed.append((bench(lambda: triton_int8.int8_scaled_mm(
+                    timed.append((bench(lambda: triton_w8a8.int8_scaled_mm(
                         codes, scale, wcodes, wscale, torch.bfloat16, tile=tile)), tile))
                 except Exception as error:  # noqa: BLE001 - tiles that exceed shared memory are skipped
                     if "OutOfResources" not in type(error).__name__ and "shared memory" not in str(error):

@@ -1,4 +1,6 @@
-"""Triton kernel for int8 weights on CUDA, one per output-channel scale, rescaled in the kernel's epilogue:
+"""Triton kernels for the 8-bit linear layers on CUDA (engine/w8a8.py).
+
+`int8_scaled_mm`: the matmul of int8 weights, one scale per output channel, rescaled in the kernel's epilogue:
 
 - int8-w8a8: int8 activation codes times int8 weights, summed exactly in int32 on the tensor cores, then
   rescaled by token scale times channel scale in float32 (cuBLAS's int8 matmul, `torch._int_mm`, is no faster
@@ -11,11 +13,15 @@ One program computes one BLOCK_M x BLOCK_N tile of the output; programs are grou
 sharing weight columns run together and reuse them from L2. Both operands are K-major (the codes [M, K] and the
 weight [N, K] row-major), which Hopper's 8-bit tensor-core instructions require. Tile sizes come from a fixed
 table by output size (no autotuning: it would time kernels inside a CUDA graph capture).
+
+`silu_mul_quantize`: a W8A8 MLP's down-projection input, silu(gate) x up quantized per row, in one pass over the
+gate and up halves of the fused projection's output (inductor made it two: a row maximum, then the codes).
 """
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -107,3 +113,46 @@ def int8_scaled_mm(codes: torch.Tensor, scale: torch.Tensor | None, weight: torc
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, WEIGHT_ONLY=weight_only,
         PRECISION="ieee" if codes.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
     return out
+
+
+MAX_ROW = 16384  # the widest row silu_mul_quantize holds in registers; wider rows take the caller's fallback
+
+
+@triton.jit
+def _silu_mul_quantize_kernel(H, Q, S, N, stride_h, stride_q, BLOCK: tl.constexpr, INT8: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    gate = tl.load(H + row * stride_h + cols, mask=ok, other=0.0)
+    up = tl.load(H + row * stride_h + N + cols, mask=ok, other=0.0)
+    # as eager code rounds: silu in float32 (expf and an IEEE division, as torch's kernel), rounded to the
+    # activations' dtype, times up, rounded again
+    g = gate.to(tl.float32)
+    silu = tl.math.div_rn(g, 1.0 + libdevice.exp(-g)).to(gate.dtype)
+    x = (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)
+    if INT8:
+        scale = amax * (1 / 127)
+        inverse = (1.0 / scale.to(tl.float64)).to(tl.float32)
+        codes = tl.minimum(tl.maximum(libdevice.rint(x * inverse), -127.0), 127.0).to(tl.int8)
+    else:
+        scale = amax * (1 / 448)
+        inverse = (1.0 / scale.to(tl.float64)).to(tl.float32)
+        codes = tl.minimum(tl.maximum(x * inverse, -448.0), 448.0).to(tl.float8e4nv)
+    tl.store(Q + row * stride_q + cols, codes, mask=ok)
+    tl.store(S + row, scale)
+
+
+def silu_mul_quantize(h: torch.Tensor, codes_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [M, 2N] (gate, then up) -> (codes [M, N] of silu(gate) * up in codes_dtype, float32 scales [M, 1]), rounded
+    as `w8a8.quantize_rows` rounds. N at most MAX_ROW."""
+    rows, width = h.shape
+    n = width // 2
+    assert n <= MAX_ROW and h.stride(1) == 1
+    codes = torch.empty(rows, n, dtype=codes_dtype, device=h.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=h.device)
+    if rows:
+        block = triton.next_power_of_2(n)
+        _silu_mul_quantize_kernel[(rows,)](h, codes, scale, n, h.stride(0), codes.stride(0), BLOCK=block,
+                                           INT8=codes_dtype == torch.int8, num_warps=min(16, max(4, block // 512)))
+    return codes, scale
