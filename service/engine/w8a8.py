@@ -165,6 +165,9 @@ class W8A8Linear(nn.Module):
         self.weight = nn.Parameter(codes.contiguous(), requires_grad=False)
         self.weight_scale = nn.Parameter(scale.contiguous(), requires_grad=False)  # [1, out] float32
         self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias, requires_grad=False)
+        # a simulated layer keeps its dequantized weight (a buffer: not counted as weight bytes) instead of making it
+        # again at every call
+        self.register_buffer("simulated_weight", self.dequantized_weight() if simulate else None, persistent=False)
 
     @classmethod
     def concatenated(cls, layers: list["W8A8Linear"]) -> "W8A8Linear":
@@ -229,7 +232,8 @@ def _activations(layer: W8A8Linear, x: torch.Tensor) -> torch.Tensor:
 
 def reference(layer: W8A8Linear, x: torch.Tensor) -> torch.Tensor:
     """The layer's matmul (no bias) in float32 from the same codes and scales: quantize, dequantize, multiply."""
-    out = _activations(layer, x) @ layer.dequantized_weight().t()
+    weight = layer.simulated_weight if layer.simulated_weight is not None else layer.dequantized_weight()
+    out = _activations(layer, x) @ weight.t()
     return out.reshape(*x.shape[:-1], layer.out_features)
 
 
