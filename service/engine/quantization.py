@@ -1,7 +1,8 @@
 """Quantization of a loaded model's linear layers, and the refusals of what a device cannot run.
 
 Weight-only modes (torchao): int8 (per output channel), int4 (groups of weights sharing a scale and zero point),
-fp8 (e4m3, per output channel); activations keep the model's dtype. W8A8 modes (engine/w8a8.py): int8-w8a8 and
+fp8 (e4m3, per output channel); activations keep the model's dtype. On CUDA int8 runs engine/w8a8.py's layer
+(our Triton kernel) instead of torchao's, which torch.compile stalled on. W8A8 modes (engine/w8a8.py): int8-w8a8 and
 fp8-w8a8 quantize the activations too, per token, so the matmul runs in 8 bits. In every mode the KV cache and
 the embedding/output projection keep the model's dtype.
 """
