@@ -77,8 +77,8 @@ def test_quantized_or_odd_projections_are_not_fused():
 
 @pytest.mark.parametrize("name", ["llama", "qwen2-bias"])
 def test_w8a8_projections_fuse_into_one_that_rounds_as_the_three_did(name):
-    """int8-w8a8 q, k and v (one mode, one input) become one W8A8 layer, gate and up another: stacked codes and per-channel scales, the
-    input quantized once, the same logits bit for bit; unfusing gives the three layers back."""
+    """int8-w8a8 q, k and v (one mode, one input) become one W8A8 layer, gate and up another: stacked codes and
+    per-channel scales, the input quantized once, the same logits bit for bit; unfusing gives the layers back."""
     from service.engine import w8a8
 
     model = model_for(name)

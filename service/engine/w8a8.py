@@ -28,6 +28,7 @@ from torch import nn
 
 CODES = {"int8-w8a8": torch.int8, "fp8-w8a8": torch.float8_e4m3fn}  # mode -> the dtype of its codes
 WEIGHT_ONLY = {"int8": torch.int8}  # modes whose activations keep their dtype -> the dtype of the weights' codes
+WEIGHT_CODES = CODES | WEIGHT_ONLY  # every mode this module's layer serves -> the dtype of its weights' codes
 TINY = 1e-12  # the smallest row maximum a scale is made from: an all-zero row gets codes 0, not NaN
 EPS32 = 2.0 ** -24  # float32 unit roundoff
 
@@ -104,12 +105,12 @@ def _(x, weight, weight_scale):
 def silu_mul_quantize(h: torch.Tensor, codes_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """h [M, 2N], a fused gate-and-up projection's output -> quantize_rows(silu(gate) * up): one Triton pass on
     CUDA (engine/triton_w8a8.py), these very ops elsewhere and for rows wider than its registers hold."""
-    gate, up = h.chunk(2, dim=-1)
     if h.device.type == "cuda":
         from service.engine import triton_w8a8
 
-        if gate.shape[1] <= triton_w8a8.MAX_ROW:
+        if h.shape[1] // 2 <= triton_w8a8.MAX_ROW:
             return triton_w8a8.silu_mul_quantize(h.contiguous(), codes_dtype)
+    gate, up = h.chunk(2, dim=-1)
     return quantize_rows(nn.functional.silu(gate) * up, codes_dtype)
 
 
@@ -148,15 +149,24 @@ def _(codes, scale, weight, weight_scale, out_dtype):
 
 
 class W8A8Linear(nn.Module):
-    """A linear layer with 8-bit weights (per output channel) that quantizes its input per token at every call."""
+    """A linear layer with 8-bit weights (per output channel) that, in the W8A8 modes, quantizes its input per token
+    at every call (weight-only int8 multiplies its input as it is)."""
 
     def __init__(self, linear: nn.Linear, mode: str, simulate: bool = False):
         super().__init__()
-        codes, scale = quantize_rows(linear.weight.detach(), CODES.get(mode) or WEIGHT_ONLY[mode])
+        codes, scale = quantize_rows(linear.weight.detach(), WEIGHT_CODES[mode])
         self._hold(codes, scale.reshape(1, -1), linear.bias, mode, simulate)
 
+    @classmethod
+    def _of(cls, codes, scale, bias, mode, simulate) -> "W8A8Linear":
+        """A layer holding codes and scales already made (by `concatenated` or `split`)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._hold(codes, scale, bias, mode, simulate)
+        return layer
+
     def _hold(self, codes, scale, bias, mode, simulate) -> None:
-        self.mode, self.codes, self.simulate = mode, CODES.get(mode) or WEIGHT_ONLY[mode], simulate
+        self.mode, self.codes, self.simulate = mode, WEIGHT_CODES[mode], simulate
         self.weight_only = mode in WEIGHT_ONLY
         self.quantizes_activations = not self.weight_only and not simulate  # runs a kernel on 8-bit codes
         self.out_features, self.in_features = codes.shape
@@ -174,23 +184,15 @@ class W8A8Linear(nn.Module):
         """One layer whose outputs are those of `layers` (same input, same mode) side by side: the codes and the
         per-channel scales are stacked, so the one matmul rounds exactly as the separate ones did."""
         first = layers[0]
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
         bias = None if first.bias is None else torch.cat([lay.bias for lay in layers])
-        layer._hold(torch.cat([lay.weight for lay in layers]), torch.cat([lay.weight_scale for lay in layers], 1),
-                    bias, first.mode, first.simulate)
-        return layer
+        return cls._of(torch.cat([lay.weight for lay in layers]), torch.cat([lay.weight_scale for lay in layers], 1),
+                       bias, first.mode, first.simulate)
 
     def split(self, sizes: list[int]) -> list["W8A8Linear"]:
         """The layers `concatenated` made this one of, by their numbers of outputs."""
         biases = self.bias.split(sizes) if self.bias is not None else [None] * len(sizes)
-        parts = []
-        for codes, scale, bias in zip(self.weight.split(sizes), self.weight_scale.split(sizes, 1), biases):
-            part = type(self).__new__(type(self))
-            nn.Module.__init__(part)
-            part._hold(codes, scale, bias, self.mode, self.simulate)
-            parts.append(part)
-        return parts
+        return [self._of(codes, scale, bias, self.mode, self.simulate)
+                for codes, scale, bias in zip(self.weight.split(sizes), self.weight_scale.split(sizes, 1), biases)]
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight the codes stand for, [out, in] float32."""
@@ -198,14 +200,13 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.simulate:
-            out = reference(self, rows).to(x.dtype)
-        elif self.weight_only:
-            out = int8_weight_mm(rows, self.weight, self.weight_scale)
+        if self.quantizes_activations:
+            out = self.from_codes(*quantize_rows(rows, self.codes), x.dtype)
         else:
-            return self.from_codes(*quantize_rows(rows, self.codes), x.dtype).reshape(*x.shape[:-1], -1)
-        out = out.reshape(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias
+            out = reference(self, rows).to(x.dtype) if self.simulate else \
+                int8_weight_mm(rows, self.weight, self.weight_scale)
+            out = out if self.bias is None else out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def from_codes(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The layer's output [rows, out] in dtype for activations already quantized (a W8A8 mode's codes and

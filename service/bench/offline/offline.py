@@ -176,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     flags.deprecated_alias(ap, "--no-cuda-graphs", graphs, value=False)
     compile_ = flags.add_switch(ap, "compile", True, "torch.compile the decoder layers (off: run them eagerly)")
     flags.deprecated_alias(ap, "--no-compile", compile_, value=False)
-    flags.add_switch(ap, "fuse-qkv", True, "one multiply for q, k and v, one for gate and up (off: one each, as transformers)")
+    flags.add_switch(ap, "fuse-qkv", True,
+                     "one multiply for q, k and v, one for gate and up (off: one each, as transformers)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="split the model over this many ranks (GPUs, or gloo processes on CPU); peers are skipped")
     ap.add_argument("--peers", default="generate_batch,static",
