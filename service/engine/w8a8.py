@@ -31,6 +31,7 @@ WEIGHT_ONLY = {"int8": torch.int8}  # modes whose activations keep their dtype -
 WEIGHT_CODES = CODES | WEIGHT_ONLY  # every mode this module's layer serves -> the dtype of its weights' codes
 TINY = 1e-12  # the smallest row maximum a scale is made from: an all-zero row gets codes 0, not NaN
 EPS32 = 2.0 ** -24  # float32 unit roundoff
+FAST_ACCUM = True  # fp8 sums kept in the tensor cores' accumulator (fp8_mm)
 
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,13 +134,17 @@ def fp8_mm(codes: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weigh
 
     torch._scaled_mm wants K and N multiples of 16 (others: the float32 reference's math); it scales rows and
     columns itself only into bfloat16 on Hopper, so elsewhere it sums in float32 and the scales follow.
+    The sums stay in the tensor cores' own accumulator over the whole of K (FAST_ACCUM), as vLLM's fp8 kernels
+    for Hopper do: cuBLAS otherwise moves them into float32 registers every few steps, at a cost in speed.
     """
     if codes.shape[1] % 16 or weight.shape[0] % 16:
         return ((codes.float() * scale) @ (weight.float() * weight_scale.t()).t()).to(out_dtype)
     if out_dtype == torch.bfloat16 and _rowwise_scaling(codes.device.index or 0):
-        return torch._scaled_mm(codes, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=out_dtype)
+        return torch._scaled_mm(codes, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=out_dtype,
+                                use_fast_accum=FAST_ACCUM)
     one = torch.ones((), dtype=torch.float32, device=codes.device)
-    summed = torch._scaled_mm(codes, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    summed = torch._scaled_mm(codes, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32,
+                              use_fast_accum=FAST_ACCUM)
     return (summed * scale * weight_scale).to(out_dtype)
 
 

@@ -4,11 +4,11 @@
 # per-round ratios), 128/128 x 256, on the 1B and the 8B shape; weight memory and KV tokens gained in the same
 # table; weight-only int8 against bf16 the same way, and the int8 kernels alone. Steps by name (default: all;
 # more than one device call holds):
-#   bash tests/gpu/h100_w8a8.sh tests 1b      bash tests/gpu/h100_w8a8.sh 8b      bash tests/gpu/h100_w8a8.sh int8 gemm
+#   bash tests/gpu/h100_w8a8.sh tests 1b      bash tests/gpu/h100_w8a8.sh 8b      bash tests/gpu/h100_w8a8.sh int8 gemm fp8
 # Every mode gets the same fixed KV cache (--num-blocks: 256 x 256 tokens fit without preemption), since
 # engines sized from free GPU memory would each find less of it than the one loaded before.
 source tests/gpu/env.sh
-steps=${*:-tests 1b 8b int8 gemm}
+steps=${*:-tests 1b 8b int8 gemm fp8}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee $OUT/gpu.txt
 compare() {  # $1: model, $2: time limit in seconds
   local name=${1#random:}
@@ -35,6 +35,9 @@ for step in $steps; do
     gemm)  # the kernels alone (tests/gpu/int8_gemm.py), at the row counts of decode and prefill
       timeout 150 python3 tests/gpu/int8_gemm.py --rows 1,64,256,4096 2>&1 | grep -v -i warn > $OUT/int8_gemm.log
       echo "rc $?"; grep "^|" $OUT/int8_gemm.log ;;
-    *) echo "unknown step $step: tests, 1b, 8b, int8, gemm"; exit 2 ;;
+    fp8)  # fp8's matmul alone, sums carried in float32 or kept in the tensor cores' accumulator, and their error
+      timeout 150 python3 tests/gpu/int8_gemm.py --fp8 --rows 1,256,4096 2>&1 | grep -v -i warn > $OUT/fp8_gemm.log
+      echo "rc $?"; grep "^|" $OUT/fp8_gemm.log ;;
+    *) echo "unknown step $step: tests, 1b, 8b, int8, gemm, fp8"; exit 2 ;;
   esac
 done

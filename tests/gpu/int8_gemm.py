@@ -5,6 +5,9 @@ same kernel's weight-only int8 path (bf16 activations).
 
   python3 tests/gpu/int8_gemm.py            # the kernel's tile table against the others, and exactness
   python3 tests/gpu/int8_gemm.py --sweep    # also every candidate tile per row count: the table's source
+  python3 tests/gpu/int8_gemm.py --fp8      # fp8-w8a8's `torch._scaled_mm`, sums carried in float32 or kept in the
+                                            # tensor cores' accumulator (use_fast_accum), and how far each lies
+                                            # from the float64 sum of the same codes
 
 The activations' quantization is not in these times (it is the same for both int8 paths; fp8's is alike).
 """
@@ -42,8 +45,11 @@ def main():
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-seconds", type=float, default=300)
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma list of row counts")
+    parser.add_argument("--fp8", action="store_true", help="only the fp8 accumulation table")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.fp8:
+        return fp8_table([int(r) for r in args.rows.split(",")])
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     print("| layer | rows | bf16 us | cuBLAS int8 + rescale us | Triton int8 us | fp8 us | Triton vs bf16 | exact "
           "| weight-only int8 us | vs bf16 |")
@@ -90,6 +96,36 @@ def main():
             tops = [(name, timed[0]) for (name, r), timed in best.items() if r == rows]
             for name, (t, tile) in tops:
                 print(f"  rows {rows:5d} {name:12s} {t:8.1f} us {tile}")
+
+
+def fp8_table(rows_list):
+    """fp8 `_scaled_mm` with and without use_fast_accum: time, and the error against the float64 sum of the same
+    codes, as a share of the sum of |terms| (what error_bound scales) and normwise (||out - exact|| / ||exact||)."""
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    print("| layer | rows | bf16 us | fp8 us | fp8 fast-accum us | fast vs fp8 | fast vs bf16 | max err / sum|terms|"
+          " fp8, fast | normwise err fp8, fast |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (name, (k, n)), rows in itertools.product(SHAPES.items(), rows_list):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        f8, f8s = quantize_rows(x, torch.float8_e4m3fn)
+        w8, w8s = quantize_rows(w, torch.float8_e4m3fn)
+        w8s = w8s.reshape(1, -1).contiguous()
+        one = torch.ones((), device="cuda")
+        exact = f8.double() @ w8.double().t()
+        magnitude = f8.double().abs() @ w8.double().abs().t()
+        errors = []
+        for fast in (False, True):
+            summed = torch._scaled_mm(f8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.float32,
+                                      use_fast_accum=fast).double()
+            errors.append(((summed - exact).abs() / magnitude).max().item())
+            errors.append(((summed - exact).norm() / exact.norm()).item())
+        t_bf16 = bench(lambda: x @ w.t())
+        t_fp8, t_fast = (bench(lambda: torch._scaled_mm(f8, w8.t(), scale_a=f8s, scale_b=w8s, out_dtype=torch.bfloat16,
+                                                        use_fast_accum=fast)) for fast in (False, True))
+        print(f"| {name} | {rows} | {t_bf16:.1f} | {t_fp8:.1f} | {t_fast:.1f} | {t_fp8 / t_fast:.2f}x | "
+              f"{t_bf16 / t_fast:.2f}x | {errors[0]:.1e}, {errors[2]:.1e} | {errors[1]:.1e}, {errors[3]:.1e} |",
+              flush=True)
 
 
 if __name__ == "__main__":
