@@ -86,6 +86,48 @@ def test_cuda_engine_greedy_matches_transformers(tiny_cuda, overrides):
     if "num_blocks" in overrides:
         assert engine.scheduler.num_preemptions > 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
+    if engine.runner.graphs:  # every step replayed a graph: prefill chunks (alone or mixed) and decodes
+        assert engine.runner.mixed_graphs.replays > 0 and engine.runner.eager_steps == 0
+
+
+def test_cuda_mixed_graphs_replay_every_step_with_no_compile_after_start(tiny_cuda):
+    """Steps with prefill chunks replay the mixed graphs at every size of the ladder (padded tokens, padded
+    sequences and empty attention tiles), beside decodes and after prefix hits, with nothing compiled after
+    start-up, token for token as transformers; a step larger than the ladder runs outside the graphs."""
+    from torch._dynamo.utils import counters
+
+    from service.engine.cuda_graphs import MIXED_MAX_TOKENS
+
+    engine = make_engine(tiny_cuda, device="cuda", max_num_seqs=64, num_blocks=2048, max_num_batched_tokens=8192)
+    mixed = engine.runner.mixed_graphs
+    assert mixed.max_tokens == MIXED_MAX_TOKENS and len(mixed.graphs) == len(mixed.sizes) > 10
+    graphs = counters["stats"]["unique_graphs"]
+    rng = random.Random(11)
+    shared = [rng.randrange(5, 500) for _ in range(40)]
+    prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (1, 2, 15, 16, 17, 47, 130, 700, 1000)]
+    prompts += [shared + [rng.randrange(5, 500) for _ in range(n)] for n in (1, 9, 33)]  # prefix hits
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    for group in (prompts[:1], prompts[1:2], prompts[2:5], prompts[5:9], prompts[9:]):
+        assert [o["token_ids"] for o in engine.generate(group, params)] == \
+            [reference_greedy(tiny_cuda, p, 6) for p in group]
+    arrivals = [[rng.randrange(5, 500) for _ in range(n)] for n in (3, 200, 31, 64)]
+    engine.add_sequence(engine.make_sequence([rng.randrange(5, 500) for _ in range(20)],
+                                             SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)))
+    seqs = []
+    for step in range(200):  # prompts arrive one a step while the first decodes: steps of chunks and decodes
+        if step < len(arrivals):
+            seqs.append(engine.make_sequence(arrivals[step], params))
+            engine.add_sequence(seqs[-1])
+        engine.step()
+        if not engine.has_unfinished():
+            break
+    assert [s.output_token_ids for s in seqs] == [reference_greedy(tiny_cuda, p, 6) for p in arrivals]
+    assert engine.runner.eager_steps == 0 and mixed.replays >= 10
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled after start-up
+    big = [[rng.randrange(5, 500) for _ in range(900)] for _ in range(MIXED_MAX_TOKENS // 900 + 1)]  # one step
+    assert [o["token_ids"] for o in engine.generate(big, params)] == [reference_greedy(tiny_cuda, p, 6) for p in big]
+    assert engine.runner.eager_steps == 1
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
 
 
 def test_cuda_sampling_is_seeded(tiny_cuda):

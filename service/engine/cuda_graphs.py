@@ -1,8 +1,15 @@
-"""CUDA graphs for decode-only steps: captured once for a ladder of batch sizes, replayed with fresh inputs.
+"""CUDA graphs: captured once at start-up for a ladder of sizes, replayed with fresh inputs.
 
-A replay uploads the step's token ids, positions, slots and sequence lengths as whole (small) buffers through
-double-buffered pinned memory, and only the block-table rows that changed; padding rows are token 0 at position
-0 in scratch block 0.
+Decode-only steps replay graphs captured per batch size (DecodeGraphs). A replay uploads the step's token ids,
+positions, slots and sequence lengths as whole (small) buffers through double-buffered pinned memory, and only
+the block-table rows that changed; padding rows are token 0 at position 0 in scratch block 0.
+
+Steps that carry prefill chunks (alone or beside decode tokens) replay graphs captured per number of tokens
+(MixedGraphs), up to MIXED_MAX_TOKENS: the step's tokens are padded to the next size of the ladder and its
+sequences to a fixed count, so that the attention kernel's grid is fixed too (tiles beyond the step's own point
+at an empty sequence and do nothing). Outside the graphs such a step costs the host 10-17 ms on an H100 whatever
+its size (the compiled layers' wrappers and guards, about 0.6 ms a layer): the whole cost of a lone prompt's
+first token. Larger steps run outside the graphs, where the device's time exceeds the host's.
 """
 
 import logging
@@ -11,19 +18,23 @@ import numpy as np
 import torch
 
 from service.engine.attention import AttentionMetadata, ForwardContext, forward_context
+from service.engine.input_packing import HostInputs, block_m_for, build_tiles, host_inputs
 from service.engine.pinned_upload import PinnedUpload
 from service.engine.scheduler import ScheduledBatch
 from service.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
+MIXED_MAX_TOKENS = 4096  # the largest step of prefill chunks replayed from a graph (at most max_num_batched_tokens)
+
 
 class DecodeGraphs:
     """The runner's decode graphs (`graphs`: batch size -> (graph, its logits)) and their input buffers."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, pool=None):
         self.runner = runner
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = pool
         self._capture_graphs()
 
     def _graph_sizes(self) -> list[int]:
@@ -47,15 +58,13 @@ class DecodeGraphs:
         self.g_starts = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self.g_tile_seq = torch.arange(max_batch, dtype=torch.int32, device=dev)
         self.g_tile_qstart = torch.zeros(max_batch, dtype=torch.int32, device=dev)
-        pool = None
+        pool = self.pool
         for size in reversed(self._graph_sizes()):
             meta = AttentionMetadata(
                 slot_mapping=self.g_slots[:size], block_tables=self.g_tables[:size], seq_lens=self.g_seq_lens[:size],
                 query_start_loc=self.g_starts[:size + 1], max_query_len=1, max_seq_len=r.max_model_len,
                 tile_seq=self.g_tile_seq[:size], tile_qstart=self.g_tile_qstart[:size],
-                block_m=r._triton.block_m_for(r.group, True) if r.backend_name == "triton" else 16)
-            if r.backend_name == "torch":
-                raise ValueError("CUDA graphs need the triton attention backend")
+                block_m=block_m_for(r.group, True))
             with forward_context(ForwardContext(r.kv_caches, meta, r.backend)):
                 run = lambda: r.model(input_ids=self.g_ids[None, :size], position_ids=self.g_pos[None, :size],
                                       use_cache=False, logits_to_keep=0).logits[0]
@@ -67,6 +76,7 @@ class DecodeGraphs:
                         out = run()
             pool = graph.pool()
             self.graphs[size] = (graph, out)
+        self.pool = pool
         self.graph_sizes = sorted(self.graphs)
         log.info("captured CUDA graphs for decode batch sizes %s", sorted(self.graphs))
 
@@ -113,3 +123,131 @@ class DecodeGraphs:
             rows_t, rows = self.up_tables.take((last + 1 - first, width))
             rows[:] = host[first:last + 1, :width]
             self.up_tables.send(rows_t, self.g_tables[first:last + 1, :width])
+
+
+def mixed_sizes(max_tokens: int) -> list[int]:
+    """The token counts mixed graphs are captured for: 16, 32, 48, 64, 96, 128, ... (powers of two and the
+    halfway points between them, so that padding adds at most a third), up to max_tokens, which is always one."""
+    sizes, size = [], 16
+    while size < max_tokens:
+        sizes += [size, size * 3 // 2] if size >= 32 else [size]
+        size *= 2
+    return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
+
+
+def seq_capacity(tokens: int, max_num_seqs: int) -> int:
+    """How many sequences a mixed graph of `tokens` tokens holds: each has one token at least."""
+    return min(tokens, max_num_seqs)
+
+
+def tile_capacity(tokens: int, max_num_seqs: int, tokens_per_tile: int) -> int:
+    """Attention tiles a mixed graph launches: each sequence's last tile may be partly empty."""
+    return -(-tokens // tokens_per_tile) + seq_capacity(tokens, max_num_seqs)
+
+
+def padded_metadata(host: HostInputs, tokens: int, max_num_seqs: int, tokens_per_tile: int) -> np.ndarray:
+    """The step's per-sequence and per-tile metadata padded to a mixed graph of `tokens` tokens, as one int32
+    array [4, width]: context lengths, query offsets, tile sequences and tile first tokens (rows in that order).
+
+    The graph's sequence `seqs` (its capacity) is empty: context 0, no query tokens, where every tile beyond the
+    step's own points; sequences between the step's and the capacity are empty too.
+    """
+    seqs = seq_capacity(tokens, max_num_seqs)
+    tiles = tile_capacity(tokens, max_num_seqs, tokens_per_tile)
+    out = np.zeros((4, max(seqs + 2, tiles)), dtype=np.int32)
+    n, real = len(host.q_lens), host.starts[-1]
+    out[0, :n] = host.seq_lens
+    out[1, :n + 1] = host.starts
+    out[1, n + 1:seqs + 2] = real
+    tile_seq, tile_qstart = build_tiles(host.q_lens, tokens_per_tile)
+    out[2, :len(tile_seq)] = tile_seq
+    out[2, len(tile_seq):tiles] = seqs
+    out[3, :len(tile_qstart)] = tile_qstart
+    return out
+
+
+class MixedGraphs:
+    """The runner's graphs for steps with prefill chunks: `graphs`, tokens -> (graph, its logits [sequences,
+    vocabulary]), logits at each sequence's last token of the step (the rows `keep` names)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        r = runner
+        self.sizes = mixed_sizes(min(MIXED_MAX_TOKENS, r.config.max_num_batched_tokens))
+        self.max_tokens = self.sizes[-1]
+        self.block_m = block_m_for(r.group, False)
+        self.tokens_per_tile = max(1, self.block_m // r.group)
+        self.max_num_seqs = r.config.max_num_seqs
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays = 0
+        self._capture()
+
+    def _capture(self) -> None:
+        r, dev, top = self.runner, self.runner.device, self.max_tokens
+        seqs = seq_capacity(top, self.max_num_seqs)
+        width = max(seqs + 2, tile_capacity(top, self.max_num_seqs, self.tokens_per_tile))
+        self.g_long = torch.zeros(4, top, dtype=torch.long, device=dev)  # ids, positions, slots, sampled rows
+        self.g_int = torch.zeros(4, width, dtype=torch.int32, device=dev)  # padded_metadata's rows
+        self.g_tables = torch.zeros(seqs + 1, r.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.up_long = PinnedUpload(4 * top, torch.long)
+        self.up_int = PinnedUpload(4 * width, torch.int32)
+        self.up_tables = PinnedUpload(seqs * r.max_blocks_per_seq, torch.int32)
+        g_ids, g_pos, g_slots, g_keep = self.g_long
+        g_lens, g_starts, g_tile_seq, g_tile_qstart = self.g_int
+        empty = HostInputs([], np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 1), np.int32),
+                           np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(1, np.int32))
+        pool = None
+        for size in reversed(self.sizes):  # the largest first, so that the smaller ones fit in its memory pool
+            seqs = seq_capacity(size, self.max_num_seqs)
+            tiles = tile_capacity(size, self.max_num_seqs, self.tokens_per_tile)
+            metadata = padded_metadata(empty, size, self.max_num_seqs, self.tokens_per_tile)
+            self.g_int.zero_()
+            self.g_int[:, :metadata.shape[1]].copy_(torch.from_numpy(metadata))
+            meta = AttentionMetadata(
+                slot_mapping=g_slots[:size], block_tables=self.g_tables[:seqs + 1], seq_lens=g_lens[:seqs + 1],
+                query_start_loc=g_starts[:seqs + 2], max_query_len=size, max_seq_len=r.max_model_len,
+                tile_seq=g_tile_seq[:tiles], tile_qstart=g_tile_qstart[:tiles], block_m=self.block_m)
+            with forward_context(ForwardContext(r.kv_caches, meta, r.backend)):
+                run = lambda: r.model(input_ids=g_ids[None, :size], position_ids=g_pos[None, :size], use_cache=False,
+                                      logits_to_keep=g_keep[:seqs]).logits[0]
+                with torch.inference_mode():
+                    run()  # compile kernels and settle allocations outside the graph
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        out = run()
+            pool = graph.pool()
+            self.graphs[size] = (graph, out)
+        self.pool = pool
+        log.info("captured CUDA graphs for steps with prefill chunks of %s tokens", self.sizes)
+
+    def fits(self, num_tokens: int) -> bool:
+        return num_tokens <= self.max_tokens
+
+    def replay(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
+        """Run the step from the graph of the next size up; the logits [len(sample_rows), vocabulary] at the
+        packed rows `sample_rows`."""
+        r = self.runner
+        host = host_inputs(batch, r.block_size)
+        n = len(host.ids)
+        size = next(s for s in self.sizes if s >= n)
+        long_t, long = self.up_long.take((4, self.max_tokens))
+        long.fill(0)
+        long[0, :n] = host.ids
+        long[1, :n] = host.positions
+        long[2, :n] = host.slots
+        long[3, :len(sample_rows)] = sample_rows
+        metadata = padded_metadata(host, size, self.max_num_seqs, self.tokens_per_tile)
+        int_t, ints = self.up_int.take(tuple(self.g_int.shape))
+        ints[:, :metadata.shape[1]] = metadata
+        rows, width = host.tables.shape
+        tables_t, tables = self.up_tables.take((rows, width))
+        tables[:] = host.tables
+        self.up_long.send(long_t, self.g_long)
+        self.up_int.send(int_t, self.g_int)
+        self.up_tables.send(tables_t, self.g_tables[:rows, :width])
+        r._feed_back(self.g_long[0], batch)
+        graph, out = self.graphs[size]
+        graph.replay()
+        self.replays += 1
+        return out[:len(sample_rows)]

@@ -5,6 +5,8 @@ paged cache (slot mapping), which blocks each sequence reads (block tables), and
 context lengths, plus what the chosen attention backend needs on top (query gather indices, or Triton tiles).
 """
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -13,13 +15,35 @@ from service.engine.sampler import to_device
 from service.engine.scheduler import ScheduledBatch
 
 
-def pack_inputs(batch: ScheduledBatch, decode_only: bool, *, block_size: int, backend_name: str, group: int,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """(token ids [1, tokens], positions [1, tokens], attention metadata) of a batch, on `device`.
+def block_m_for(group: int, decode_only: bool) -> int:
+    """Rows of (query token, head) pairs in one tile of the Triton attention kernel (engine/triton_attention.py):
+    a power of two, at least the query heads per KV head."""
+    return max(16 if decode_only else 64, 1 << (group - 1).bit_length())
 
-    `backend_name` is torch or triton, `group` the query heads per KV head. A token still on the device (sampled
-    by the previous launch, not read back) gets id 0 here: the runner's feed-back writes it.
-    """
+
+def build_tiles(query_lens: np.ndarray, tokens_per_tile: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split each sequence's query tokens into tiles: (sequence index, first query token) per tile."""
+    per_seq = -(-query_lens // tokens_per_tile)
+    tile_seq = np.repeat(np.arange(len(query_lens), dtype=np.int32), per_seq)
+    first = np.arange(per_seq.sum(), dtype=np.int32) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+    return tile_seq, (first * tokens_per_tile).astype(np.int32)
+
+
+class HostInputs(NamedTuple):
+    """A batch's inputs on the host: per token (ids, positions, cache slots), per sequence (block tables, query
+    lengths, context lengths after the step, offsets of each sequence's tokens in the packed row)."""
+    ids: list[int]
+    positions: np.ndarray  # [tokens] int64
+    slots: np.ndarray  # [tokens] int64
+    tables: np.ndarray  # [seqs, most blocks of any] int32
+    q_lens: np.ndarray  # [seqs] int32
+    seq_lens: np.ndarray  # [seqs] int32
+    starts: np.ndarray  # [seqs + 1] int32
+
+
+def host_inputs(batch: ScheduledBatch, block_size: int) -> HostInputs:
+    """The batch's inputs as host arrays. A token still on the device (sampled by the previous launch, not read
+    back) gets id 0 here: the runner's feed-back writes it."""
     ids, positions, slots, tables = [], [], [], []
     q_lens, seq_lens = [], []
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -39,13 +63,24 @@ def pack_inputs(batch: ScheduledBatch, decode_only: bool, *, block_size: int, ba
     for i, t in enumerate(tables):
         table_arr[i, :len(t)] = t
     q_lens_arr = np.asarray(q_lens, dtype=np.int32)
-    seq_lens_arr = np.asarray(seq_lens, dtype=np.int32)
     starts = np.zeros(num_seqs + 1, dtype=np.int32)
     np.cumsum(q_lens_arr, out=starts[1:])
+    return HostInputs(ids, np.concatenate(positions), np.concatenate(slots), table_arr, q_lens_arr,
+                      np.asarray(seq_lens, dtype=np.int32), starts)
+
+
+def pack_inputs(batch: ScheduledBatch, decode_only: bool, *, block_size: int, backend_name: str, group: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(token ids [1, tokens], positions [1, tokens], attention metadata) of a batch, on `device`.
+
+    `backend_name` is torch or triton, `group` the query heads per KV head.
+    """
+    host = host_inputs(batch, block_size)
+    q_lens_arr, seq_lens_arr, starts = host.q_lens, host.seq_lens, host.starts
     dev = device
     up = lambda array: to_device(array, None, dev)
     meta = AttentionMetadata(
-        slot_mapping=up(np.concatenate(slots)), block_tables=up(table_arr), seq_lens=up(seq_lens_arr),
+        slot_mapping=up(host.slots), block_tables=up(host.tables), seq_lens=up(seq_lens_arr),
         query_start_loc=up(starts), max_query_len=int(q_lens_arr.max()), max_seq_len=int(seq_lens_arr.max()))
     if backend_name == "torch":
         qr = np.arange(meta.max_query_len)
@@ -53,12 +88,10 @@ def pack_inputs(batch: ScheduledBatch, decode_only: bool, *, block_size: int, ba
         meta.query_valid = up(qr < q_lens_arr[:, None])
         meta.query_pos = up((seq_lens_arr - q_lens_arr)[:, None] + qr)
     else:
-        from service.engine import triton_attention
-
-        meta.block_m = triton_attention.block_m_for(group, decode_only)
-        tile_seq, tile_qstart = triton_attention.build_tiles(q_lens_arr, max(1, meta.block_m // group))
+        meta.block_m = block_m_for(group, decode_only)
+        tile_seq, tile_qstart = build_tiles(q_lens_arr, max(1, meta.block_m // group))
         meta.tile_seq = up(tile_seq)
         meta.tile_qstart = up(tile_qstart)
-    ids_t = to_device(ids, torch.long, dev).unsqueeze(0)
-    pos_t = up(np.concatenate(positions)).unsqueeze(0)
+    ids_t = to_device(host.ids, torch.long, dev).unsqueeze(0)
+    pos_t = up(host.positions).unsqueeze(0)
     return ids_t, pos_t, meta

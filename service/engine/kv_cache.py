@@ -1,7 +1,8 @@
 """The paged KV cache's shape and size: how many blocks fit in the GPU memory left after a peak forward pass.
 
 On CUDA the budget is gpu_memory_utilization of the device's memory, less the peak of a forward pass over
-max_num_batched_tokens tokens (measured by running one into a throwaway cache) and less other processes' use.
+max_num_batched_tokens tokens (measured by running one into a throwaway cache), less what the CUDA graphs keep,
+and less other processes' use.
 """
 
 import logging
@@ -52,11 +53,21 @@ def blocks_that_fit(runner) -> int:
 
 
 def profile_peak_memory(runner) -> int:
-    """Peak memory of a forward pass over max_num_batched_tokens tokens."""
+    """Peak memory of a forward pass over max_num_batched_tokens tokens, plus, with CUDA graphs, what the graphs'
+    memory pool keeps: a forward pass over the largest step captured (cuda_graphs.MIXED_MAX_TOKENS)."""
+    from service.engine.cuda_graphs import MIXED_MAX_TOKENS
+
+    base = torch.cuda.memory_allocated(runner.device)
     dry_run(runner, runner.config.max_num_batched_tokens)
     peak = torch.cuda.max_memory_allocated(runner.device)
+    pool = 0
+    if runner.config.cuda_graphs:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        dry_run(runner, min(MIXED_MAX_TOKENS, runner.config.max_num_batched_tokens))
+        pool = torch.cuda.max_memory_allocated(runner.device) - base
     torch.cuda.empty_cache()
-    return peak + 2**30  # headroom for sampling over many rows and for CUDA graphs
+    return peak + pool + 2**30  # headroom for sampling over many rows and for the decode graphs
 
 
 @torch.inference_mode()

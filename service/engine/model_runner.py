@@ -1,7 +1,8 @@
 """Turns a scheduled batch into tensors, runs the model over the paged cache, and samples.
 
 Every token of a step goes into one packed row; logits are computed only where a sequence samples.
-On CUDA, decode-only steps replay CUDA graphs captured for a ladder of batch sizes.
+On CUDA, steps replay CUDA graphs: decode-only steps from graphs captured for a ladder of batch sizes, steps
+with prefill chunks up to cuda_graphs.MIXED_MAX_TOKENS tokens from graphs captured for a ladder of token counts.
 Its parts, each in its own module: input_packing (batch -> tensors), cuda_graphs (capture and replay, over
 pinned_upload's double-buffered uploads), kv_cache (the cache's shape and size) and compilation (torch.compile).
 """
@@ -11,7 +12,7 @@ import torch
 from service.engine import compilation, fusion
 from service.engine.attention import ForwardContext, forward_context, torch_paged_attention
 from service.engine.config import EngineConfig
-from service.engine.cuda_graphs import DecodeGraphs
+from service.engine.cuda_graphs import DecodeGraphs, MixedGraphs
 from service.engine.input_packing import pack_inputs
 from service.engine.kv_cache import blocks_that_fit, kv_shape, new_kv_caches
 from service.engine.sampler import SampleResult, Sampler, to_device
@@ -34,7 +35,6 @@ class ModelRunner:
         self.backend_name = backend
         if backend == "triton":
             from service.engine import triton_attention
-            self._triton = triton_attention
             self.backend = triton_attention.triton_paged_attention
         elif backend == "torch":
             self.backend = torch_paged_attention
@@ -49,8 +49,13 @@ class ModelRunner:
         self.kv_caches = new_kv_caches(self, self.num_blocks)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # decode batch size -> graph, logits
         self._fed: tuple[torch.Tensor, dict[Sequence, int]] | None = None  # last launch's samples, by sequence
+        self.mixed_graphs: MixedGraphs | None = None
+        self.eager_steps = 0  # steps run outside the CUDA graphs (all of them without graphs)
         if device.type == "cuda" and config.cuda_graphs:
-            self.decode_graphs = DecodeGraphs(self)
+            if self.backend_name != "triton":
+                raise ValueError("CUDA graphs need the triton attention backend")
+            self.mixed_graphs = MixedGraphs(self)
+            self.decode_graphs = DecodeGraphs(self, pool=self.mixed_graphs.pool)
             self.graphs = self.decode_graphs.graphs
 
     def release(self) -> None:
@@ -58,7 +63,7 @@ class ModelRunner:
         process that makes engines one after another, such as `bench run`, would otherwise run out of GPU memory).
         The runner cannot run after this."""
         self.kv_caches, self.graphs, self._fed = [], {}, None
-        self.decode_graphs = None
+        self.decode_graphs = self.mixed_graphs = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -83,7 +88,11 @@ class ModelRunner:
         decode_only = offset == len(batch.seqs)
         if decode_only and self.graphs and offset <= max(self.graphs):
             logits = self.decode_graphs.replay(batch)
+        elif self.mixed_graphs is not None and self.mixed_graphs.fits(offset):
+            logits = self.mixed_graphs.replay(batch, sample_rows)
+            sample_rows = list(range(len(sample_rows)))
         else:
+            self.eager_steps += 1
             ids, positions, meta = self.pack_inputs(batch, decode_only)
             self._feed_back(ids[0], batch)
             with forward_context(ForwardContext(self.kv_caches, meta, self.backend)):

@@ -5,7 +5,6 @@ KV head (grouped-query heads are packed into the rows, so a decode token still f
 units), and walks that sequence's context through its block table with an online softmax.
 """
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -80,18 +79,6 @@ def _paged_attention_kernel(
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(O + (q_begin + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-
-
-def block_m_for(group: int, decode_only: bool) -> int:
-    return max(16 if decode_only else 64, triton.next_power_of_2(group))
-
-
-def build_tiles(query_lens: np.ndarray, tokens_per_tile: int) -> tuple[np.ndarray, np.ndarray]:
-    """Split each sequence's query tokens into tiles: (sequence index, first query token) per tile."""
-    per_seq = -(-query_lens // tokens_per_tile)
-    tile_seq = np.repeat(np.arange(len(query_lens), dtype=np.int32), per_seq)
-    first = np.arange(per_seq.sum(), dtype=np.int32) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
-    return tile_seq, (first * tokens_per_tile).astype(np.int32)
 
 
 def triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,

@@ -3,9 +3,10 @@
 #   reference: bench offline (1,024 requests, 256 at a time), the engine process alone over IPC, then HTTP with
 #              one front end: non-streaming and streaming at 256 concurrent, 1 stream, 8 streams
 #   scale:     HTTP with 2 and 4 front ends, streaming at intervals 1, 4 and 16
+#   latency:   HTTP with one front end: 1 stream and 8 streams (TTFT, ITL), then 1,024 x 256 streaming
 # The client is tests/gpu/http_load.py (aiohttp, 8 processes); each figure has the CPU share of every process
 # of the server (cpu_share: pid -> CPU seconds per second of the window). Usage (device tool, carry .whl):
-#   bash tests/gpu/h100_serving.sh reference|scale
+#   bash tests/gpu/h100_serving.sh reference|scale|latency
 set -u
 cd "$(dirname "$0")/../.."
 source tests/gpu/env.sh
@@ -44,6 +45,13 @@ if [ "$phase" = reference ]; then
   load --requests 32 --concurrency 1 --procs 1 --stream --label "1 stream"
   load --requests 128 --concurrency 8 --procs 8 --stream --label "8 streams"
   curl -s $URL/metrics | grep -E '^llm_(time_to_first_token_seconds|engine_step_seconds)_(sum|count)' | head -8
+  stop
+elif [ "$phase" = latency ]; then
+  start_server 1 || exit 1
+  load --requests 32 --concurrency 1 --procs 1 --stream --label "1 stream"
+  load --requests 128 --concurrency 8 --procs 8 --stream --label "8 streams"
+  curl -s $URL/metrics | grep -E '^llm_(time_to_first_token_seconds|engine_step_seconds)_(sum|count)' | head -8
+  heavy 1 "interval 1"
   stop
 else
   for n in 2 4; do

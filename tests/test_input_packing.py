@@ -1,0 +1,71 @@
+"""The layouts the CUDA paths read, checked on the CPU: a mixed graph's padded metadata must cover each query token
+of the step exactly once, in the tile it would have had unpadded, and give every padding tile nothing to do.
+
+The Triton kernel (engine/triton_attention.py) reads a tile as: sequence s = tile_seq[t], its tokens
+query_start_loc[s] .. query_start_loc[s + 1], its context seq_lens[s] minus that count, and the tile's tokens
+tile_qstart[t] .. + tokens_per_tile within them. `_tokens_of` reads the arrays the same way.
+"""
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from service.engine.cuda_graphs import mixed_sizes, padded_metadata, seq_capacity, tile_capacity
+from service.engine.input_packing import block_m_for, build_tiles, host_inputs
+from service.engine.sampling import SamplingParams
+from service.engine.scheduler import ScheduledBatch
+from service.engine.sequence import Sequence
+
+
+def _tokens_of(metadata: np.ndarray, tile: int, tokens_per_tile: int) -> tuple[int, range, int]:
+    """(sequence, the packed rows of its query tokens in this tile, the sequence's context before the step)."""
+    seq_lens, starts, tile_seq, tile_qstart = metadata
+    seq = int(tile_seq[tile])
+    begin, q_len = int(starts[seq]), int(starts[seq + 1] - starts[seq])
+    first = int(tile_qstart[tile])
+    return seq, range(begin + first, begin + min(first + tokens_per_tile, q_len)), int(seq_lens[seq]) - q_len
+
+
+@settings(max_examples=200, deadline=None)
+@given(q_lens=st.lists(st.integers(1, 300), min_size=1, max_size=40), context=st.integers(0, 50),
+       max_num_seqs=st.sampled_from([8, 40, 256]), group=st.sampled_from([1, 3, 4, 8]))
+def test_padded_metadata_covers_every_query_token_once_and_padding_tiles_do_nothing(q_lens, context, max_num_seqs,
+                                                                                      group):
+    q_lens = q_lens[:max_num_seqs]
+    total = sum(q_lens)
+    sizes = mixed_sizes(max(total, 16))
+    tokens = next(s for s in sizes if s >= total)
+    seqs = []
+    for i, n in enumerate(q_lens):
+        seq = Sequence(f"s{i}", [1] * (context + i + n), SamplingParams())
+        seq.num_computed_tokens = context + i
+        seq.block_table = list(range(1, 2 + (context + i + n) // 16))
+        seqs.append(seq)
+    host = host_inputs(ScheduledBatch(seqs, q_lens, []), block_size=16)
+    per_tile = max(1, block_m_for(group, False) // group)
+    metadata = padded_metadata(host, tokens, max_num_seqs, per_tile)
+    cap, tiles = seq_capacity(tokens, max_num_seqs), tile_capacity(tokens, max_num_seqs, per_tile)
+    assert metadata.shape[1] >= max(cap + 2, tiles)
+    covered = []
+    for tile in range(tiles):  # the graph launches exactly `tiles` programs per KV head
+        seq, rows, before = _tokens_of(metadata, tile, per_tile)
+        if seq == cap:  # a padding tile: the empty sequence, nothing to attend or store
+            assert len(rows) == 0 and metadata[0, cap] == 0
+            continue
+        assert seq < len(q_lens) and before == context + seq  # the sequence's own context
+        covered += list(rows)
+    assert sorted(covered) == list(range(total))  # each real query token exactly once
+    unpadded_seq, unpadded_first = build_tiles(np.asarray(q_lens, np.int32), per_tile)
+    real = len(unpadded_seq)
+    assert (metadata[2, :real] == unpadded_seq).all() and (metadata[3, :real] == unpadded_first).all()
+    assert (metadata[2, real:tiles] == cap).all()
+    assert (metadata[1, len(q_lens):cap + 2] == total).all()  # sequences past the step's hold no tokens
+
+
+def test_mixed_sizes_pad_a_step_by_at_most_a_third_and_end_at_the_largest():
+    sizes = mixed_sizes(4096)
+    assert sizes[0] == 16 and sizes[-1] == 4096 and sizes == sorted(set(sizes))
+    for tokens in range(17, 4097):
+        padded = next(s for s in sizes if s >= tokens)
+        assert padded <= max(32, tokens * 3 // 2 + 1)
+    assert mixed_sizes(13) == [13] and mixed_sizes(100)[-1] == 100
