@@ -91,7 +91,7 @@ def test_cuda_engine_greedy_matches_transformers(tiny_cuda, overrides):
 
 
 def test_cuda_mixed_graphs_replay_every_step_with_no_compile_after_start(tiny_cuda):
-    """Steps with prefill chunks replay the mixed graphs at every size of the ladder (padded tokens, padded
+    """Steps with prefill chunks replay the mixed graphs at sizes across the ladder (padded tokens, padded
     sequences and empty attention tiles), beside decodes and after prefix hits, with nothing compiled after
     start-up, token for token as transformers; a step larger than the ladder runs outside the graphs."""
     from torch._dynamo.utils import counters
@@ -113,7 +113,8 @@ def test_cuda_mixed_graphs_replay_every_step_with_no_compile_after_start(tiny_cu
     arrivals = [[rng.randrange(5, 500) for _ in range(n)] for n in (3, 200, 31, 64)]
     engine.add_sequence(engine.make_sequence([rng.randrange(5, 500) for _ in range(20)],
                                              SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)))
-    seqs = []
+    seqs, before = [], mixed.replays
+    assert before >= 5  # each group's prompts in one step
     for step in range(200):  # prompts arrive one a step while the first decodes: steps of chunks and decodes
         if step < len(arrivals):
             seqs.append(engine.make_sequence(arrivals[step], params))
@@ -122,7 +123,7 @@ def test_cuda_mixed_graphs_replay_every_step_with_no_compile_after_start(tiny_cu
         if not engine.has_unfinished():
             break
     assert [s.output_token_ids for s in seqs] == [reference_greedy(tiny_cuda, p, 6) for p in arrivals]
-    assert engine.runner.eager_steps == 0 and mixed.replays >= 10
+    assert engine.runner.eager_steps == 0 and mixed.replays >= before + 2  # chunks beside the decodes
     assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled after start-up
     big = [[rng.randrange(5, 500) for _ in range(900)] for _ in range(MIXED_MAX_TOKENS // 900 + 1)]  # one step
     assert [o["token_ids"] for o in engine.generate(big, params)] == [reference_greedy(tiny_cuda, p, 6) for p in big]
