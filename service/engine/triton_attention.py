@@ -83,13 +83,12 @@ def _paged_attention_kernel(
 
 def launch_config(block_m: int, head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_N, warps, stages) for a tile of block_m rows: keys per iteration, and the launch's warps and
-    pipeline stages. From a sweep on the H100 (tests/gpu/attention_sweep.py): decode tiles of heads up to 64 wide
-    read the cache 5-8% faster with 32 keys, 2 warps and 3 stages (84-85% of the bandwidth at batch 256 over
-    1,024-2,048 tokens); wider heads gained at most 2% from other choices, which were left alone, as were prefill's
-    (within 5%; they would hold more shared memory in float32)."""
-    if block_m <= 16:
-        return (32, 2, 3) if head_dim <= 64 else (64, 4, 2)
-    return 32, 4, 2
+    pipeline stages.
+
+    A sweep on the H100 (tests/gpu/attention_sweep.py, 2026-11-26) found decode tiles of 64-wide heads 5-8% faster
+    alone with 32 keys, 2 warps and 3 stages at batch 256 over 512-2,048 tokens, but the engine ran 128/128 x 256
+    slower with them (59,821 and 52,880 output tok/s against 72,324 in one call, one run each), so these stay."""
+    return (64 if block_m <= 16 else 32), 4, 2
 
 
 def triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
