@@ -120,3 +120,13 @@ def test_an_unknown_operation_is_a_usage_error(capsys):
         main(["--ops", "sdpa-flash,warp-speed"])
     assert exc.value.code == 2
     assert "unknown operation 'warp-speed': use paged, sdpa-flash" in capsys.readouterr().err
+
+
+def test_the_serving_preset_names_the_engines_shapes_under_load():
+    from service.bench.kernel.cli import parse_args
+
+    shapes = parse_args(["--preset", "serving", "--dtype", "bf16"]).shapes
+    assert {(s.heads, s.kv_heads, s.head_dim) for s in shapes} == {(32, 8, 64), (32, 8, 128)}
+    assert sorted({(s.phase, s.batch, s.context) for s in shapes}) == [
+        ("decode", 256, 512), ("decode", 256, 1024), ("decode", 256, 2048), ("prefill", 4, 1024), ("prefill", 4, 4096)]
+    assert len(shapes) == 10 and {s.dtype for s in shapes} == {"bf16"}

@@ -28,6 +28,14 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+# --preset serving: the shapes the engine runs under load on a GPU, with Llama-3.2-1B's heads (32 over 8 KV heads,
+# 64 wide) and Llama-3.1-8B's (32 over 8, 128 wide): decode at batch 256 over long contexts (a full batch of
+# mixed lengths) and prefill at batch 4 (a step's chunks)
+PRESETS = {"serving": [("decode", 256, context) for context in (512, 1024, 2048)]
+                      + [("prefill", 4, context) for context in (1024, 4096)]}
+PRESET_HEADS = [(32, 8, 64), (32, 8, 128)]
+
+
 def parse_args(argv):
     cuda = torch.cuda.is_available()
     ap = argparse.ArgumentParser(prog="service bench kernel", description=__doc__,
@@ -43,6 +51,10 @@ def parse_args(argv):
     ap.add_argument("--head-dim", default="64,80")
     ap.add_argument("--context", default="512,1024,2048,4096" if cuda else "128,512")
     ap.add_argument("--dtype", default="bf16" if cuda else "fp32", help="comma list of fp32, fp16, bf16")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                    help="serving: decode at batch 256 over 512-2,048 tokens and prefill at batch 4 over 1,024 and "
+                    "4,096, with the 1B and 8B shapes' heads (in place of --phases, --batch, --heads, --kv-heads, "
+                    "--head-dim, --context; --dtype still applies)")
     flags.add_warmup(ap, 10)
     # dests "repeats" and "flush_l2": the names the stored configuration has always used
     flags.deprecated_alias(ap, "--repeats", flags.add_iterations(ap, 64, "timed repeats of each case", dest="repeats"))
@@ -64,9 +76,14 @@ def parse_args(argv):
             raise ValueError(f"unknown operation {unknown[0]!r}: use {', '.join(ops.OPS)}")
         if args.baseline not in args.ops:
             args.ops.append(args.baseline)
-        args.shapes = [ops.Shape(*combo) for combo in itertools.product(
-            args.phases.split(","), _ints(args.batch), _ints(args.heads), _ints(args.kv_heads),
-            _ints(args.head_dim), _ints(args.context), args.dtype.split(","))]
+        if args.preset:
+            args.shapes = [ops.Shape(phase, batch, heads, kv_heads, head_dim, context, dtype)
+                           for (heads, kv_heads, head_dim), (phase, batch, context), dtype in itertools.product(
+                               PRESET_HEADS, PRESETS[args.preset], args.dtype.split(","))]
+        else:
+            args.shapes = [ops.Shape(*combo) for combo in itertools.product(
+                args.phases.split(","), _ints(args.batch), _ints(args.heads), _ints(args.kv_heads),
+                _ints(args.head_dim), _ints(args.context), args.dtype.split(","))]
         if args.warmup < 0 or args.repeats < 1:
             raise ValueError("--warmup must be >= 0 and --iterations >= 1")
     except ValueError as exc:
