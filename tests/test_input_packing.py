@@ -10,7 +10,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.engine.cuda_graphs import mixed_sizes, padded_metadata, seq_capacity, tile_capacity
+from service.engine.cuda_graphs import (decode_sizes, logits_rows_held, mixed_sizes, padded_metadata, seq_capacity,
+                                        tile_capacity)
 from service.engine.input_packing import block_m_for, build_tiles, host_inputs
 from service.engine.sampling import SamplingParams
 from service.engine.scheduler import ScheduledBatch
@@ -69,3 +70,11 @@ def test_mixed_sizes_pad_a_step_by_at_most_a_third_and_end_at_the_largest():
         padded = next(s for s in sizes if s >= tokens)
         assert padded <= max(32, tokens * 3 // 2 + 1)
     assert mixed_sizes(13) == [13] and mixed_sizes(100)[-1] == 100
+
+
+def test_the_logits_the_graphs_keep_are_counted_row_by_row():
+    """What the KV budget sets aside for the graphs' outputs (kv_cache.profile_peak_memory): with 256 sequences and
+    8,192 batched tokens, 2,191 rows for the 20 decode graphs and 2,880 for the 16 mixed ones."""
+    assert decode_sizes(256) == [1, 2, 4, 8, *range(16, 257, 16)] and sum(decode_sizes(256)) == 2191
+    assert logits_rows_held(256, 8192) == 2191 + 16 + 32 + 48 + 64 + 96 + 128 + 192 + 256 * 9
+    assert decode_sizes(20) == [1, 2, 4, 8, 16, 20] and logits_rows_held(20, 13) == 51 + 13

@@ -38,8 +38,7 @@ class DecodeGraphs:
         self._capture_graphs()
 
     def _graph_sizes(self) -> list[int]:
-        cap = self.runner.config.max_num_seqs
-        return sorted({s for s in [1, 2, 4, 8, *range(16, cap + 1, 16), cap] if s <= cap})
+        return decode_sizes(self.runner.config.max_num_seqs)
 
     def _capture_graphs(self) -> None:
         r = self.runner
@@ -123,6 +122,19 @@ class DecodeGraphs:
             rows_t, rows = self.up_tables.take((last + 1 - first, width))
             rows[:] = host[first:last + 1, :width]
             self.up_tables.send(rows_t, self.g_tables[first:last + 1, :width])
+
+
+def decode_sizes(max_num_seqs: int) -> list[int]:
+    """The batch sizes decode graphs are captured for: 1, 2, 4, 8, then every 16 up to max_num_seqs."""
+    cap = max_num_seqs
+    return sorted({s for s in [1, 2, 4, 8, *range(16, cap + 1, 16), cap] if s <= cap})
+
+
+def logits_rows_held(max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """Rows of logits the captured graphs keep for good (each graph's output stays allocated): one per sequence
+    of every decode graph and of every mixed graph."""
+    mixed = mixed_sizes(min(MIXED_MAX_TOKENS, max_num_batched_tokens))
+    return sum(decode_sizes(max_num_seqs)) + sum(seq_capacity(s, max_num_seqs) for s in mixed)
 
 
 def mixed_sizes(max_tokens: int) -> list[int]:
@@ -239,6 +251,7 @@ class MixedGraphs:
         long[3, :len(sample_rows)] = sample_rows
         metadata = padded_metadata(host, size, self.max_num_seqs, self.tokens_per_tile)
         int_t, ints = self.up_int.take(tuple(self.g_int.shape))
+        ints.fill(0)
         ints[:, :metadata.shape[1]] = metadata
         rows, width = host.tables.shape
         tables_t, tables = self.up_tables.take((rows, width))

@@ -53,9 +53,10 @@ def blocks_that_fit(runner) -> int:
 
 
 def profile_peak_memory(runner) -> int:
-    """Peak memory of a forward pass over max_num_batched_tokens tokens, plus, with CUDA graphs, what the graphs'
-    memory pool keeps: a forward pass over the largest step captured (cuda_graphs.MIXED_MAX_TOKENS)."""
-    from service.engine.cuda_graphs import MIXED_MAX_TOKENS
+    """Peak memory of a forward pass over max_num_batched_tokens tokens, plus, with CUDA graphs, what the graphs
+    keep: their memory pool (a forward pass over the largest step captured, cuda_graphs.MIXED_MAX_TOKENS) and
+    every graph's logits (cuda_graphs.logits_rows_held rows of the vocabulary)."""
+    from service.engine.cuda_graphs import MIXED_MAX_TOKENS, logits_rows_held
 
     base = torch.cuda.memory_allocated(runner.device)
     dry_run(runner, runner.config.max_num_batched_tokens)
@@ -66,8 +67,11 @@ def profile_peak_memory(runner) -> int:
         torch.cuda.reset_peak_memory_stats()
         dry_run(runner, min(MIXED_MAX_TOKENS, runner.config.max_num_batched_tokens))
         pool = torch.cuda.max_memory_allocated(runner.device) - base
+        vocab = runner.model.config.get_text_config().vocab_size
+        c = runner.config
+        pool += logits_rows_held(c.max_num_seqs, c.max_num_batched_tokens) * vocab * runner.dtype.itemsize
     torch.cuda.empty_cache()
-    return peak + pool + 2**30  # headroom for sampling over many rows and for the decode graphs
+    return peak + pool + 2**30  # headroom for sampling over many rows
 
 
 @torch.inference_mode()
