@@ -120,7 +120,7 @@ def test_a_server_that_hangs_up_mid_stream_leaves_exact_error_records():
     assert [r.index for r in failed] == [2, 5, 8]
     for r in failed:
         assert (r.error, r.exception, r.status, r.where) == (
-            "connection_lost", "httpx.RemoteProtocolError", 200, "after 2 events"), r.message
+            "connection_lost", "aiohttp.ClientPayloadError", 200, "after 2 events"), r.message
         assert len(r.chunk_times) == 2 and r.e2e is None
     assert all(r.output_tokens == 4 for r in run.results if r.ok)
     s = summarize(run.results, run.duration)

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from service.bench.loadgen.workload.datasets import Sample
 
@@ -41,7 +41,7 @@ class RequestResult:
     status: int | None = None  # HTTP status
     error: str | None = None  # kind: http_503, timeout, connect_error, connection_lost, stream_error, ...
     message: str = ""
-    exception: str = ""  # the class of the exception behind the error, e.g. httpx.RemoteProtocolError
+    exception: str = ""  # the class of the exception behind the error, e.g. aiohttp.ClientPayloadError
     events: int = 0  # `data:` events of the stream received (before the failure, for a failed request)
     worker: int = 0  # the rank of the worker process that sent it
 
@@ -103,26 +103,39 @@ def _bears_token(chunk: dict, chat: bool, seen: bool) -> bool:
     return not seen and choices[0].get("finish_reason") is not None
 
 
-async def _read_stream(resp: httpx.Response, result: RequestResult, chat: bool, t0: float,
+async def _lines(resp: aiohttp.ClientResponse):
+    """The body's lines (without their line ends) as they arrive, whatever their length: each chunk the socket
+    gives is split at once (aiohttp's own line reader refuses lines over its buffer size)."""
+    pending = b""
+    async for chunk in resp.content.iter_any():
+        lines = (pending + chunk).split(b"\n")
+        pending = lines.pop()
+        for line in lines:
+            yield line.rstrip(b"\r")
+    if pending:
+        yield pending.rstrip(b"\r")
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, result: RequestResult, chat: bool, t0: float,
                        on_first: Callable | None, leave_after: int | None) -> dict | None:
     """Consume the SSE stream; returns the last usage seen; sets e2e at `data: [DONE]`, or an error kind."""
     usage = None
-    async for line in resp.aiter_lines():
+    async for line in _lines(resp):
         if result.e2e is not None:
             continue  # read past [DONE] to the end of the body, so the connection goes back to the pool
-        if not line.startswith("data:"):
+        if not line.startswith(b"data:"):
             continue  # blank separators, comments, `event:` lines
         now = time.perf_counter()
         result.events += 1
         data = line[5:].strip()
-        if data == "[DONE]":
+        if data == b"[DONE]":
             result.e2e = now - t0
             continue
         chunk = json.loads(data)
         if not isinstance(chunk, dict):
-            raise ValueError(f"a data line that is not a JSON object: {data[:100]}")
+            raise ValueError(f"a data line that is not a JSON object: {data[:100]!r}")
         if "error" in chunk:
-            result.error, result.message = "stream_error", _error_message(data.encode())
+            result.error, result.message = "stream_error", _error_message(data)
             return usage
         if _bears_token(chunk, chat, bool(result.chunk_times)):
             result.chunk_times.append(now - t0)
@@ -132,15 +145,17 @@ async def _read_stream(resp: httpx.Response, result: RequestResult, chat: bool, 
             usage = chunk["usage"]
         if leave_after is not None and result.events >= leave_after:
             result.error, result.message = "client_left", f"the client hung up after {result.events} events, as asked"
-            return usage  # leaving the `async with` closes the connection mid-stream
+            resp.close()  # drop the connection mid-stream rather than give it back to the pool
+            return usage
     if result.e2e is None:
         result.error, result.message = "truncated_stream", "the stream ended without data: [DONE]"
     return usage
 
 
-async def _read_reply(resp: httpx.Response, result: RequestResult, t0: float, on_first: Callable | None) -> dict | None:
+async def _read_reply(resp: aiohttp.ClientResponse, result: RequestResult, t0: float,
+                      on_first: Callable | None) -> dict | None:
     """A non-streamed reply: its usage; its one time is both the first token's and the end's."""
-    raw = await resp.aread()
+    raw = await resp.read()
     now = time.perf_counter()
     reply = json.loads(raw)
     if not isinstance(reply, dict) or not reply.get("choices"):
@@ -154,20 +169,21 @@ async def _read_reply(resp: httpx.Response, result: RequestResult, t0: float, on
 
 def _failure_kind(exc: Exception) -> str | None:
     """The error kind of an exception that a server or the network can cause; None for any other."""
-    if isinstance(exc, (TimeoutError, httpx.TimeoutException)):
+    if isinstance(exc, TimeoutError):  # asyncio's, and aiohttp's ServerTimeoutError
         return "timeout"
-    if isinstance(exc, httpx.ConnectError):
+    if isinstance(exc, aiohttp.ClientConnectorError):  # refused, unreachable, no such host
         return "connect_error"
-    if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)):
-        return "connection_lost"
-    if isinstance(exc, httpx.HTTPError):
+    if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError,
+                        ConnectionError)):
+        return "connection_lost"  # the server hung up before answering, mid-body, or the connection was reset
+    if isinstance(exc, aiohttp.ClientError):
         return "http_client_error"
     if isinstance(exc, (ValueError, AttributeError, TypeError, IndexError, KeyError)):
         return "bad_response"  # a data line that is not JSON, not an object, or JSON of an unexpected shape
     return None
 
 
-async def send(client: httpx.AsyncClient, url: str, body: dict, result: RequestResult, start: float,
+async def send(client: aiohttp.ClientSession, url: str, body: dict, result: RequestResult, start: float,
                timeout: float, on_first: Callable[[RequestResult], None] | None = None,
                leave_after: int | None = None) -> RequestResult:
     """Send one request (streamed unless the body says `"stream": false`) and fill in `result`; never raises for a
@@ -179,19 +195,21 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, result: RequestR
     usage = None
     try:
         async with asyncio.timeout(timeout):
-            async with client.stream("POST", url, json=body) as resp:
-                result.status = resp.status_code
-                if resp.status_code == 200 and body.get("stream"):
+            async with client.post(url, json=body) as resp:
+                result.status = resp.status
+                if resp.status == 200 and body.get("stream"):
                     usage = await _read_stream(resp, result, url.endswith(CHAT), t0, on_first, leave_after)
-                elif resp.status_code == 200:
+                elif resp.status == 200:
                     usage = await _read_reply(resp, result, t0, on_first)
                 else:
-                    result.error, result.message = f"http_{resp.status_code}", _error_message(await resp.aread())
+                    result.error, result.message = f"http_{resp.status}", _error_message(await resp.read())
     except Exception as exc:  # server and network failures become error kinds; any other is a bug here
         kind = _failure_kind(exc)
         if kind is None:
             raise
-        result.error, result.exception = kind, f"{type(exc).__module__}.{type(exc).__qualname__}"
+        module = type(exc).__module__
+        module = "aiohttp" if module.startswith("aiohttp.") else module  # the name aiohttp exports it under
+        result.error, result.exception = kind, f"{module}.{type(exc).__qualname__}"
         if type(exc) is TimeoutError:
             result.message = f"no complete response within {timeout:g} s"
         elif isinstance(exc, ValueError) or kind in ("connect_error", "connection_lost"):
