@@ -142,7 +142,7 @@ def parse(argv: list[str] | None = None, prog: str = "service serve") -> Setting
     parser = argparse.ArgumentParser(prog=prog, description="Serve a model over HTTP (OpenAI-compatible).")
     add_arguments(parser)
     settings = from_namespace(parser.parse_args(argv))
-    from service.engine.quantization import check_config
+    from service.engine.quant.quantization import check_config
     try:
         check_config(settings.engine)
         check_otlp(settings.telemetry)

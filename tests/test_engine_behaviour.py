@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from service.engine import InvalidRequestError, SamplingParams
-from service.engine.sampler import Sampler
+from service.engine.runner.sampler import Sampler
 from tests.conftest import Linked, make_engine
 
 PROMPT = "<|im_start|>user\nTell me a short story about a cat.<|im_end|>\n<|im_start|>assistant\n"
@@ -133,7 +133,7 @@ def test_top_k_and_top_p_keep_only_the_allowed_tokens():
 def test_greedy_fast_path_takes_the_first_maximum_and_fails_on_one_nan_logit(dtype):
     from types import SimpleNamespace
 
-    from service.engine.sampler import NonFiniteLogitsError
+    from service.engine.runner.sampler import NonFiniteLogitsError
     seqs = [SimpleNamespace(params=SamplingParams(temperature=0, max_tokens=4))] * 3
     logits = torch.randn(3, 1000).to(dtype)
     logits[1, [7, 500]] = 99.0  # a tie: argmax's first index

@@ -6,9 +6,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from service.engine import SamplingParams
-from service.engine.attention import ATTN_IMPLEMENTATION
 from service.engine.fusion import fuse_gate_up, fuse_qkv, unfuse_gate_up, unfuse_qkv
 from service.engine.models import LoadedModel
+from service.engine.runner.attention import ATTN_IMPLEMENTATION
 from tests.conftest import make_engine
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -79,7 +79,7 @@ def test_quantized_or_odd_projections_are_not_fused():
 def test_w8a8_projections_fuse_into_one_that_rounds_as_the_three_did(name):
     """int8-w8a8 q, k and v (one mode, one input) become one W8A8 layer, gate and up another: stacked codes and
     per-channel scales, the input quantized once, the same logits bit for bit; unfusing gives the layers back."""
-    from service.engine import w8a8
+    from service.engine.quant import w8a8
 
     model = model_for(name)
     w8a8.quantize(model, "int8-w8a8", skip=model.lm_head)

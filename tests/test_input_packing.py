@@ -1,7 +1,7 @@
 """The layouts the CUDA paths read, checked on the CPU: a mixed graph's padded metadata must cover each query token
 of the step exactly once, in the tile it would have had unpadded, and give every padding tile nothing to do.
 
-The Triton kernel (engine/triton_attention.py) reads a tile as: sequence s = tile_seq[t], its tokens
+The Triton kernel (engine/runner/triton_attention.py) reads a tile as: sequence s = tile_seq[t], its tokens
 query_start_loc[s] .. query_start_loc[s + 1], its context seq_lens[s] minus that count, and the tile's tokens
 tile_qstart[t] .. + tokens_per_tile within them. `_tokens_of` reads the arrays the same way.
 """
@@ -10,9 +10,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.engine.cuda_graphs import (decode_sizes, logits_rows_held, mixed_sizes, padded_metadata, seq_capacity,
-                                        tile_capacity)
-from service.engine.input_packing import block_m_for, build_tiles, host_inputs
+from service.engine.runner.cuda_graphs import (decode_sizes, logits_rows_held, mixed_sizes, padded_metadata,
+                                               seq_capacity, tile_capacity)
+from service.engine.runner.input_packing import block_m_for, build_tiles, host_inputs
 from service.engine.sampling import SamplingParams
 from service.engine.scheduler import ScheduledBatch
 from service.engine.sequence import Sequence

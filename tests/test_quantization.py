@@ -15,7 +15,7 @@ from service.bench.offline.quantization import PROMPTS, agreement, greedy, load_
 from service.engine import SamplingParams
 from service.engine.config import resolve_dtype
 from service.engine.models import _convert_gguf, default_gguf_path, load_model
-from service.engine.quantization import CPU_INT4_GROUP, weight_bytes
+from service.engine.quant.quantization import CPU_INT4_GROUP, weight_bytes
 from tests.conftest import LiveServer, make_engine, reference_greedy
 
 CPU = torch.device("cpu")
@@ -181,7 +181,7 @@ def test_bench_run_quantization_dimension_names_resolves_and_skips():
 def test_a_missing_torchao_is_refused_before_loading(monkeypatch):
     import importlib.util
 
-    from service.engine import quantization
+    from service.engine.quant import quantization
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
     with pytest.raises(ValueError, match=r"^int8 weights need torchao, which is not installed here: pip install torchao$"):

@@ -5,8 +5,8 @@ matmul stays one opaque op."""
 import pytest
 import torch
 
-from service.engine import w8a8
-from service.engine.w8a8 import CODES, TINY, W8A8Linear, error_bound, quantize_rows, reference
+from service.engine.quant import w8a8
+from service.engine.quant.w8a8 import CODES, TINY, W8A8Linear, error_bound, quantize_rows, reference
 
 MODES = list(CODES)
 

@@ -15,7 +15,7 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"  # auto: bfloat16 on CUDA or with int4, else float32; or float32 / float16 / bfloat16
     quantization: str = "none"  # weight-only: int8, int4 (bfloat16; dtype auto picks it), fp8 (CUDA 8.9+); weights
-    # and activations: int8-w8a8, fp8-w8a8 (CUDA 8.9+); engine/quantization.py describes each
+    # and activations: int8-w8a8, fp8-w8a8 (CUDA 8.9+); engine/quant/quantization.py describes each
     device: str = "auto"  # auto: cuda when available, else cpu
     block_size: int = 16  # tokens per KV cache block
     num_blocks: int | None = None  # KV blocks; None: 1024 on CPU, from gpu_memory_utilization on CUDA

@@ -42,7 +42,8 @@ class EngineCore:
         self.failure: str | None = None  # set from another thread (a lost tensor-parallel rank)
 
     def hello(self) -> Hello:
-        from service.engine.quantization import describe  # here: the supervisor imports this module, without torch
+        # here: the supervisor imports this module, without torch
+        from service.engine.quant.quantization import describe
 
         e = self.engine
         return Hello(os.getpid(), e.model_name, e.max_model_len, e.vocab_size, sorted(e.eos_token_ids),

@@ -11,7 +11,7 @@ forward pass calls it. `fuse_gate_up` does the same for the MLP's gate_proj and 
 forward pass splits it and runs down_proj(act(gate) * up), the family's own formula).
 
 Only the attention and MLP classes whose forward pass is known (below) are fused, and only plain floating-point
-weights or W8A8Linear layers of one mode (engine/w8a8.py: the W8A8 modes, and weight-only int8 on CUDA; stacking
+weights or W8A8Linear layers of one mode (engine/quant/w8a8.py: the W8A8 modes, and weight-only int8 on CUDA; stacking
 their codes and per-channel scales rounds exactly as the separate layers did, and the input is quantized once
 instead of once per projection): a quantized checkpoint or a torchao --quantization keeps its own projections.
 """
@@ -21,7 +21,7 @@ import sys
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from service.engine.w8a8 import W8A8Linear, silu_mul_quantize
+from service.engine.quant.w8a8 import W8A8Linear, silu_mul_quantize
 
 # transformers attention classes whose forward pass is Llama's: project, (Qwen3: per-head norms of q and k),
 # rotary embedding, attention (Mistral, Qwen2 and Qwen3: with a sliding window), o_proj

@@ -12,10 +12,10 @@ from service.engine.block_manager import BlockManager
 from service.engine.config import EngineConfig, for_device, resolve_dtype
 from service.engine.detokenizer import Detokenizer
 from service.engine.errors import EngineDeadError, InvalidRequestError
-from service.engine.model_runner import ModelRunner
 from service.engine.models import LoadedModel, load_model
-from service.engine.sampler import SampleResult
 from service.engine.results import RequestOutput, StepObserver, StepStats, Timings
+from service.engine.runner.model_runner import ModelRunner
+from service.engine.runner.sampler import SampleResult
 from service.engine.sampling import SamplingParams, check_request, tokenize
 from service.engine.scheduler import ScheduledBatch, Scheduler
 from service.engine.sequence import Sequence

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from service.engine import quantization as quant
 from service.engine.config import DEFAULT_MODEL, display_name
+from service.engine.quant import quantization as quant
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def _load_random(spec: str, dtype: torch.dtype, device: torch.device, seed: int)
 
 
 def _finish(model, tokenizer, name: str) -> LoadedModel:
-    from service.engine.attention import ATTN_IMPLEMENTATION
+    from service.engine.runner.attention import ATTN_IMPLEMENTATION
 
     model.eval().requires_grad_(False)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from service.engine import attention
-from service.engine.attention import AttentionMetadata, ForwardContext, forward_context
 from service.engine.errors import RankFailedError
+from service.engine.runner import attention
+from service.engine.runner.attention import AttentionMetadata, ForwardContext, forward_context
 
 log = logging.getLogger(__name__)
 
@@ -321,6 +321,6 @@ def _worker(config, world: int, rank: int, port: int, parent: int) -> None:
 
 
 def _kv_shape(model) -> tuple[int, int, int]:
-    from service.engine.kv_cache import kv_shape
+    from service.engine.runner.kv_cache import kv_shape
 
     return kv_shape(model.config)

@@ -17,8 +17,8 @@ import triton
 from triton.testing import do_bench_cudagraph
 
 from service.bench.kernel import ops, roofline
-from service.engine import triton_attention
-from service.engine.input_packing import block_m_for, build_tiles, pack_inputs
+from service.engine.runner import triton_attention
+from service.engine.runner.input_packing import block_m_for, build_tiles, pack_inputs
 from service.engine.sampling import SamplingParams
 from service.engine.scheduler import ScheduledBatch
 from service.engine.sequence import Sequence

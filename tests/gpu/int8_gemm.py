@@ -1,4 +1,4 @@
-"""int8-w8a8's matmul on the GPU (issue 27): the Triton kernel (service/engine/triton_w8a8.py) against cuBLAS's
+"""int8-w8a8's matmul on the GPU (issue 27): the Triton kernel (service/engine/quant/triton_w8a8.py) against cuBLAS's
 int8 matmul plus its rescale (the path before), bf16 and fp8-w8a8's `torch._scaled_mm`, on the linear layers of
 random:llama-1b and random:llama-8b, each timed inside a CUDA graph (triton.testing.do_bench_cudagraph); and the
 same kernel's weight-only int8 path (bf16 activations).
@@ -20,8 +20,8 @@ import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
-from service.engine import triton_w8a8
-from service.engine.w8a8 import int8_mm, quantize_rows
+from service.engine.quant import triton_w8a8
+from service.engine.quant.w8a8 import int8_mm, quantize_rows
 
 SHAPES = {  # name: (K, N) of x [M, K] @ W.T, W [N, K]: the engine's layers (q, k, v fused; gate, up fused)
     "1b qkv": (2048, 3072), "1b o": (2048, 2048), "1b gate_up": (2048, 16384), "1b down": (8192, 2048),

@@ -114,7 +114,7 @@ def _flex(shape: Shape, q, k, v) -> Callable:
 
 def _paged(shape: Shape, q, k, v) -> Callable:
     """This project's paged attention: Triton on CUDA, the PyTorch reference backend on CPU."""
-    from service.engine.input_packing import pack_inputs
+    from service.engine.runner.input_packing import pack_inputs
     from service.engine.sampling import SamplingParams
     from service.engine.scheduler import ScheduledBatch
     from service.engine.sequence import Sequence
@@ -136,10 +136,10 @@ def _paged(shape: Shape, q, k, v) -> Callable:
         seq.num_computed_tokens, seq.block_table = klen - qlen, table
         seqs.append(seq)
     if device.type == "cuda":
-        from service.engine import triton_attention
+        from service.engine.runner import triton_attention
         backend, kernel = "triton", triton_attention.triton_paged_attention
     else:
-        from service.engine.attention import torch_paged_attention
+        from service.engine.runner.attention import torch_paged_attention
         backend, kernel = "torch", torch_paged_attention
     meta = pack_inputs(ScheduledBatch(seqs, [qlen] * b, []), shape.phase == "decode", block_size=BLOCK_SIZE,
                        backend_name=backend, group=shape.heads // shape.kv_heads, device=device)[2]

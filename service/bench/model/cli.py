@@ -17,7 +17,7 @@ from service.bench.model import memory
 from service.bench.model.measure import PeakMemory, available_bytes, pin_mmap_threshold, release_free_memory, rss_bytes
 from service.bench.model.steps import PHASES, Case, build_model, model_config, run_case, summary
 from service.bench.offline.quantization import scheme_entry
-from service.engine import quantization
+from service.engine.quant import quantization
 
 FIT_SHARE = 0.9  # leave a tenth of the memory to the allocator's slack (and, on a shared CPU box, to others)
 

@@ -42,7 +42,7 @@ def build_model(config, device: torch.device, attention: str, quantization: str 
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attention,
                                                  dtype=torch.float32 if quantization == "none" else dtype)
     if quantization != "none":
-        from service.engine.quantization import quantize
+        from service.engine.quant.quantization import quantize
         quantize(model.eval(), quantization, device)
         return model
     return model.train()

@@ -14,7 +14,7 @@ import yaml
 from service.bench.offline.lengths import Lengths
 from service.bench.offline.quantization import scheme_entry
 from service.bench.store.provenance import stable_hash
-from service.engine.quantization import check as check_quantization
+from service.engine.quant.quantization import check as check_quantization
 
 
 def _bool(text) -> bool:

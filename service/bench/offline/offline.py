@@ -14,14 +14,14 @@ import time
 
 import torch
 
-from service.engine import EngineConfig, LLMEngine, SamplingParams
 from service.bench import flags
 from service.bench.offline import quantization
 from service.bench.offline.lengths import Lengths, lengths_arg
 from service.bench.store import add_db_argument, open_store_or_exit
-from service.engine.attention import ATTN_IMPLEMENTATION
+from service.engine import EngineConfig, LLMEngine, SamplingParams
 from service.engine.config import resolve_dtype
-from service.engine.quantization import check as check_quantization
+from service.engine.quant.quantization import check as check_quantization
+from service.engine.runner.attention import ATTN_IMPLEMENTATION
 
 
 def _sync(device: torch.device) -> None:

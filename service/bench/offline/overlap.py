@@ -19,7 +19,7 @@ from service.bench.offline.lengths import Lengths, lengths_arg
 from service.bench.offline.offline import random_prompts, run_engine
 from service.bench.store import add_db_argument, open_store_or_exit
 from service.engine import EngineConfig, LLMEngine, SamplingParams
-from service.engine import sampler as sampler_module
+from service.engine.runner import sampler as sampler_module
 
 
 def _sync() -> None:

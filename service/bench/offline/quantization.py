@@ -17,7 +17,7 @@ import torch
 from service.engine import EngineConfig, LLMEngine, SamplingParams
 from service.engine.config import resolve_dtype
 from service.engine.models import LoadedModel, load_model
-from service.engine.quantization import W8A8_MODES, check, describe, quantize, weight_bytes
+from service.engine.quant.quantization import W8A8_MODES, check, describe, quantize, weight_bytes
 
 TEXT = Path(__file__).parent.parent / "data" / "alice_chapter1.txt"
 

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from service.engine.attention import AttentionMetadata
+from service.engine.runner.attention import AttentionMetadata
 
 
 @triton.jit

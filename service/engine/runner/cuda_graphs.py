@@ -17,9 +17,9 @@ import logging
 import numpy as np
 import torch
 
-from service.engine.attention import AttentionMetadata, ForwardContext, forward_context
-from service.engine.input_packing import HostInputs, block_m_for, build_tiles, host_inputs
-from service.engine.pinned_upload import PinnedUpload
+from service.engine.runner.attention import AttentionMetadata, ForwardContext, forward_context
+from service.engine.runner.input_packing import HostInputs, block_m_for, build_tiles, host_inputs
+from service.engine.runner.pinned_upload import PinnedUpload
 from service.engine.scheduler import ScheduledBatch
 from service.engine.sequence import Sequence
 

@@ -1,4 +1,4 @@
-"""Triton kernels for the 8-bit linear layers on CUDA (engine/w8a8.py).
+"""Triton kernels for the 8-bit linear layers on CUDA (engine/quant/w8a8.py).
 
 `int8_scaled_mm`: the matmul of int8 weights, one scale per output channel, rescaled in the kernel's epilogue:
 

@@ -7,7 +7,7 @@ magnitude. int8 codes lie in [-127, 127] (round half to even); fp8 codes are flo
 cast rounds). The product is rescaled by token scale times channel scale in float32 and cast to the
 activations' dtype.
 
-Kernels: int8 through a Triton kernel of our own on CUDA (engine/triton_w8a8.py: exact int32 sums on the tensor
+Kernels: int8 through a Triton kernel of our own on CUDA (engine/quant/triton_w8a8.py: exact int32 sums on the tensor
 cores and the rescale in its epilogue; cuBLAS's `torch._int_mm` was no faster than bf16 on the H100) and
 `torch._int_mm` on the CPU; fp8 through `torch._scaled_mm` (fp8 tensor cores, CUDA 8.9+). Each sits behind a
 custom op, so that torch.compile fuses the quantization around a matmul it cannot see and so never tunes one per
@@ -76,7 +76,7 @@ def int8_scaled_mm(codes: torch.Tensor, scale: torch.Tensor, weight: torch.Tenso
     """(codes [M, K] * scale [M, 1]) @ (weight [N, K] * weight_scale [1, N]).T in out_dtype; int8 codes, the sums
     exact, the rescale in float32 (token scale first, then channel scale: the same rounding on every device)."""
     if codes.device.type == "cuda":
-        from service.engine import triton_w8a8
+        from service.engine.quant import triton_w8a8
 
         return triton_w8a8.int8_scaled_mm(codes, scale, weight, weight_scale, out_dtype)
     return (int8_mm(codes, weight).float() * scale * weight_scale).to(out_dtype)
@@ -91,7 +91,7 @@ def _(codes, scale, weight, weight_scale, out_dtype):
 def int8_weight_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] int8 * weight_scale [1, N]).T in x's dtype: the sums in float32, then the scale."""
     if x.device.type == "cuda":
-        from service.engine import triton_w8a8
+        from service.engine.quant import triton_w8a8
 
         return triton_w8a8.int8_scaled_mm(x.contiguous(), None, weight, weight_scale, x.dtype)
     return ((x.float() @ weight.float().t()) * weight_scale).to(x.dtype)
@@ -105,9 +105,9 @@ def _(x, weight, weight_scale):
 @torch.library.custom_op("llm_service::silu_mul_quantize", mutates_args=())
 def silu_mul_quantize(h: torch.Tensor, codes_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """h [M, 2N], a fused gate-and-up projection's output -> quantize_rows(silu(gate) * up): one Triton pass on
-    CUDA (engine/triton_w8a8.py), these very ops elsewhere and for rows wider than its registers hold."""
+    CUDA (engine/quant/triton_w8a8.py), these very ops elsewhere and for rows wider than its registers hold."""
     if h.device.type == "cuda":
-        from service.engine import triton_w8a8
+        from service.engine.quant import triton_w8a8
 
         if h.shape[1] // 2 <= triton_w8a8.MAX_ROW:
             return triton_w8a8.silu_mul_quantize(h.contiguous(), codes_dtype)

@@ -9,13 +9,14 @@ pinned_upload's double-buffered uploads), kv_cache (the cache's shape and size) 
 
 import torch
 
-from service.engine import compilation, fusion
-from service.engine.attention import ForwardContext, forward_context, torch_paged_attention
+from service.engine import fusion
 from service.engine.config import EngineConfig
-from service.engine.cuda_graphs import DecodeGraphs, MixedGraphs
-from service.engine.input_packing import pack_inputs
-from service.engine.kv_cache import blocks_that_fit, kv_shape, new_kv_caches
-from service.engine.sampler import SampleResult, Sampler, to_device
+from service.engine.runner import compilation
+from service.engine.runner.attention import ForwardContext, forward_context, torch_paged_attention
+from service.engine.runner.cuda_graphs import DecodeGraphs, MixedGraphs
+from service.engine.runner.input_packing import pack_inputs
+from service.engine.runner.kv_cache import blocks_that_fit, kv_shape, new_kv_caches
+from service.engine.runner.sampler import SampleResult, Sampler, to_device
 from service.engine.scheduler import ScheduledBatch
 from service.engine.sequence import Sequence
 
@@ -34,7 +35,7 @@ class ModelRunner:
             backend = "triton" if device.type == "cuda" else "torch"
         self.backend_name = backend
         if backend == "triton":
-            from service.engine import triton_attention
+            from service.engine.runner import triton_attention
             self.backend = triton_attention.triton_paged_attention
         elif backend == "torch":
             self.backend = torch_paged_attention

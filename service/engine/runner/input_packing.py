@@ -10,13 +10,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from service.engine.attention import AttentionMetadata
-from service.engine.sampler import to_device
+from service.engine.runner.attention import AttentionMetadata
+from service.engine.runner.sampler import to_device
 from service.engine.scheduler import ScheduledBatch
 
 
 def block_m_for(group: int, decode_only: bool) -> int:
-    """Rows of (query token, head) pairs in one tile of the Triton attention kernel (engine/triton_attention.py):
+    """Rows of (query token, head) pairs in one tile of the Triton attention kernel (engine/runner/triton_attention.py):
     a power of two, at least the query heads per KV head."""
     return max(16 if decode_only else 64, 1 << (group - 1).bit_length())
 

@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from service.engine.kv_cache import dry_run
+from service.engine.runner.kv_cache import dry_run
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from service.engine.attention import ForwardContext, forward_context
+from service.engine.runner.attention import ForwardContext, forward_context
 from service.engine.scheduler import ScheduledBatch
 from service.engine.sequence import Sequence
 
@@ -56,7 +56,7 @@ def profile_peak_memory(runner) -> int:
     """Peak memory of a forward pass over max_num_batched_tokens tokens, plus, with CUDA graphs, what the graphs
     keep: their memory pool (a forward pass over the largest step captured, cuda_graphs.MIXED_MAX_TOKENS) and
     every graph's logits (cuda_graphs.logits_rows_held rows of the vocabulary)."""
-    from service.engine.cuda_graphs import MIXED_MAX_TOKENS, logits_rows_held
+    from service.engine.runner.cuda_graphs import MIXED_MAX_TOKENS, logits_rows_held
 
     base = torch.cuda.memory_allocated(runner.device)
     dry_run(runner, runner.config.max_num_batched_tokens)

@@ -1,8 +1,8 @@
 """Quantization of a loaded model's linear layers, and the refusals of what a device cannot run.
 
 Weight-only modes (torchao): int8 (per output channel), int4 (groups of weights sharing a scale and zero point),
-fp8 (e4m3, per output channel); activations keep the model's dtype. On CUDA int8 runs engine/w8a8.py's layer
-(our Triton kernel) instead of torchao's, which torch.compile stalled on. W8A8 modes (engine/w8a8.py): int8-w8a8
+fp8 (e4m3, per output channel); activations keep the model's dtype. On CUDA int8 runs engine/quant/w8a8.py's layer
+(our Triton kernel) instead of torchao's, which torch.compile stalled on. W8A8 modes (engine/quant/w8a8.py): int8-w8a8
 and fp8-w8a8 quantize the activations too, per token, so the matmul runs in 8 bits. In every mode the KV cache and
 the embedding/output projection keep the model's dtype.
 """
@@ -12,8 +12,8 @@ import logging
 
 import torch
 
-from service.engine import w8a8
 from service.engine.config import resolve_dtype
+from service.engine.quant import w8a8
 
 log = logging.getLogger(__name__)
 if not torch.cuda.is_available():
@@ -115,8 +115,8 @@ def quantize(model: torch.nn.Module, mode: str, device: torch.device, simulate: 
 
 
 def _own_kernel(mode: str, device: torch.device) -> bool:
-    """Weight-only int8 on CUDA runs our Triton kernel (engine/w8a8.py), not torchao's: torch.compile tuned torchao's
-    int8 matmul at every new prefill size, a stall of minutes. On the CPU torchao's int8 kernel stays."""
+    """Weight-only int8 on CUDA runs our Triton kernel (engine/quant/w8a8.py), not torchao's: torch.compile tuned
+    torchao's int8 matmul at every new prefill size, a stall of minutes. On the CPU torchao's int8 kernel stays."""
     return mode in w8a8.WEIGHT_ONLY and device.type == "cuda"
 
 
