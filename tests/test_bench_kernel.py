@@ -130,3 +130,10 @@ def test_the_serving_preset_names_the_engines_shapes_under_load():
     assert sorted({(s.phase, s.batch, s.context) for s in shapes}) == [
         ("decode", 256, 512), ("decode", 256, 1024), ("decode", 256, 2048), ("prefill", 4, 1024), ("prefill", 4, 4096)]
     assert len(shapes) == 10 and {s.dtype for s in shapes} == {"bf16"}
+
+
+def test_the_preset_refuses_shape_flags_it_would_ignore(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--preset", "serving", "--batch", "8", "--context", "64"])
+    assert exc.value.code == 2
+    assert "--preset names the shapes itself: drop --batch, --context" in capsys.readouterr().err

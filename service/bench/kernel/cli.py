@@ -54,7 +54,7 @@ def parse_args(argv):
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
                     help="serving: decode at batch 256 over 512-2,048 tokens and prefill at batch 4 over 1,024 and "
                     "4,096, with the 1B and 8B shapes' heads (in place of --phases, --batch, --heads, --kv-heads, "
-                    "--head-dim, --context; --dtype still applies)")
+                    "--head-dim, --context, which it refuses beside it; --dtype still applies)")
     flags.add_warmup(ap, 10)
     # dests "repeats" and "flush_l2": the names the stored configuration has always used
     flags.deprecated_alias(ap, "--repeats", flags.add_iterations(ap, 64, "timed repeats of each case", dest="repeats"))
@@ -77,6 +77,10 @@ def parse_args(argv):
         if args.baseline not in args.ops:
             args.ops.append(args.baseline)
         if args.preset:
+            given = [f"--{name.replace('_', '-')}" for name in ("phases", "batch", "heads", "kv_heads", "head_dim",
+                                                                 "context") if getattr(args, name) != ap.get_default(name)]
+            if given:
+                raise ValueError(f"--preset names the shapes itself: drop {', '.join(given)}")
             args.shapes = [ops.Shape(phase, batch, heads, kv_heads, head_dim, context, dtype)
                            for (heads, kv_heads, head_dim), (phase, batch, context), dtype in itertools.product(
                                PRESET_HEADS, PRESETS[args.preset], args.dtype.split(","))]
