@@ -28,6 +28,21 @@ log = logging.getLogger(__name__)
 MIXED_MAX_TOKENS = 4096  # the largest step of prefill chunks replayed from a graph (at most max_num_batched_tokens)
 
 
+def capture(runner, meta: AttentionMetadata, ids: torch.Tensor, positions: torch.Tensor, keep, pool):
+    """One forward pass of the runner's model over the static inputs (ids, positions, the attention metadata) in
+    a CUDA graph sharing `pool`; returns the graph and its logits at the rows `keep` names (0: every row)."""
+    with forward_context(ForwardContext(runner.kv_caches, meta, runner.backend)):
+        run = lambda: runner.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
+                                   logits_to_keep=keep).logits[0]
+        with torch.inference_mode():
+            run()  # compile kernels and settle allocations outside the graph
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = run()
+    return graph, out
+
+
 class DecodeGraphs:
     """The runner's decode graphs (`graphs`: batch size -> (graph, its logits)) and their input buffers."""
 
@@ -64,15 +79,7 @@ class DecodeGraphs:
                 query_start_loc=self.g_starts[:size + 1], max_query_len=1, max_seq_len=r.max_model_len,
                 tile_seq=self.g_tile_seq[:size], tile_qstart=self.g_tile_qstart[:size],
                 block_m=block_m_for(r.group, True))
-            with forward_context(ForwardContext(r.kv_caches, meta, r.backend)):
-                run = lambda: r.model(input_ids=self.g_ids[None, :size], position_ids=self.g_pos[None, :size],
-                                      use_cache=False, logits_to_keep=0).logits[0]
-                with torch.inference_mode():
-                    run()  # compile kernels and settle allocations outside the graph
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        out = run()
+            graph, out = capture(r, meta, self.g_ids[:size], self.g_pos[:size], 0, pool)
             pool = graph.pool()
             self.graphs[size] = (graph, out)
         self.pool = pool
@@ -219,15 +226,7 @@ class MixedGraphs:
                 slot_mapping=g_slots[:size], block_tables=self.g_tables[:seqs + 1], seq_lens=g_lens[:seqs + 1],
                 query_start_loc=g_starts[:seqs + 2], max_query_len=size, max_seq_len=r.max_model_len,
                 tile_seq=g_tile_seq[:tiles], tile_qstart=g_tile_qstart[:tiles], block_m=self.block_m)
-            with forward_context(ForwardContext(r.kv_caches, meta, r.backend)):
-                run = lambda: r.model(input_ids=g_ids[None, :size], position_ids=g_pos[None, :size], use_cache=False,
-                                      logits_to_keep=g_keep[:seqs]).logits[0]
-                with torch.inference_mode():
-                    run()  # compile kernels and settle allocations outside the graph
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        out = run()
+            graph, out = capture(r, meta, g_ids[:size], g_pos[:size], g_keep[:seqs], pool)
             pool = graph.pool()
             self.graphs[size] = (graph, out)
         self.pool = pool
