@@ -8,54 +8,21 @@ kernels on the same dense shapes. Bandwidth and FLOPs as `bench kernel` counts t
 """
 
 import argparse
+import dataclasses
 import itertools
-import math
-import random
 
+import numpy as np
 import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
 from service.bench.kernel import ops, roofline
 from service.engine.runner import triton_attention
-from service.engine.runner.input_packing import block_m_for, build_tiles, pack_inputs
-from service.engine.sampling import SamplingParams
-from service.engine.scheduler import ScheduledBatch
-from service.engine.sequence import Sequence
-
-BLOCK = 16
-
-
-def paged(shape: ops.Shape, q, k, v):
-    """The kernel's inputs for a dense shape: a scattered paged cache, packed queries and the metadata."""
-    b, qlen, klen = shape.batch, shape.queries, shape.context
-    per_seq = math.ceil(klen / BLOCK)
-    blocks = list(range(1, b * per_seq + 1))
-    random.Random(0).shuffle(blocks)
-    k_cache = torch.zeros(b * per_seq + 1, BLOCK, shape.kv_heads, shape.head_dim, dtype=q.dtype, device="cuda")
-    v_cache = torch.zeros_like(k_cache)
-    seqs = []
-    for i in range(b):
-        table = blocks[i * per_seq:(i + 1) * per_seq]
-        pos = torch.arange(klen, device="cuda")
-        slots = torch.tensor(table, device="cuda")[pos // BLOCK] * BLOCK + pos % BLOCK
-        k_cache.view(-1, shape.kv_heads, shape.head_dim)[slots] = k[i].transpose(0, 1)
-        v_cache.view(-1, shape.kv_heads, shape.head_dim)[slots] = v[i].transpose(0, 1)
-        seq = Sequence(f"s{i}", [0] * klen, SamplingParams())
-        seq.num_computed_tokens, seq.block_table = klen - qlen, table
-        seqs.append(seq)
-    batch = ScheduledBatch(seqs, [qlen] * b, [])
-    meta = pack_inputs(batch, shape.phase == "decode", block_size=BLOCK, backend_name="triton",
-                       group=shape.heads // shape.kv_heads, device=torch.device("cuda"))[2]
-    packed = q.transpose(1, 2).reshape(b * qlen, shape.heads, shape.head_dim).contiguous()
-    return packed, k_cache, v_cache, meta, batch
+from service.engine.runner.input_packing import block_m_for, build_tiles
 
 
 def with_block_m(meta, batch, block_m: int, group: int):
     """The same metadata with tiles of block_m rows."""
-    import dataclasses
-
-    import numpy as np
     tile_seq, tile_qstart = build_tiles(np.asarray(batch.num_new_tokens, np.int32), max(1, block_m // group))
     return dataclasses.replace(meta, block_m=block_m, tile_seq=torch.from_numpy(tile_seq).cuda(),
                                tile_qstart=torch.from_numpy(tile_qstart).cuda())
@@ -76,7 +43,7 @@ def main():
         for context in contexts:
             shape = ops.Shape(phase, batch, 32, 8, head_dim, context, "bf16")
             q, k, v = ops.make_inputs(shape, torch.device("cuda"))
-            packed, k_cache, v_cache, meta, sched = paged(shape, q, k, v)
+            packed, k_cache, v_cache, meta, sched = ops.paged_inputs(shape, q, k, v, "triton")
             expected = ops.reference(q.float(), k.float(), v.float(), phase == "prefill")
             expected = expected.transpose(1, 2).reshape(packed.shape)
             group, scale = 4, head_dim ** -0.5

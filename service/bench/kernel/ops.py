@@ -112,8 +112,9 @@ def _flex(shape: Shape, q, k, v) -> Callable:
     return lambda: _flex_compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa)
 
 
-def _paged(shape: Shape, q, k, v) -> Callable:
-    """This project's paged attention: Triton on CUDA, the PyTorch reference backend on CPU."""
+def paged_inputs(shape: Shape, q, k, v, backend: str):
+    """A dense shape in this project's layout: (packed queries [tokens, heads, head dim], key cache, value cache,
+    the attention metadata for `backend` (torch or triton), the scheduled batch), the cache's pages scattered."""
     from service.engine.runner.input_packing import pack_inputs
     from service.engine.sampling import SamplingParams
     from service.engine.scheduler import ScheduledBatch
@@ -135,16 +136,23 @@ def _paged(shape: Shape, q, k, v) -> Callable:
         seq = Sequence(f"s{i}", [0] * klen, SamplingParams())
         seq.num_computed_tokens, seq.block_table = klen - qlen, table
         seqs.append(seq)
-    if device.type == "cuda":
+    batch = ScheduledBatch(seqs, [qlen] * b, [])
+    meta = pack_inputs(batch, shape.phase == "decode", block_size=BLOCK_SIZE, backend_name=backend,
+                       group=shape.heads // shape.kv_heads, device=device)[2]
+    packed = q.transpose(1, 2).reshape(b * qlen, shape.heads, shape.head_dim).contiguous()
+    return packed, k_cache, v_cache, meta, batch
+
+
+def _paged(shape: Shape, q, k, v) -> Callable:
+    """This project's paged attention: Triton on CUDA, the PyTorch reference backend on CPU."""
+    if q.device.type == "cuda":
         from service.engine.runner import triton_attention
         backend, kernel = "triton", triton_attention.triton_paged_attention
     else:
         from service.engine.runner.attention import torch_paged_attention
         backend, kernel = "torch", torch_paged_attention
-    meta = pack_inputs(ScheduledBatch(seqs, [qlen] * b, []), shape.phase == "decode", block_size=BLOCK_SIZE,
-                       backend_name=backend, group=shape.heads // shape.kv_heads, device=device)[2]
-    packed = q.transpose(1, 2).reshape(b * qlen, shape.heads, shape.head_dim).contiguous()
-    scale = shape.head_dim ** -0.5
+    packed, k_cache, v_cache, meta, _ = paged_inputs(shape, q, k, v, backend)
+    b, qlen, scale = shape.batch, shape.queries, shape.head_dim ** -0.5
     return lambda: kernel(packed, k_cache, v_cache, meta, scale).view(b, qlen, shape.heads, -1).transpose(1, 2)
 
 
