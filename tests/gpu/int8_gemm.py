@@ -35,6 +35,14 @@ def bench(fn) -> float:
     return do_bench_cudagraph(fn, rep=30) * 1000  # microseconds
 
 
+def operands(rows: int, k: int, n: int, codes_dtype: torch.dtype):
+    """x [rows, k] and w [n, k] in bf16, and each quantized per row (codes, scales; w's scales as [1, n])."""
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    wcodes, wscale = quantize_rows(w, codes_dtype)
+    return x, w, quantize_rows(x, codes_dtype), (wcodes, wscale.reshape(1, -1).contiguous())
+
+
 def candidates(rows):
     ms = [m for m in (16, 32, 64, 128) if m <= max(16, triton.next_power_of_2(rows))][-2:]
     return itertools.product(ms, (64, 128, 256), (128, 256), (4, 8), (3, 4))
@@ -58,11 +66,7 @@ def main():
     deadline = time.monotonic() + args.sweep_seconds
     rows_list = [int(r) for r in args.rows.split(",")]
     for (name, (k, n)), rows in itertools.product(SHAPES.items(), rows_list):
-        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-        codes, scale = quantize_rows(x, torch.int8)
-        wcodes, wscale = quantize_rows(w, torch.int8)
-        wscale = wscale.reshape(1, -1).contiguous()
+        x, w, (codes, scale), (wcodes, wscale) = operands(rows, k, n, torch.int8)
         exact = (int8_mm(codes, wcodes).float() * scale * wscale)
         ours = triton_w8a8.int8_scaled_mm(codes, scale, wcodes, wscale, torch.float32)
         same = torch.equal(ours, exact) and torch.equal(
@@ -106,11 +110,7 @@ def fp8_table(rows_list):
           " fp8, fast | normwise err fp8, fast |")
     print("|---|---|---|---|---|---|---|---|---|")
     for (name, (k, n)), rows in itertools.product(SHAPES.items(), rows_list):
-        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-        f8, f8s = quantize_rows(x, torch.float8_e4m3fn)
-        w8, w8s = quantize_rows(w, torch.float8_e4m3fn)
-        w8s = w8s.reshape(1, -1).contiguous()
+        x, w, (f8, f8s), (w8, w8s) = operands(rows, k, n, torch.float8_e4m3fn)
         one = torch.ones((), device="cuda")
         exact = f8.double() @ w8.double().t()
         magnitude = f8.double().abs() @ w8.double().abs().t()
