@@ -1,5 +1,6 @@
-"""The fused q, k, v projection and the fused gate and up projection: the same logits as the model's own attention, for every fused family, with
-transformers' attention and KV cache and with the engine's paged attention; quantized weights are left alone."""
+"""The fused q, k, v projection and the fused gate and up projection: the same logits as the model's own attention,
+for every fused family, with transformers' attention and KV cache and with the engine's paged attention;
+quantized weights are left alone."""
 
 import pytest
 import torch

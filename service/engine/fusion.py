@@ -11,9 +11,9 @@ forward pass calls it. `fuse_gate_up` does the same for the MLP's gate_proj and 
 forward pass splits it and runs down_proj(act(gate) * up), the family's own formula).
 
 Only the attention and MLP classes whose forward pass is known (below) are fused, and only plain floating-point
-weights or W8A8Linear layers of one mode (engine/quant/w8a8.py: the W8A8 modes, and weight-only int8 on CUDA; stacking
-their codes and per-channel scales rounds exactly as the separate layers did, and the input is quantized once
-instead of once per projection): a quantized checkpoint or a torchao --quantization keeps its own projections.
+weights or W8A8Linear layers of one mode (engine/quant/w8a8.py: the W8A8 modes, and weight-only int8 on CUDA;
+stacking their codes and per-channel scales rounds exactly as the separate layers did, and the input is quantized
+once instead of once per projection): a quantized checkpoint or a torchao --quantization keeps its own projections.
 """
 
 import sys
@@ -29,6 +29,18 @@ FUSABLE = {"LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attenti
 # MLP classes whose forward pass is down_proj(act_fn(gate_proj(x)) * up_proj(x))
 FUSABLE_MLP = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"}
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+
+
+def fuse(model: torch.nn.Module) -> tuple[int, int]:
+    """Fuse q, k, v and gate, up wherever they can be (what --fuse-qkv turns on); returns how many attention
+    modules and how many MLPs."""
+    return fuse_qkv(model), fuse_gate_up(model)
+
+
+def unfuse(model: torch.nn.Module) -> None:
+    """Undo `fuse`."""
+    unfuse_qkv(model)
+    unfuse_gate_up(model)
 
 
 def fuse_qkv(model: torch.nn.Module) -> int:

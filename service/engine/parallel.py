@@ -286,9 +286,8 @@ def _worker(config, world: int, rank: int, port: int, parent: int) -> None:
     _init_group(world, rank, _store(world, port), device)
     model = load_shard(config, world, rank).model
     if config.fuse_qkv:  # as rank 0's runner does with its shard
-        from service.engine.fusion import fuse_gate_up, fuse_qkv
-        fuse_qkv(model)
-        fuse_gate_up(model)
+        from service.engine.fusion import fuse
+        fuse(model)
     layers, kv_heads, head_dim = _kv_shape(model)
     dtype = next(model.parameters()).dtype
     caches: dict[int, list] = {}

@@ -41,8 +41,7 @@ class ModelRunner:
             self.backend = torch_paged_attention
         else:
             raise ValueError(f"unknown attention backend {backend!r}: use auto, torch or triton")
-        self.fused_layers = fusion.fuse_qkv(model) if config.fuse_qkv else 0
-        self.fused_mlps = fusion.fuse_gate_up(model) if config.fuse_qkv else 0
+        self.fused_layers, self.fused_mlps = fusion.fuse(model) if config.fuse_qkv else (0, 0)
         self.compiled = device.type == "cuda" and config.compile and compilation.compile_layers(self)
         self.num_blocks = config.num_blocks or blocks_that_fit(self)
         self.max_model_len = min(max_model_len, (self.num_blocks - 1) * self.block_size)
@@ -137,6 +136,5 @@ class ModelRunner:
     def uncompile(self) -> None:
         """Give the model back as it was loaded (for others that run it, such as the benchmark's peers)."""
         compilation.uncompile(self.model)
-        fusion.unfuse_qkv(self.model)
-        fusion.unfuse_gate_up(self.model)
+        fusion.unfuse(self.model)
         self.compiled, self.fused_layers, self.fused_mlps = False, 0, 0
