@@ -216,10 +216,12 @@ def test_cuda_nan_logits_fail_the_step_and_the_engine_serves_on(tiny_cuda):
 
 
 # -- weight-only quantization on CUDA (torchao: int8, int4 tinygemm, fp8 on compute capability 8.9+) ---------
+NEEDS_FP8 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                               reason="fp8 needs compute capability 8.9+")
+
+
 def _cuda_modes():
-    fp8 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                             reason="fp8 needs compute capability 8.9+")
-    return ["int8", "int4", pytest.param("fp8", marks=fp8)]
+    return ["int8", "int4", pytest.param("fp8", marks=NEEDS_FP8)]
 
 
 @pytest.fixture(scope="module")
@@ -296,9 +298,7 @@ FP8_SUM_ERROR = 2.0 ** -9
 
 def _w8a8_modes(weight_only: bool = False):
     """The W8A8 modes (and, with weight_only, weight-only int8, which runs the same layer on CUDA)."""
-    fp8 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                             reason="fp8 needs compute capability 8.9+")
-    return ["int8-w8a8", pytest.param("fp8-w8a8", marks=fp8)] + (["int8"] if weight_only else [])
+    return ["int8-w8a8", pytest.param("fp8-w8a8", marks=NEEDS_FP8)] + (["int8"] if weight_only else [])
 
 
 def _ops_run(fn, *args):
