@@ -3,8 +3,8 @@
 #   1. the ceiling against bench mock-server (no model, tokens as fast as it can write them) at 1,024 concurrent
 #      streams, 16,384 requests of 128 tokens, for two splits of the cores between mock server and generator;
 #   2. on the H100, random:llama-1b bf16 behind 4 front ends, 256 concurrent, 128 in / 128 out, streaming:
-#      bench serve (8,192 requests, its cross-check against the server's histograms on) next to the independent
-#      client tests/gpu/http_load.py (aiohttp, 8 processes, 8,192 requests), then bench serve again.
+#      bench serve (8,192 requests, its cross-check against the server's histograms on), then the independent
+#      client tests/gpu/http_load.py (aiohttp, 8 processes, 8,192 requests), twice, alternating.
 # Usage: bash tests/gpu/loadgen_ceiling.sh [mock|real|all]
 set -u
 cd "$(dirname "$0")/../.."
@@ -13,7 +13,7 @@ phase=${1:-all}
 nproc; nvidia-smi -L
 
 if [ "$phase" != real ]; then
-  for split in "6 8" "8 8" "4 12"; do
+  for split in "4 12" "6 10" "8 8"; do
     set -- $split
     python3 -m service bench mock-server --port 8100 --workers $1 --itl-ms 0 > $OUT/mock-$1.log 2>&1 &
     MOCK=$!
@@ -40,16 +40,14 @@ if [ "$phase" != mock ]; then
   PIDS=$(pgrep -P $SERVER | paste -sd,)
   python3 tests/gpu/http_load.py http://127.0.0.1:8000 --model $M --requests 512 --concurrency 256 --stream \
     --label warm > /dev/null
-  for run in 1 2; do
+  for run in 1 2; do  # alternating, so that the server's drift between windows hits both clients
     echo "== bench serve, run $run"
     python3 -m service bench serve --url http://127.0.0.1:8000 --model $M --max-concurrency 256 \
       --num-requests 8192 --input-len 128 --output-len 128 --random-token-range 100:30000 --workers ${GEN_WORKERS:-8} \
       --progress off --json $OUT/serve-$run.json 2>&1 | quiet | tail -45
-    if [ $run = 1 ]; then
-      echo "== independent client (aiohttp, 8 processes)"
-      python3 tests/gpu/http_load.py http://127.0.0.1:8000 --model $M --requests 8192 --concurrency 256 \
-        --procs 8 --stream --pids "$PIDS" --label "independent"
-    fi
+    echo "== independent client (aiohttp, 8 processes), run $run"
+    python3 tests/gpu/http_load.py http://127.0.0.1:8000 --model $M --requests 8192 --concurrency 256 \
+      --procs 8 --stream --pids "$PIDS" --label "independent-$run"
   done
   kill -TERM $SERVER; wait $SERVER; echo "server exit status $?"
 fi
