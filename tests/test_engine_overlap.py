@@ -174,6 +174,30 @@ def test_overlap_bench_times_both_modes_and_stores_the_run(tmp_path, capsys):
     assert "stored as run 1" in capsys.readouterr().out
 
 
+def test_steps_bench_accounts_for_every_step_of_each_run(tmp_path, capsys):
+    """bench's step profile: each of its three runs (overlap on, off, off under the profiler) schedules the
+    same steps, each step counted once under its kind; every kind's time adds up to its run's."""
+    from service.bench.offline import steps
+    result = steps.main(["--model", "random:tiny", "--num-requests", "6", "--input-len", "uniform:4-40",
+                         "--output-len", "uniform:2-9", "--max-num-batched-tokens", "64", "--db", str(tmp_path / "b.db")])
+    kinds = {r["kind"]: r for r in result["kinds"]}
+    assert {"prefill, eager", "decode, eager"} <= set(kinds)
+    counts = [sum(r[f"{run} steps"] for r in kinds.values()) for run in ("served", "wall", "busy")]
+    assert counts[0] == counts[1] == counts[2] > 0
+    assert all(r["served steps"] == r["wall steps"] == r["busy steps"] for r in kinds.values())
+    assert sum(r["served"] for r in kinds.values()) <= result["served_seconds"]
+    assert "stored as run 1" in capsys.readouterr().out
+
+
+def test_steps_bench_names_kernels_and_merges_busy_time():
+    from service.bench.offline.steps import busy_union, kernel_kind
+    assert [kernel_kind(n) for n in ("_paged_attention_kernel", "nvjet_tst_128x64", "sm90_xmma_gemm_bf16",
+                                     "Memcpy HtoD (Pinned -> Device)", "triton_poi_fused_add_rms_norm_0",
+                                     "void at::native::index_copy_kernel")] == \
+        ["attention", "matmul", "matmul", "copy", "other", "kv write"]
+    assert busy_union([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_held_admissions_change_no_output_and_free_every_block(tiny_case, overlap):
     """Requests arriving one a step while the batch decodes wait (admission_wait_steps, the CUDA default's

@@ -1,0 +1,230 @@
+"""Where a workload's engine steps go: by kind of step, the wall time, the device's busy time, the host's time,
+and the device's time by kind of kernel (attention, matrix products, the rest).
+
+One engine runs the workload (all requests at once, as `bench offline`) three times:
+1. a warm-up (every shape compiled and captured);
+2. overlap on, as it serves: each step's wall time, grouped by the kind of step it launched;
+3. overlap off, under torch.profiler: each step's kernels run inside its own host window, so each kernel is
+   attributed to its step by time alone; the device's busy time is the union of its kernels and copies, and
+   the host's time is the wall time less that busy time.
+
+A step's kind: decode (one token for each sequence), mixed (prompt chunks beside decodes) or prefill (prompt
+chunks only), and whether it replayed a CUDA graph or ran eagerly.
+
+    python -m service.bench.offline.steps --input-len uniform:100-1024 --output-len uniform:100-1024 --json steps.json
+"""
+
+import argparse
+import collections
+import contextlib
+import json
+import time
+
+import torch
+
+from service.bench.offline.lengths import Lengths, lengths_arg
+from service.bench.offline.offline import random_prompts, run_engine
+from service.bench.store import add_db_argument, open_store_or_exit
+from service.engine import EngineConfig, LLMEngine, SamplingParams
+
+# kernel name -> the kind of work it does; the first pattern that a (lower-case) name contains wins
+KERNEL_KINDS = (
+    ("attention", ("paged_attention", "flash", "fmha", "attention", "sdpa")),
+    ("matmul", ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "splitk", "scaled_mm", "int8_scaled_mm")),
+    ("kv write", ("index_copy", "index_put", "index_elementwise", "scatter")),
+    ("copy", ("memcpy", "memset")),
+)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, patterns in KERNEL_KINDS if any(p in low for p in patterns)), "other")
+
+
+def busy_union(intervals: list[tuple[float, float]]) -> float:
+    """The time covered by at least one of the intervals."""
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy
+
+
+def run_steps(engine: LLMEngine, prompts, output_lens, overlap: bool, annotate: bool = False) -> tuple[list[dict], float]:
+    """All prompts at once (after `run_engine`'s warm-up), with overlap on or off: each launched step's kind,
+    token and sequence counts, and the wall time of the step() call that launched it (with overlap that call
+    also reads back the step before it: the time a served step takes). `annotate` marks each call for
+    torch.profiler as `LLMEngine.step`."""
+    runner, launch, steps, calls = engine.runner, engine._launch, [], [0]
+
+    def logged(batch, start):
+        phase, eager = batch.phase, runner.eager_steps
+        launched = launch(batch, start)
+        steps.append({"kind": f"{phase}, {'eager' if runner.eager_steps > eager else 'graph'}",
+                      "tokens": sum(batch.num_new_tokens), "seqs": len(batch.seqs), "call": calls[0]})
+        return launched
+
+    engine.overlap = overlap
+    params = [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0) for n in output_lens]
+    engine._launch = logged
+    try:
+        _sync()
+        start = time.perf_counter()
+        for p, sp in zip(prompts, params):
+            engine.add_request(p, sp)
+        while engine.has_unfinished():
+            n, t0 = len(steps), time.perf_counter()
+            with torch.profiler.record_function("LLMEngine.step") if annotate else contextlib.nullcontext():
+                engine.step()
+            if len(steps) > n:
+                steps[-1]["wall"] = time.perf_counter() - t0
+            calls[0] += 1
+        _sync()
+        seconds = time.perf_counter() - start
+    finally:
+        del engine._launch  # the bound method again
+    return steps, seconds
+
+
+def profile_steps(engine: LLMEngine, prompts, output_lens) -> list[dict]:
+    """Overlap off under torch.profiler: each step's device busy time and kernel time by kind, from the kernels
+    that started inside the step() call that launched it (without overlap a step's kernels end before the call
+    returns). The host's own time is better read from a run without the profiler, which slows it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        steps, _ = run_steps(engine, prompts, output_lens, overlap=False, annotate=True)
+    # the raw events: torch's own post-processing of a run's hundreds of thousands of kernels takes minutes
+    windows, kernels = [], []
+    for e in prof.profiler.kineto_results.events():
+        if e.name() == "LLMEngine.step":
+            windows.append((e.start_ns(), e.end_ns()))
+        elif e.device_type() == torch.autograd.DeviceType.CUDA:
+            kernels.append((e.start_ns(), e.end_ns(), e.name()))
+    windows.sort()
+    kernels.sort()
+    i = 0
+    for s in steps:  # in launch order, as the windows are
+        a, b = windows[s["call"]]
+        while i < len(kernels) and kernels[i][0] < a:
+            i += 1
+        mine = []
+        while i < len(kernels) and kernels[i][0] < b:
+            mine.append(kernels[i])
+            i += 1
+        s["busy"] = busy_union([(k0, k1) for k0, k1, _ in mine]) / 1e9
+        s["by_kind"] = collections.Counter()
+        for k0, k1, name in mine:
+            s["by_kind"][kernel_kind(name)] += (k1 - k0) / 1e9
+    return steps
+
+
+def summarise(served: list[dict], plain: list[dict], profiled: list[dict]) -> list[dict]:
+    """One row per kind of step, most served time first. Totals in seconds: `served` from the run with overlap
+    on; `wall` from the run with overlap off; `busy` and each kind of kernel from the profiled run (overlap
+    off). Per step: `served_ms`, `wall_ms`, `busy_ms`, and `host_ms` = wall_ms - busy_ms."""
+    rows = collections.defaultdict(collections.Counter)
+    for name, run in (("served", served), ("wall", plain), ("busy", profiled)):
+        for s in run:
+            r = rows[s["kind"]]
+            r[f"{name} steps"] += 1
+            r[name] += s.get("wall" if name != "busy" else "busy", 0.0)
+            if name == "wall":
+                r["tokens"] += s["tokens"]
+                r["seqs"] += s["seqs"]
+            if name == "busy":
+                r.update(s.get("by_kind", {}))
+    out = []
+    for kind, r in sorted(rows.items(), key=lambda kv: -kv[1]["served"]):
+        per = {name: 1e3 * r[name] / r[f"{name} steps"] if r[f"{name} steps"] else 0.0
+               for name in ("served", "wall", "busy")}
+        n = max(r["wall steps"], 1)
+        out.append({"kind": kind, **r, "tokens_per_step": r["tokens"] / n, "seqs_per_step": r["seqs"] / n,
+                    **{f"{name}_ms": v for name, v in per.items()}, "host_ms": max(0.0, per["wall"] - per["busy"]),
+                    "shares": {k: r[k] / r["busy"] for k in ("attention", "matmul", "kv write", "copy", "other")
+                               if r["busy"]}})
+    return out
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| step kind | steps (served) | served s | served ms/step | tokens/step | seqs/step | overlap off: "
+          "wall ms/step | device busy ms/step | host ms/step | attention | matmul | kv write | copies, other |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        sh = r["shares"]
+        share = (lambda k: f"{sh[k]:.0%}" if k in sh else "-")
+        rest = f"{sh.get('copy', 0) + sh.get('other', 0):.0%}" if sh else "-"
+        print(f"| {r['kind']} | {r['served steps']} | {r['served']:.3f} | {r['served_ms']:.2f} | "
+              f"{r['tokens_per_step']:,.0f} | {r['seqs_per_step']:.0f} | {r['wall_ms']:.2f} | {r['busy_ms']:.2f} | "
+              f"{r['host_ms']:.2f} | {share('attention')} | {share('matmul')} | {share('kv write')} | {rest} |",
+              flush=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m service.bench.offline.steps", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: random:llama-1b on CUDA, random:tiny on CPU")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--input-len", type=lengths_arg, default=Lengths.parse("uniform:100-1024"),
+                    help="a count or uniform:LOW-HIGH")
+    ap.add_argument("--output-len", type=lengths_arg, default=Lengths.parse("uniform:100-1024"),
+                    help="a count or uniform:LOW-HIGH")
+    ap.add_argument("--seed", type=int, default=1, help="seeds the prompts and their lengths, as bench offline does")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--num-blocks", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--label", default=None, help="a name for this run in the results store")
+    add_db_argument(ap)
+    args = ap.parse_args(argv)
+    store = open_store_or_exit(args.db)
+    cuda = torch.cuda.is_available()
+    model = args.model or ("random:llama-1b" if cuda else "random:tiny")
+    engine = LLMEngine(EngineConfig(model=model, max_num_seqs=args.max_num_seqs,
+                                    max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
+                                    gpu_memory_utilization=0.5, enable_prefix_caching=False))
+    try:
+        prompts = random_prompts(args.num_requests, args.input_len, engine.runner.model.config.vocab_size, args.seed)
+        output_lens = args.output_len.sample(args.num_requests, args.seed + 1)
+        overlap = engine.overlap
+        run_engine(engine, prompts, output_lens)  # warm-up: every shape compiled and captured
+        served, served_s = run_steps(engine, prompts, output_lens, overlap)
+        plain, plain_s = run_steps(engine, prompts, output_lens, overlap=False)
+        profiled = profile_steps(engine, prompts, output_lens)
+    finally:
+        engine.close()
+    tokens = sum(output_lens)
+    rows = summarise(served, plain, profiled)
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    print(f"{model}, {args.num_requests} requests x {args.input_len} in / {args.output_len} out, {device}: "
+          f"overlap {'on' if overlap else 'off'} {served_s:.3f} s ({tokens / served_s:,.0f} tok/s, {len(served)} steps); "
+          f"overlap off {plain_s:.3f} s ({tokens / plain_s:,.0f} tok/s, {len(plain)} steps)")
+    print_table(rows)
+    result = {"model": model, "device": device, "torch": torch.__version__, "num_requests": args.num_requests,
+              "input_len": str(args.input_len), "output_len": str(args.output_len), "output_tokens": tokens,
+              "overlap": overlap, "served_seconds": served_s, "overlap_off_seconds": plain_s, "kinds": rows}
+    with store.run(kind="steps", name=f"steps-{model}", label=args.label,
+                   config={"model": model, "num_requests": args.num_requests, "input_len": str(args.input_len),
+                           "output_len": str(args.output_len), "seed": args.seed}) as run:
+        run.measure("output_tokens_per_second", tokens / served_s, unit="tok/s")
+        run.measure("overlap_off_output_tokens_per_second", tokens / plain_s, unit="tok/s")
+        for r in rows:
+            kind = r["kind"].replace(", ", "_")
+            for key in ("served", "wall", "busy", "host"):
+                run.measure(f"step_{kind}_{key}_seconds", r[f"{key}_ms"] / 1e3, unit="s")
+    print(f"stored as run {run.id} in {store.url}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
