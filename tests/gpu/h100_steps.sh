@@ -1,6 +1,7 @@
 #!/bin/bash
 # Issue 26 on the H100 in one call (device tool, carry .whl):
-#   1. where the steps go (python -m service.bench.offline.steps): mixed lengths, then 128/128 x 256;
+#   1. where the steps go (python -m service.bench.offline.steps): mixed lengths, then 128/128 x 256; then the
+#      attention kernels on the serving shapes (bench kernel --preset serving);
 #   2. mixed lengths [100, 1024] x 256, median of 7, with telemetry metrics as paired ratios (bench offline --telemetry);
 #   3. 128/128 x 256 with metrics + engine-step traces exported over OTLP/HTTP to a real receiver (tests/otlp.py).
 # Usage: bash tests/gpu/h100_steps.sh [steps|telemetry|all]
@@ -15,6 +16,8 @@ if [ "$phase" != telemetry ]; then
   timeout 200 python3 -m service.bench.offline.steps $MIXED --json $OUT/steps-mixed.json 2>&1 | quiet
   echo "== steps, 128/128"
   timeout 120 python3 -m service.bench.offline.steps --input-len 128 --output-len 128 --json $OUT/steps-128.json 2>&1 | quiet
+  echo "== bench kernel --preset serving"
+  timeout 150 python3 -m service bench kernel --preset serving --json $OUT/kernel.json 2>&1 | quiet
 fi
 if [ "$phase" != steps ]; then
   echo "== mixed lengths, telemetry metrics"
