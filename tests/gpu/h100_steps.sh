@@ -17,7 +17,7 @@ if [ "$phase" != telemetry ]; then
   echo "== steps, 128/128"
   timeout 120 python3 -m service.bench.offline.steps --input-len 128 --output-len 128 --json $OUT/steps-128.json 2>&1 | quiet
   echo "== bench kernel --preset serving"
-  timeout 150 python3 -m service bench kernel --preset serving --json $OUT/kernel.json 2>&1 | quiet
+  timeout 150 python3 -m service bench kernel --preset serving --csv $OUT/kernel.csv 2>&1 | quiet
 fi
 if [ "$phase" != steps ]; then
   echo "== mixed lengths, telemetry metrics"
