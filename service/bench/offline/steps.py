@@ -101,18 +101,27 @@ def profile_steps(engine: LLMEngine, prompts, output_lens) -> list[dict]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
         steps, _ = run_steps(engine, prompts, output_lens, overlap=False, annotate=True)
-    # the raw events: torch's own post-processing of a run's hundreds of thousands of kernels takes minutes
-    windows, kernels = [], []
+    # the raw events: torch's own post-processing of a run's hundreds of thousands of kernels takes minutes.
+    # On CUDA each marked call also has a range on the GPU's clock, from the first to the last kernel launched
+    # inside it (Kineto's gpu_user_annotation): those bound a step's kernels exactly; the host's ranges are on
+    # another clock and serve only where there is no GPU.
+    host, device, kernels = [], [], []
     for e in prof.profiler.kineto_results.events():
+        gpu = e.device_type() == torch.autograd.DeviceType.CUDA
         if e.name() == "LLMEngine.step":
-            windows.append((e.start_ns(), e.end_ns()))
-        elif e.device_type() == torch.autograd.DeviceType.CUDA:
+            (device if gpu else host).append((e.start_ns(), e.end_ns()))
+        elif gpu:
             kernels.append((e.start_ns(), e.end_ns(), e.name()))
-    windows.sort()
     kernels.sort()
+    if device and len(device) == len(steps):
+        windows = sorted(device)
+    else:
+        if device:
+            print(f"{len(device)} GPU ranges for {len(steps)} steps: kernels attributed by the host's ranges")
+        host.sort()
+        windows = [host[s["call"]] for s in steps]
     i = 0
-    for s in steps:  # in launch order, as the windows are
-        a, b = windows[s["call"]]
+    for s, (a, b) in zip(steps, windows):  # in launch order, as the windows are
         while i < len(kernels) and kernels[i][0] < a:
             i += 1
         mine = []
