@@ -135,6 +135,19 @@ def profile_steps(engine: LLMEngine, prompts, output_lens) -> list[dict]:
     return steps
 
 
+def host_profile(engine: LLMEngine, prompts, output_lens, overlap: bool, top: int) -> None:
+    """The engine thread under cProfile (which slows Python about twofold: read the shares, not the times)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    steps, seconds = run_steps(engine, prompts, output_lens, overlap)
+    prof.disable()
+    print(f"host profile: {len(steps)} steps in {seconds:.3f} s under cProfile")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def summarise(served: list[dict], plain: list[dict], profiled: list[dict]) -> list[dict]:
     """One row per kind of step, most served time first. Totals in seconds: `served` from the run with overlap
     on; `wall` from the run with overlap off; `busy` and each kind of kernel from the profiled run (overlap
@@ -189,6 +202,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--num-blocks", type=int, default=None)
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="one more run (overlap as served) under cProfile: print the host's N costliest functions")
     ap.add_argument("--json", default=None)
     ap.add_argument("--label", default=None, help="a name for this run in the results store")
     add_db_argument(ap)
@@ -207,6 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
         served, served_s = run_steps(engine, prompts, output_lens, overlap)
         plain, plain_s = run_steps(engine, prompts, output_lens, overlap=False)
         profiled = profile_steps(engine, prompts, output_lens)
+        if args.host_profile:
+            host_profile(engine, prompts, output_lens, overlap, args.host_profile)
     finally:
         engine.close()
     tokens = sum(output_lens)
