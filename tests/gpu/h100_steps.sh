@@ -3,29 +3,31 @@
 #   steps      where the steps go (python -m service.bench.offline.steps): mixed lengths, then 128/128 x 256 with
 #              the host's costliest functions under cProfile;
 #   kernel     the attention kernels on the serving shapes (bench kernel --preset serving);
-#   telemetry  mixed lengths [100, 1024] x 256, median of 7, with telemetry as paired ratios (bench offline
-#              --telemetry): metrics, then metrics + engine-step traces over OTLP/HTTP to a real receiver (tests/otlp.py).
-# Usage: bash tests/gpu/h100_steps.sh [steps] [kernel] [telemetry]
+#   metrics    mixed lengths [100, 1024] x 256, median of 7, with telemetry metrics as paired ratios (bench offline
+#              --telemetry);
+#   traces     the same with metrics + engine-step traces over OTLP/HTTP to a real receiver (tests/otlp.py).
+# Usage: bash tests/gpu/h100_steps.sh [steps] [kernel] [metrics] [traces]
 set -u
 cd "$(dirname "$0")/../.."
 source tests/gpu/env.sh
-phases=${*:-steps kernel telemetry}
+phases=${*:-steps kernel metrics traces}
 nvidia-smi -L
 MIXED="--input-len uniform:100-1024 --output-len uniform:100-1024"
 for phase in $phases; do
   case $phase in
   steps)
     echo "== steps, mixed lengths"
-    timeout 200 python3 -m service.bench.offline.steps $MIXED --json $OUT/steps-mixed.json 2>&1 | quiet
+    timeout 150 python3 -m service.bench.offline.steps $MIXED --json $OUT/steps-mixed.json 2>&1 | quiet
     echo "== steps, 128/128"
-    timeout 150 python3 -m service.bench.offline.steps --input-len 128 --output-len 128 --host-profile 40 \
+    timeout 110 python3 -m service.bench.offline.steps --input-len 128 --output-len 128 --host-profile 40 \
       --json $OUT/steps-128.json 2>&1 | grep -v -i warn ;;
   kernel)
     echo "== bench kernel --preset serving"
     timeout 150 python3 -m service bench kernel --preset serving --csv $OUT/kernel.csv 2>&1 | quiet ;;
-  telemetry)
+  metrics)
     echo "== mixed lengths, telemetry metrics"
-    timeout 200 python3 -m service bench offline $MIXED --telemetry --peers none --json $OUT/mixed.json 2>&1 | quiet
+    timeout 200 python3 -m service bench offline $MIXED --telemetry --peers none --json $OUT/mixed.json 2>&1 | quiet ;;
+  traces)
     python3 -c "
 import time
 from tests.otlp import Receiver
@@ -38,7 +40,7 @@ with Receiver('http/protobuf') as r:
     RECEIVER=$!
     for _ in $(seq 100); do [ -s /tmp/otlp_endpoint ] && break; sleep 0.2; done
     echo "== mixed lengths, telemetry metrics + step traces over OTLP to $(cat /tmp/otlp_endpoint)"
-    OTEL_EXPORTER_OTLP_ENDPOINT=$(cat /tmp/otlp_endpoint) timeout 200 python3 -m service bench offline $MIXED \
+    OTEL_EXPORTER_OTLP_ENDPOINT=$(cat /tmp/otlp_endpoint) timeout 160 python3 -m service bench offline $MIXED \
       --telemetry --peers none --json $OUT/traces.json 2>&1 | quiet
     sleep 6; tail -1 $OUT/otlp.log; kill $RECEIVER ;;
   esac

@@ -5,7 +5,7 @@
 #   2. on the H100, random:llama-1b bf16 behind 4 front ends, 256 concurrent, 128 in / 128 out, streaming:
 #      bench serve (8,192 requests, its cross-check against the server's histograms on), then the independent
 #      client tests/gpu/http_load.py (aiohttp, 8 processes, 8,192 requests), twice, alternating.
-# Usage: bash tests/gpu/loadgen_ceiling.sh [mock|real|all]
+# Usage: [GEN_WORKERS=8] [API_SERVERS=4] [ROUNDS=2] bash tests/gpu/loadgen_ceiling.sh [mock|real|all]
 set -u
 cd "$(dirname "$0")/../.."
 source tests/gpu/env.sh
@@ -30,17 +30,17 @@ fi
 if [ "$phase" != mock ]; then
   M=random:llama-1b
   python3 -m service serve --model $M --device cuda --port 8000 --max-num-seqs 256 --max-waiting 4096 \
-    --api-servers 4 > $OUT/serve.log 2>&1 &
+    --api-servers ${API_SERVERS:-4} > $OUT/serve.log 2>&1 &
   SERVER=$!
   for _ in $(seq 900); do
-    [ "$(grep -c 'linked to the engine process' $OUT/serve.log)" -ge 4 ] && break
+    [ "$(grep -c 'linked to the engine process' $OUT/serve.log)" -ge ${API_SERVERS:-4} ] && break
     kill -0 $SERVER 2>/dev/null || { tail -30 $OUT/serve.log; exit 1; }
     sleep 1
   done
   PIDS=$(pgrep -P $SERVER | paste -sd,)
   python3 tests/gpu/http_load.py http://127.0.0.1:8000 --model $M --requests 512 --concurrency 256 --stream \
     --label warm > /dev/null
-  for run in 1 2; do  # alternating, so that the server's drift between windows hits both clients
+  for run in $(seq ${ROUNDS:-2}); do  # alternating, so that the server's drift between windows hits both clients
     echo "== bench serve, run $run"
     python3 -m service bench serve --url http://127.0.0.1:8000 --model $M --max-concurrency 256 \
       --num-requests 8192 --input-len 128 --output-len 128 --random-token-range 100:30000 --workers ${GEN_WORKERS:-8} \
