@@ -1,0 +1,133 @@
+"""Where the host's time goes in each engine step (issue 26): the workload all at once, overlap as served, each
+engine call timed with perf_counter (no profiler): scheduling, the launch (input preparation, graph replay,
+sampler set-up), the wait for the step's tokens, and the read-back's own work; per decode step of the timed runs.
+
+Usage (device tool, after `source tests/gpu/env.sh`; on the CPU it runs random:tiny):
+  python3 tests/gpu/host_steps.py [--model random:llama-1b] [--num-requests 256] [--input-len 128] [--output-len 128]
+"""
+
+import argparse
+import collections
+import gc
+import statistics
+import time
+
+import torch
+
+from service.bench.offline.lengths import Lengths
+from service.bench.offline.offline import random_prompts
+from service.engine import EngineConfig, LLMEngine, SamplingParams
+from service.engine.runner import sampler as sampler_module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:llama-1b" if torch.cuda.is_available() else "random:tiny")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--overlap", choices=["on", "off"], default=None, help="default: the engine's")
+    ap.add_argument("--gc", choices=["plain", "freeze"], default="plain",
+                    help="freeze: gc.freeze() after the warm-up, as bench offline and the engine process do")
+    args = ap.parse_args()
+    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=256, max_num_batched_tokens=8192,
+                                    gpu_memory_utilization=0.5, enable_prefix_caching=False))
+    if args.overlap:
+        engine.overlap = args.overlap == "on"
+    prompts = random_prompts(args.num_requests, Lengths(args.input_len, args.input_len),
+                             engine.runner.model.config.vocab_size, 1)
+    spent = collections.Counter()
+    decode = [False]
+
+    def timed(obj, name, key):
+        f = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                if decode[0]:
+                    spent[key] += time.perf_counter() - t
+        setattr(obj, name, wrapper)
+
+    launch = engine._launch
+
+    def launch_logged(batch, start):  # a step counts when it is a decode step
+        decode[0] = batch.phase == "decode"
+        return launch(batch, start)
+
+    engine._launch = launch_logged
+    timed(engine.scheduler, "schedule", "schedule")
+    timed(engine.runner, "execute", "launch")
+    timed(engine, "_read_back", "read back")
+    read = sampler_module.SampleResult.read
+
+    def timed_read(result):
+        t = time.perf_counter()
+        try:
+            return read(result)
+        finally:
+            if decode[0]:
+                spent["wait"] += time.perf_counter() - t
+
+    sampler_module.SampleResult.read = timed_read
+    gcs = collections.Counter()
+    gc_start = [0.0]
+
+    def gc_timer(phase, info):
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            gcs[info["generation"]] += 1
+            gcs["seconds"] += time.perf_counter() - gc_start[0]
+
+    params = SamplingParams(max_tokens=args.output_len, min_tokens=args.output_len, ignore_eos=True, temperature=0)
+    rows = collections.defaultdict(list)
+    for run in range(args.runs + 1):
+        spent.clear()
+        gcs.clear()
+        steps = 0
+        if run == 1:
+            gc.collect()
+            if args.gc == "freeze":
+                gc.freeze()
+            gc.callbacks.append(gc_timer)
+        for p in prompts:
+            engine.add_request(p, params)
+        start = time.perf_counter()
+        decode_steps = 0
+        while engine.has_unfinished():
+            t = time.perf_counter()
+            engine.step()
+            if decode[0]:
+                decode_steps += 1
+                spent["step"] += time.perf_counter() - t
+            steps += 1
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        if run == 0:
+            continue  # the warm-up: every shape compiled and captured
+        per = {k: 1e3 * v / decode_steps for k, v in spent.items()}
+        per["read back less wait"] = per["read back"] - per["wait"]
+        per["host, all but the wait"] = per["step"] - per["wait"]
+        per["tok/s"] = args.num_requests * args.output_len / seconds
+        per["gc ms per run"] = 1e3 * gcs["seconds"]
+        per["gc collections by generation"] = {g: gcs[g] for g in (0, 1, 2)}
+        for k, v in per.items():
+            rows[k].append(v)
+    print(f"{args.model}, {args.num_requests} x {args.input_len}/{args.output_len}, overlap {engine.overlap}, gc {args.gc}, "
+          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}: ms per decode step, median of "
+          f"{args.runs} runs ({decode_steps} decode steps of {steps})")
+    for k, v in rows.items():
+        if isinstance(v[0], dict):
+            print(f"  {k}: {v}")
+        else:
+            print(f"  {k}: {statistics.median(v):,.3f}  (runs: {', '.join(f'{x:,.3f}' for x in v)})")
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
