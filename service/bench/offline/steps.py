@@ -102,9 +102,9 @@ def profile_steps(engine: LLMEngine, prompts, output_lens) -> list[dict]:
     with profile(activities=activities) as prof:
         steps, _ = run_steps(engine, prompts, output_lens, overlap=False, annotate=True)
     # the raw events: torch's own post-processing of a run's hundreds of thousands of kernels takes minutes.
-    # On CUDA each marked call also has a range on the GPU's clock, from the first to the last kernel launched
-    # inside it (Kineto's gpu_user_annotation): those bound a step's kernels exactly; the host's ranges are on
-    # another clock and serve only where there is no GPU.
+    # On CUDA a marked call also gets a range on the GPU (Kineto's gpu_user_annotation) for each stream it used:
+    # with one range a step they bound its kernels exactly; the engine's samples go to the host on a copy stream
+    # of their own, which makes two, and then the host's ranges (on the same clock, as Kineto aligns them) do.
     host, device, kernels = [], [], []
     for e in prof.profiler.kineto_results.events():
         gpu = e.device_type() == torch.autograd.DeviceType.CUDA
@@ -117,7 +117,8 @@ def profile_steps(engine: LLMEngine, prompts, output_lens) -> list[dict]:
         windows = sorted(device)
     else:
         if device:
-            print(f"{len(device)} GPU ranges for {len(steps)} steps: kernels attributed by the host's ranges")
+            print(f"{len(device)} GPU ranges for {len(steps)} steps (two streams): kernels attributed by the host's "
+                  "ranges")
         host.sort()
         windows = [host[s["call"]] for s in steps]
     i = 0
