@@ -13,7 +13,6 @@ them), starts the engine process, and then only watches:
 If the supervisor itself is killed, Linux kills its children with it (PR_SET_PDEATHSIG), as a container would.
 """
 
-import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -101,10 +100,6 @@ def run_engine(settings: Settings, folder: str, num_frontends: int, alive) -> No
     signal.signal(signal.SIGTERM, lambda *_: setattr(core, "stopping", True))
     if engine.parallel is not None:
         engine.parallel.on_failure = lambda reason: setattr(core, "failure", reason)
-    # the model, its compiled code and its graphs live as long as this process: keep them out of the collector's
-    # way (a full collection over them stalls the engine loop for tens to hundreds of milliseconds)
-    gc.collect()
-    gc.freeze()
     log.info("model %s ready on %s; serving %d front end(s)", engine.model_name, engine.device, num_frontends)
     start = time.monotonic()
     try:

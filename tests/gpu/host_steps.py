@@ -1,6 +1,7 @@
 """Where the host's time goes in each engine step (issue 26): the workload all at once, overlap as served, each
 engine call timed with perf_counter (no profiler): scheduling, the launch (input preparation, graph replay,
-sampler set-up), the wait for the step's tokens, and the read-back's own work; per decode step of the timed runs.
+sampler set-up), the wait for the step's tokens, and the read-back's own work; per decode step of the timed runs;
+and the garbage collector's time per run.
 
 Usage (device tool, after `source tests/gpu/env.sh`; on the CPU it runs random:tiny):
   python3 tests/gpu/host_steps.py [--model random:llama-1b] [--num-requests 256] [--input-len 128] [--output-len 128]
@@ -28,8 +29,6 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--overlap", choices=["on", "off"], default=None, help="default: the engine's")
-    ap.add_argument("--gc", choices=["plain", "freeze"], default="plain",
-                    help="freeze: gc.freeze() after the warm-up, as bench offline and the engine process do")
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=256, max_num_batched_tokens=8192,
                                     gpu_memory_utilization=0.5, enable_prefix_caching=False))
@@ -91,8 +90,6 @@ def main() -> None:
         steps = 0
         if run == 1:
             gc.collect()
-            if args.gc == "freeze":
-                gc.freeze()
             gc.callbacks.append(gc_timer)
         for p in prompts:
             engine.add_request(p, params)
@@ -118,7 +115,7 @@ def main() -> None:
         per["gc collections by generation"] = {g: gcs[g] for g in (0, 1, 2)}
         for k, v in per.items():
             rows[k].append(v)
-    print(f"{args.model}, {args.num_requests} x {args.input_len}/{args.output_len}, overlap {engine.overlap}, gc {args.gc}, "
+    print(f"{args.model}, {args.num_requests} x {args.input_len}/{args.output_len}, overlap {engine.overlap}, "
           f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}: ms per decode step, median of "
           f"{args.runs} runs ({decode_steps} decode steps of {steps})")
     for k, v in rows.items():

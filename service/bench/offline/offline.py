@@ -43,20 +43,16 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], output_lens: list[in
     engine.observer = None
     engine.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
     gc.collect()
-    gc.freeze()  # as the engine process does (service.api.server.run_engine): the collector skips what is loaded
-    try:
-        engine.observer = observer
-        _sync(engine.device)
-        steps, start = 0, time.perf_counter()
-        for p, n in zip(prompts, output_lens):
-            engine.add_request(p, SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0))
-        while engine.has_unfinished():
-            engine.step()
-            steps += 1
-        _sync(engine.device)
-        elapsed = time.perf_counter() - start
-    finally:
-        gc.unfreeze()
+    engine.observer = observer
+    _sync(engine.device)
+    steps, start = 0, time.perf_counter()
+    for p, n in zip(prompts, output_lens):
+        engine.add_request(p, SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0))
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    _sync(engine.device)
+    elapsed = time.perf_counter() - start
     engine.observer = None
     return {"system": "this engine (all at once)", "key": "engine", "output_tokens": sum(output_lens),
             "seconds": elapsed, "steps": steps}
