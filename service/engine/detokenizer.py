@@ -42,7 +42,7 @@ class Detokenizer:
     def take_delta(seq: Sequence) -> str:
         """Text not yet handed out; while running, keep back what may be the start of a stop string."""
         end = len(seq.text)
-        if not seq.is_finished and seq.params.stop:
+        if seq.params.stop and not seq.is_finished:
             hold = max(len(s) for s in seq.params.stop) - 1
             end = max(seq.emitted_text_len, end - hold)
         delta = seq.text[seq.emitted_text_len:end]

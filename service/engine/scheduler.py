@@ -31,9 +31,14 @@ class ScheduledBatch:
     @property
     def phase(self) -> str:
         """prefill, decode or mixed; read before the step updates num_computed_tokens."""
-        kinds = {"decode" if n == 1 and s.num_tokens > s.num_prompt_tokens and s.num_computed_tokens + 1 == s.num_tokens
-                 else "prefill" for s, n in zip(self.seqs, self.num_new_tokens)}
-        return kinds.pop() if len(kinds) == 1 else "mixed"
+        decode = prefill = False
+        for s, n in zip(self.seqs, self.num_new_tokens):  # once a step over every sequence: no property calls
+            total = len(s.token_ids) + s.num_pending_tokens
+            if n == 1 and total > len(s.prompt_token_ids) and s.num_computed_tokens + 1 == total:
+                decode = True
+            else:
+                prefill = True
+        return "decode" if decode and not prefill else "prefill" if prefill and not decode else "mixed"
 
 
 class Scheduler:
@@ -76,17 +81,18 @@ class Scheduler:
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         """Add the running sequences in admission order while the budget lasts; return the budget left."""
+        running, seqs, counts, needed = self.running, batch.seqs, batch.num_new_tokens, self.blocks.blocks_needed
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        while i < len(running) and budget > 0:
+            seq = running[i]
             if seq.num_pending_tokens and self._sampled_last_token(seq):
                 i += 1
                 continue
             n = self.chunk_size(seq, budget)
-            if not self.make_room(seq, n, batch):
+            if needed(seq, n) and not self.make_room(seq, n, batch):  # most decode steps need no new block
                 break  # it was preempted itself: those after it in `running` were already
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
+            seqs.append(seq)
+            counts.append(n)
             budget -= n
             i += 1
         return budget
@@ -95,7 +101,8 @@ class Scheduler:
     @staticmethod
     def chunk_size(seq: Sequence, budget: int) -> int:
         """Tokens to compute for `seq` in this step: all it has not computed, up to the step's token budget."""
-        return min(seq.num_tokens - seq.num_computed_tokens, budget)
+        left = len(seq.token_ids) + seq.num_pending_tokens - seq.num_computed_tokens  # seq.num_tokens, inlined
+        return left if left < budget else budget
 
     def choose_victim(self) -> Sequence:
         """Whom to preempt when blocks run out: the most recently admitted running sequence."""
@@ -216,7 +223,8 @@ class Scheduler:
     @staticmethod
     def _sampled_last_token(seq: Sequence) -> bool:
         """Its max_tokens-th token is still on the device (overlap): the host ends it on reading it back."""
-        return seq.num_pending_tokens > 0 and seq.num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
+        pending = seq.num_pending_tokens
+        return pending > 0 and len(seq.token_ids) + pending - len(seq.prompt_token_ids) >= seq.params.max_tokens
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free_sequence(seq)

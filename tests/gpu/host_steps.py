@@ -72,6 +72,8 @@ def main() -> None:
                 spent["wait"] += time.perf_counter() - t
 
     sampler_module.SampleResult.read = timed_read
+    if torch.cuda.is_available():  # the graph launch alone (cudaGraphLaunch), inside "launch"
+        timed(torch.cuda.CUDAGraph, "replay", "graph launch")
     gcs = collections.Counter()
     gc_start = [0.0]
 

@@ -70,10 +70,8 @@ class Sampler:
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        banned = self._min_tokens_bans(seqs)
-        wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        greedy = [s.params.greedy for s in seqs]
-        if all(greedy) and not banned and not wanted:
+        banned, wanted, all_greedy = self._scan(seqs)
+        if all_greedy and not banned and not wanted:
             # argmax is the same in the model's dtype: skip the float copy of [rows, vocab]. max propagates NaN, so
             # the row maxima tell whether any logit was NaN: one reduction over the logits instead of two
             top, tokens = logits.max(-1)
@@ -83,7 +81,7 @@ class Sampler:
         if banned:
             rows, cols = zip(*banned)
             logits[to_device(rows, torch.long, self.device), to_device(cols, torch.long, self.device)] = float("-inf")
-        tokens = logits.argmax(-1) if all(greedy) else self._sample(logits, seqs, greedy)
+        tokens = logits.argmax(-1) if all_greedy else self._sample(logits, seqs, [s.params.greedy for s in seqs])
         extra, ks = [], []
         if wanted:
             index = to_device(wanted, torch.long, self.device)
@@ -95,15 +93,23 @@ class Sampler:
         return SampleResult(tokens, nan, wanted, ks, extra, self.copy_stream)
 
     @staticmethod
-    def _min_tokens_bans(seqs: list[Sequence]) -> list[tuple[int, int]]:
-        """(row, token) pairs that may not be sampled yet: stop and EOS tokens before min_tokens."""
-        bans = []
+    def _scan(seqs: list[Sequence]) -> tuple[list[tuple[int, int]], list[int], bool]:
+        """One pass over the rows (a step's host time grows with each): the (row, token) pairs that may not be
+        sampled yet (stop and EOS tokens before min_tokens), the rows that want logprobs, and whether every row is
+        greedy."""
+        bans, wanted, all_greedy = [], [], True
         for i, s in enumerate(seqs):
             p = s.params
-            if p.min_tokens and s.num_tokens - s.num_prompt_tokens < p.min_tokens:  # tokens on the device count
+            # output tokens so far, those still on the device included
+            if p.min_tokens and len(s.token_ids) + s.num_pending_tokens - len(s.prompt_token_ids) < p.min_tokens:
                 stop = p.stop_token_ids if p.ignore_eos else [*p.stop_token_ids, *s.eos_token_ids]
-                bans += [(i, t) for t in set(stop)]
-        return bans
+                if stop:
+                    bans += [(i, t) for t in set(stop)]
+            if p.logprobs is not None:
+                wanted.append(i)
+            if all_greedy and not p.greedy:
+                all_greedy = False
+        return bans, wanted, all_greedy
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
         dev = logits.device
