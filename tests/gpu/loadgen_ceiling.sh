@@ -4,7 +4,7 @@
 #      streams, 16,384 requests of 128 tokens, for two splits of the cores between mock server and generator;
 #   2. on the H100, random:llama-1b bf16 behind 4 front ends, 256 concurrent, 128 in / 128 out, streaming:
 #      bench serve (8,192 requests, its cross-check against the server's histograms on), then the independent
-#      client tests/gpu/http_load.py (aiohttp, 8 processes, 8,192 requests), twice, alternating.
+#      client tests/gpu/http_load.py (aiohttp, 8 processes, 8,192 requests), ROUNDS times in ABBA order.
 # Usage: [GEN_WORKERS=8] [API_SERVERS=4] [ROUNDS=2] bash tests/gpu/loadgen_ceiling.sh [mock|real|all]
 set -u
 cd "$(dirname "$0")/../.."
@@ -40,14 +40,20 @@ if [ "$phase" != mock ]; then
   PIDS=$(pgrep -P $SERVER | paste -sd,)
   python3 tests/gpu/http_load.py http://127.0.0.1:8000 --model $M --requests 512 --concurrency 256 --stream \
     --label warm > /dev/null
-  for run in $(seq ${ROUNDS:-2}); do  # alternating, so that the server's drift between windows hits both clients
-    echo "== bench serve, run $run"
+  ours() {
+    echo "== bench serve, run $1"
     python3 -m service bench serve --url http://127.0.0.1:8000 --model $M --max-concurrency 256 \
       --num-requests 8192 --input-len 128 --output-len 128 --random-token-range 100:30000 --workers ${GEN_WORKERS:-8} \
-      --progress off --json $OUT/serve-$run.json 2>&1 | quiet | tail -45
-    echo "== independent client (aiohttp, 8 processes), run $run"
+      --progress off --json $OUT/serve-$1.json 2>&1 | quiet | tail -45
+  }
+  theirs() {
+    echo "== independent client (aiohttp, 8 processes), run $1"
     python3 tests/gpu/http_load.py http://127.0.0.1:8000 --model $M --requests 8192 --concurrency 256 \
-      --procs 8 --stream --pids "$PIDS" --label "independent-$run"
+      --procs 8 --stream --pids "$PIDS" --label "independent-$1"
+  }
+  # ABBA: ours, theirs, theirs, ours, ..., so that a server drifting over the call hits both clients alike
+  for run in $(seq ${ROUNDS:-2}); do
+    if [ $((run % 2)) = 1 ]; then ours $run; theirs $run; else theirs $run; ours $run; fi
   done
   kill -TERM $SERVER; wait $SERVER; echo "server exit status $?"
 fi
