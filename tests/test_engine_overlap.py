@@ -179,7 +179,8 @@ def test_steps_bench_accounts_for_every_step_of_each_run(tmp_path, capsys):
     same steps, each step counted once under its kind; every kind's time adds up to its run's."""
     from service.bench.offline import steps
     result = steps.main(["--model", "random:tiny", "--num-requests", "6", "--input-len", "uniform:4-40",
-                         "--output-len", "uniform:2-9", "--max-num-batched-tokens", "64", "--db", str(tmp_path / "b.db")])
+                         "--output-len", "uniform:2-9", "--max-num-batched-tokens", "64", "--top-kernels", "3",
+                         "--db", str(tmp_path / "b.db")])
     kinds = {r["kind"]: r for r in result["kinds"]}
     assert {"prefill, eager", "decode, eager"} <= set(kinds)
     counts = [sum(r[f"{run} steps"] for r in kinds.values()) for run in ("served", "wall", "busy")]
@@ -190,7 +191,11 @@ def test_steps_bench_accounts_for_every_step_of_each_run(tmp_path, capsys):
 
 
 def test_steps_bench_names_kernels_and_merges_busy_time():
-    from service.bench.offline.steps import busy_union, kernel_kind
+    from service.bench.offline.steps import busy_union, kernel_kind, top_kernels
+    steps = [{"kind": "decode, graph", "busy": 0.004, "by_kernel": {"nvjet_a": 0.002, "_paged_attention_kernel": 0.001}},
+             {"kind": "decode, graph", "busy": 0.004, "by_kernel": {"nvjet_a": 0.002, "triton_poi_fused_0": 0.001}}]
+    assert top_kernels(steps, 2) == {"decode, graph": [("nvjet_a", "matmul", 2.0, 0.5),
+                                                       ("_paged_attention_kernel", "attention", 0.5, 0.125)]}
     assert [kernel_kind(n) for n in ("_paged_attention_kernel", "nvjet_tst_128x64", "sm90_xmma_gemm_bf16",
                                      "Memcpy HtoD (Pinned -> Device)", "triton_poi_fused_add_rms_norm_0",
                                      "void at::native::index_copy_kernel")] == \

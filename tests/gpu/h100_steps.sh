@@ -1,12 +1,14 @@
 #!/bin/bash
 # Issue 26 on the H100 in one call (device tool, carry .whl). Phases (default: all, in this order):
 #   steps      where the steps go (python -m service.bench.offline.steps): mixed lengths, then 128/128 x 256 with
-#              the host's costliest functions under cProfile;
+#              the host's costliest functions under cProfile; each kind of step's 12 costliest kernels;
 #   kernel     the attention kernels on the serving shapes (bench kernel --preset serving);
 #   metrics    mixed lengths [100, 1024] x 256, median of 7, with telemetry metrics as paired ratios (bench offline
 #              --telemetry);
 #   traces     the same with metrics + engine-step traces over OTLP/HTTP to a real receiver (tests/otlp.py).
-# Usage: bash tests/gpu/h100_steps.sh [steps] [kernel] [metrics] [traces]
+#   8b         the step profile of random:llama-8b, 128/128 x 256 (the decode step against its roofline);
+#   one        one request's decode step (tests/gpu/decode_steps.py), the 1.0 ms target.
+# Usage: bash tests/gpu/h100_steps.sh [steps] [kernel] [metrics] [traces] [8b] [one]
 set -u
 cd "$(dirname "$0")/../.."
 source tests/gpu/env.sh
@@ -17,10 +19,17 @@ for phase in $phases; do
   case $phase in
   steps)
     echo "== steps, mixed lengths"
-    timeout 150 python3 -m service.bench.offline.steps $MIXED --json $OUT/steps-mixed.json 2>&1 | quiet
+    timeout 150 python3 -m service.bench.offline.steps $MIXED --top-kernels 12 --json $OUT/steps-mixed.json 2>&1 | quiet
     echo "== steps, 128/128"
     timeout 110 python3 -m service.bench.offline.steps --input-len 128 --output-len 128 --host-profile 40 \
       --json $OUT/steps-128.json 2>&1 | grep -v -i warn ;;
+  8b)
+    echo "== steps, 8B, 128/128"
+    timeout 200 python3 -m service.bench.offline.steps --model random:llama-8b --input-len 128 --output-len 128 \
+      --top-kernels 12 --json $OUT/steps-8b.json 2>&1 | quiet ;;
+  one)
+    echo "== one request, 128 in / 512 out: decode step p50 against 1.0 ms"
+    timeout 150 python3 tests/gpu/decode_steps.py --model random:llama-1b --num-requests 1 --output-len 512 2>&1 | quiet ;;
   kernel)
     echo "== bench kernel --preset serving"
     timeout 150 python3 -m service bench kernel --preset serving --csv $OUT/kernel.csv 2>&1 | quiet ;;

@@ -130,10 +130,23 @@ def profile_steps(engine: LLMEngine, prompts, output_lens) -> list[dict]:
             mine.append(kernels[i])
             i += 1
         s["busy"] = busy_union([(k0, k1) for k0, k1, _ in mine]) / 1e9
-        s["by_kind"] = collections.Counter()
+        s["by_kind"], s["by_kernel"] = collections.Counter(), collections.Counter()
         for k0, k1, name in mine:
             s["by_kind"][kernel_kind(name)] += (k1 - k0) / 1e9
+            s["by_kernel"][name] += (k1 - k0) / 1e9
     return steps
+
+
+def top_kernels(profiled: list[dict], top: int) -> dict[str, list[tuple[str, str, float, float]]]:
+    """Per kind of step, its `top` kernels by device time: (name, kind of kernel, ms per step, share of the
+    kind's busy time)."""
+    kernels, busy, steps = collections.defaultdict(collections.Counter), collections.Counter(), collections.Counter()
+    for s in profiled:
+        kernels[s["kind"]].update(s.get("by_kernel", {}))
+        busy[s["kind"]] += s.get("busy", 0.0)
+        steps[s["kind"]] += 1
+    return {kind: [(name, kernel_kind(name), 1e3 * t / steps[kind], t / busy[kind] if busy[kind] else 0.0)
+                   for name, t in counter.most_common(top)] for kind, counter in kernels.items()}
 
 
 def host_profile(engine: LLMEngine, prompts, output_lens, overlap: bool, top: int) -> None:
@@ -203,6 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--num-blocks", type=int, default=None)
+    ap.add_argument("--top-kernels", type=int, default=0, metavar="N",
+                    help="print each kind of step's N costliest kernels (device time per step, share of its busy time)")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="one more run (overlap as served) under cProfile: print the host's N costliest functions")
     ap.add_argument("--json", default=None)
@@ -234,9 +249,15 @@ def main(argv: list[str] | None = None) -> dict:
           f"overlap {'on' if overlap else 'off'} {served_s:.3f} s ({tokens / served_s:,.0f} tok/s, {len(served)} steps); "
           f"overlap off {plain_s:.3f} s ({tokens / plain_s:,.0f} tok/s, {len(plain)} steps)")
     print_table(rows)
+    tops = top_kernels(profiled, args.top_kernels) if args.top_kernels else {}
+    for kind, kernels in tops.items():
+        print(f"{kind}: its {len(kernels)} costliest kernels")
+        for name, what, ms, share in kernels:
+            print(f"  {ms:8.3f} ms/step {share:6.1%}  {what:9s} {name[:110]}")
     result = {"model": model, "device": device, "torch": torch.__version__, "num_requests": args.num_requests,
               "input_len": str(args.input_len), "output_len": str(args.output_len), "output_tokens": tokens,
-              "overlap": overlap, "served_seconds": served_s, "overlap_off_seconds": plain_s, "kinds": rows}
+              "overlap": overlap, "served_seconds": served_s, "overlap_off_seconds": plain_s, "kinds": rows,
+              "top_kernels": tops}
     with store.run(kind="steps", name=f"steps-{model}", label=args.label,
                    config={"model": model, "num_requests": args.num_requests, "input_len": str(args.input_len),
                            "output_len": str(args.output_len), "seed": args.seed}) as run:
