@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 26 on the H100 in one call (device tool, carry .whl). Phases (default: all, in this order):
+# Issue 26 on the H100 in one call (device tool, carry .whl). Phases (default: steps kernel metrics traces):
 #   steps      where the steps go (python -m service.bench.offline.steps): mixed lengths, then 128/128 x 256 with
 #              the host's costliest functions under cProfile; each kind of step's 12 costliest kernels;
 #   kernel     the attention kernels on the serving shapes (bench kernel --preset serving);
