@@ -174,11 +174,44 @@ def test_overlap_bench_times_both_modes_and_stores_the_run(tmp_path, capsys):
     assert "stored as run 1" in capsys.readouterr().out
 
 
+def test_overlap_decode_steps_are_decode_steps(tiny_case):
+    """With overlap a decoding sequence's last token is still on the device when its next step is scheduled: the
+    step is a decode step all the same (telemetry's phase label, the step profile's kinds)."""
+    loaded, prompts, _ = tiny_case
+    engine = make_engine(loaded, overlap=True)
+    phases, launch = [], engine._launch
+    engine._launch = lambda batch, start: phases.append(batch.phase) or launch(batch, start)
+    for p in prompts[:3]:
+        engine.add_request(p, greedy(6))
+    while engine.has_unfinished():
+        engine.step()
+    assert phases == ["prefill"] + ["decode"] * 5
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_stop_token_right_after_min_tokens_stops_there(tiny_case, overlap):
+    """min_tokens=k bans the stop token for the first k tokens only (tokens still on the device count): a stop
+    token that greedy decoding reaches as token k+1 ends the request there, with reason stop."""
+    loaded, prompts, references = tiny_case
+    out = references[0]
+    k = next(i for i in range(1, len(out)) if out[i] not in out[:i])  # its first appearance
+    engine = make_engine(loaded, overlap=overlap)
+    params = SamplingParams(max_tokens=12, min_tokens=k, stop_token_ids=[out[k]], temperature=0, ignore_eos=True)
+    rid = engine.add_request(prompts[0], params)
+    tokens, reason = [], None
+    while engine.has_unfinished():
+        for o in engine.step():
+            assert o.request_id == rid
+            tokens += o.new_token_ids
+            reason = o.finish_reason or reason
+    assert (tokens, reason) == (out[:k + 1], "stop")
+
+
 def test_steps_bench_accounts_for_every_step_of_each_run(tmp_path, capsys):
-    """bench's step profile: each of its three runs (overlap on, off, off under the profiler) schedules the
+    """bench's step profile: each of its runs (overlap on as served, off, off under the profiler) schedules the
     same steps, each step counted once under its kind; every kind's time adds up to its run's."""
     from service.bench.offline import steps
-    result = steps.main(["--model", "random:tiny", "--num-requests", "6", "--input-len", "uniform:4-40",
+    result = steps.main(["--model", "random:tiny", "--overlap", "on", "--num-requests", "6", "--input-len", "uniform:4-40",
                          "--output-len", "uniform:2-9", "--max-num-batched-tokens", "64", "--top-kernels", "3",
                          "--db", str(tmp_path / "b.db")])
     kinds = {r["kind"]: r for r in result["kinds"]}
@@ -190,6 +223,28 @@ def test_steps_bench_accounts_for_every_step_of_each_run(tmp_path, capsys):
     assert "stored as run 1" in capsys.readouterr().out
 
 
+def test_steps_bench_gives_each_step_the_work_that_started_in_it_on_the_compute_streams_ranges():
+    """Two steps; the GPU has a range per step on the compute stream (7) and on the copy stream (9); inductor's
+    annotation range and a kernel between the steps are not a step's work."""
+    from service.bench.offline.steps import STEP, Event, attribute
+    gpu = [Event(STEP, True, True, 7, 100, 200), Event(STEP, True, True, 7, 300, 400),
+           Event(STEP, True, True, 9, 190, 210), Event(STEP, True, True, 9, 390, 410),
+           Event("## Call CompiledFxGraph ##", True, True, 7, 110, 180),
+           Event("nvjet_tst", True, False, 7, 110, 150), Event("_paged_attention_kernel", True, False, 7, 150, 190),
+           Event("Memcpy DtoH (Device -> Pinned)", True, False, 9, 195, 205), Event("stray", True, False, 7, 250, 260),
+           Event("sm90_xmma_gemm", True, False, 7, 310, 390)]
+    host = [Event(STEP, False, True, 0, 0, 250), Event(STEP, False, True, 0, 250, 450)]
+    steps = [{"call": 0}, {"call": 1}]
+    attribute(steps, host + gpu)
+    assert [round(s["busy"] * 1e9) for s in steps] == [90, 80]
+    assert {k: round(v * 1e9) for k, v in steps[0]["by_kind"].items()} == {"matmul": 40, "attention": 40, "copy": 10}
+    assert dict(steps[1]["by_kernel"]) == {"sm90_xmma_gemm": 80e-9}
+    # without one GPU range a step (here: none, as on the CPU), the host's ranges bound the steps
+    cpu = [{"call": 0}, {"call": 1}]
+    attribute(cpu, host + [e for e in gpu if e.name != STEP])
+    assert [round(s["busy"] * 1e9) for s in cpu] == [90, 90]  # by the host's ranges the stray kernel is step 1's
+
+
 def test_steps_bench_names_kernels_and_merges_busy_time():
     from service.bench.offline.steps import busy_union, kernel_kind, top_kernels
     steps = [{"kind": "decode, graph", "busy": 0.004, "by_kernel": {"nvjet_a": 0.002, "_paged_attention_kernel": 0.001}},
@@ -198,8 +253,9 @@ def test_steps_bench_names_kernels_and_merges_busy_time():
                                                        ("_paged_attention_kernel", "attention", 0.5, 0.125)]}
     assert [kernel_kind(n) for n in ("_paged_attention_kernel", "nvjet_tst_128x64", "sm90_xmma_gemm_bf16",
                                      "Memcpy HtoD (Pinned -> Device)", "triton_poi_fused_add_rms_norm_0",
-                                     "void at::native::index_copy_kernel")] == \
-        ["attention", "matmul", "matmul", "copy", "other", "kv write"]
+                                     "void at::native::index_copy_kernel", "at::native::index_elementwise_kernel",
+                                     "_scatter_gather_elementwise_kernel")] == \
+        ["attention", "matmul", "matmul", "copy", "other", "kv write", "other", "other"]
     assert busy_union([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
 
 

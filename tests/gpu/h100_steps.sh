@@ -37,6 +37,7 @@ for phase in $phases; do
     echo "== mixed lengths, telemetry metrics"
     timeout 200 python3 -m service bench offline $MIXED --telemetry --peers none --json $OUT/mixed.json 2>&1 | quiet ;;
   traces)
+    rm -f /tmp/otlp_endpoint  # a warm machine keeps the last call's
     python3 -c "
 import time
 from tests.otlp import Receiver
@@ -52,5 +53,7 @@ with Receiver('http/protobuf') as r:
     OTEL_EXPORTER_OTLP_ENDPOINT=$(cat /tmp/otlp_endpoint) timeout 160 python3 -m service bench offline $MIXED \
       --telemetry --peers none --json $OUT/traces.json 2>&1 | quiet
     sleep 6; tail -1 $OUT/otlp.log; kill $RECEIVER ;;
+  *)
+    echo "unknown phase $phase (steps, kernel, metrics, traces, 8b, one)"; exit 2 ;;
   esac
 done

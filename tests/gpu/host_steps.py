@@ -36,7 +36,7 @@ def main() -> None:
         engine.overlap = args.overlap == "on"
     prompts = random_prompts(args.num_requests, Lengths(args.input_len, args.input_len),
                              engine.runner.model.config.vocab_size, 1)
-    spent = collections.Counter()
+    spent, call = collections.Counter(), collections.Counter()  # over the run's decode steps; in this step() call
     decode = [False]
 
     def timed(obj, name, key):
@@ -47,8 +47,7 @@ def main() -> None:
             try:
                 return f(*a, **k)
             finally:
-                if decode[0]:
-                    spent[key] += time.perf_counter() - t
+                call[key] += time.perf_counter() - t
         setattr(obj, name, wrapper)
 
     launch = engine._launch
@@ -68,8 +67,7 @@ def main() -> None:
         try:
             return read(result)
         finally:
-            if decode[0]:
-                spent["wait"] += time.perf_counter() - t
+            call["wait"] += time.perf_counter() - t
 
     sampler_module.SampleResult.read = timed_read
     if torch.cuda.is_available():  # the graph launch alone (cudaGraphLaunch), inside "launch"
@@ -98,11 +96,14 @@ def main() -> None:
         start = time.perf_counter()
         decode_steps = 0
         while engine.has_unfinished():
+            decode[0] = False  # a step() call counts when it launches a decode step
+            call.clear()
             t = time.perf_counter()
             engine.step()
             if decode[0]:
                 decode_steps += 1
-                spent["step"] += time.perf_counter() - t
+                call["step"] += time.perf_counter() - t
+                spent.update(call)
             steps += 1
         if torch.cuda.is_available():
             torch.cuda.synchronize()

@@ -1,10 +1,11 @@
 #!/bin/bash
 # Load-generator figures on the 16-core GPU machine (issue 25), in one call (device tool, carry .whl):
 #   1. the ceiling against bench mock-server (no model, tokens as fast as it can write them) at 1,024 concurrent
-#      streams, 16,384 requests of 128 tokens, for two splits of the cores between mock server and generator;
-#   2. on the H100, random:llama-1b bf16 behind 4 front ends, 256 concurrent, 128 in / 128 out, streaming:
-#      bench serve (8,192 requests, its cross-check against the server's histograms on), then the independent
-#      client tests/gpu/http_load.py (aiohttp, 8 processes, 8,192 requests), ROUNDS times in ABBA order.
+#      streams, 16,384 requests of 128 tokens, for three splits of the cores between mock server and generator;
+#   2. on the H100, random:llama-1b bf16 behind API_SERVERS front ends (4), 256 concurrent, 128 in / 128 out,
+#      streaming: bench serve (8,192 requests, its cross-check against the server's histograms on) and the
+#      independent client tests/gpu/http_load.py (aiohttp, 8 processes, 8,192 requests), ROUNDS rounds (2) in ABBA
+#      order (ours, theirs, theirs, ours: use an even number).
 # Usage: [GEN_WORKERS=8] [API_SERVERS=4] [ROUNDS=2] bash tests/gpu/loadgen_ceiling.sh [mock|real|all]
 set -u
 cd "$(dirname "$0")/../.."

@@ -1,12 +1,14 @@
 """Where a workload's engine steps go: by kind of step, the wall time, the device's busy time, the host's time,
 and the device's time by kind of kernel (attention, matrix products, the rest).
 
-One engine runs the workload (all requests at once, as `bench offline`) three times:
+One engine runs the workload (all requests at once, as `bench offline`) four times:
 1. a warm-up (every shape compiled and captured);
-2. overlap on, as it serves: each step's wall time, grouped by the kind of step it launched;
-3. overlap off, under torch.profiler: each step's kernels run inside its own host window, so each kernel is
-   attributed to its step by time alone; the device's busy time is the union of its kernels and copies, and
-   the host's time is the wall time less that busy time.
+2. overlap as served (on, on CUDA): each step's wall time, grouped by the kind of step it launched;
+3. overlap off: each step's wall time, host and device one after the other;
+4. overlap off under torch.profiler: each step's kernels run inside its own step() call, so each is attributed
+   to its step by time alone; the device's busy time is the union of its kernels and copies.
+The host's time per step is run 3's wall time less run 4's busy time (the same steps: scheduling does not
+depend on time). `--host-profile` adds a fifth run under cProfile.
 
 A step's kind: decode (one token for each sequence), mixed (prompt chunks beside decodes) or prefill (prompt
 chunks only), and whether it replayed a CUDA graph or ran eagerly.
@@ -19,6 +21,7 @@ import collections
 import contextlib
 import json
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -31,9 +34,22 @@ from service.engine import EngineConfig, LLMEngine, SamplingParams
 KERNEL_KINDS = (
     ("attention", ("paged_attention", "flash", "fmha", "attention", "sdpa")),
     ("matmul", ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "splitk", "scaled_mm", "int8_scaled_mm")),
-    ("kv write", ("index_copy", "index_put", "index_elementwise", "scatter")),
+    ("kv write", ("index_copy",)),  # the engine writes K and V into the cache with index_copy_ (attention.py)
     ("copy", ("memcpy", "memset")),
 )
+
+
+STEP = "LLMEngine.step"  # the profiler's name for a step() call (run_steps' annotation)
+
+
+class Event(NamedTuple):
+    """What `attribute` needs of a profiler event."""
+    name: str
+    gpu: bool  # on the device (a kernel, a copy, or a range the profiler draws there for an annotation)
+    annotation: bool  # a range of a marked region (record_function, inductor's calls), not work itself
+    stream: int
+    start_ns: int
+    end_ns: int
 
 
 def _sync() -> None:
@@ -70,7 +86,7 @@ def run_steps(engine: LLMEngine, prompts, output_lens, overlap: bool, annotate: 
                       "tokens": sum(batch.num_new_tokens), "seqs": len(batch.seqs), "call": calls[0]})
         return launched
 
-    engine.overlap = overlap
+    served, engine.overlap = engine.overlap, overlap
     params = [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0) for n in output_lens]
     engine._launch = logged
     try:
@@ -80,7 +96,7 @@ def run_steps(engine: LLMEngine, prompts, output_lens, overlap: bool, annotate: 
             engine.add_request(p, sp)
         while engine.has_unfinished():
             n, t0 = len(steps), time.perf_counter()
-            with torch.profiler.record_function("LLMEngine.step") if annotate else contextlib.nullcontext():
+            with torch.profiler.record_function(STEP) if annotate else contextlib.nullcontext():
                 engine.step()
             if len(steps) > n:
                 steps[-1]["wall"] = time.perf_counter() - t0
@@ -89,40 +105,49 @@ def run_steps(engine: LLMEngine, prompts, output_lens, overlap: bool, annotate: 
         seconds = time.perf_counter() - start
     finally:
         del engine._launch  # the bound method again
+        engine.overlap = served
     return steps, seconds
 
 
 def profile_steps(engine: LLMEngine, prompts, output_lens) -> list[dict]:
-    """Overlap off under torch.profiler: each step's device busy time and kernel time by kind, from the kernels
-    that started inside the step() call that launched it (without overlap a step's kernels end before the call
-    returns). The host's own time is better read from a run without the profiler, which slows it."""
+    """Overlap off under torch.profiler: each step's device busy time and kernel time by kind (`attribute`).
+    The host's own time is better read from a run without the profiler, which slows it."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
         steps, _ = run_steps(engine, prompts, output_lens, overlap=False, annotate=True)
-    # the raw events: torch's own post-processing of a run's hundreds of thousands of kernels takes minutes.
-    # On CUDA a marked call also gets a range on the GPU (Kineto's gpu_user_annotation) for each stream it used:
-    # with one range a step they bound its kernels exactly; the engine's samples go to the host on a copy stream
-    # of their own, which makes two, and then the host's ranges (on the same clock, as Kineto aligns them) do.
-    host, device, kernels = [], [], []
-    for e in prof.profiler.kineto_results.events():
-        gpu = e.device_type() == torch.autograd.DeviceType.CUDA
-        if e.name() == "LLMEngine.step":
-            (device if gpu else host).append((e.start_ns(), e.end_ns()))
-        elif gpu:
-            kernels.append((e.start_ns(), e.end_ns(), e.name()))
+    # the raw events: torch's own post-processing of a run's hundreds of thousands of kernels takes minutes
+    cuda = torch.autograd.DeviceType.CUDA
+    events = [Event(e.name(), e.device_type() == cuda, e.is_user_annotation(), e.device_resource_id(),
+                    e.start_ns(), e.end_ns()) for e in prof.profiler.kineto_results.events()]
+    attribute(steps, events)
+    return steps
+
+
+def attribute(steps: list[dict], events: list[Event]) -> None:
+    """Give each step (in launch order, overlap off) the kernels and copies that started inside its step() call:
+    its device busy time (their union) and their time by kernel and by kind of kernel.
+
+    A marked call has a range on the host and, on CUDA, one on the device for each stream it used, from its first
+    to its last piece of work there (Kineto's gpu_user_annotation). Where the stream every step used has one
+    range a step, those bound the steps on the device's own clock; otherwise the host's ranges do (Kineto puts
+    both on one clock). Annotation ranges are never counted as work (inductor marks each compiled call too)."""
+    host, device, kernels = [], collections.defaultdict(list), []
+    for e in events:
+        if e.name == STEP:
+            (device[e.stream] if e.gpu else host).append((e.start_ns, e.end_ns))
+        elif e.gpu and not e.annotation:
+            kernels.append((e.start_ns, e.end_ns, e.name))
     kernels.sort()
-    if device and len(device) == len(steps):
-        windows = sorted(device)
+    ranges = [sorted(r) for r in device.values() if len(r) == len(steps)]
+    if ranges:
+        windows = min(ranges)  # the stream every step used, whose first range starts first: the compute stream
     else:
-        if device:
-            print(f"{len(device)} GPU ranges for {len(steps)} steps (two streams): kernels attributed by the host's "
-                  "ranges")
         host.sort()
         windows = [host[s["call"]] for s in steps]
     i = 0
-    for s, (a, b) in zip(steps, windows):  # in launch order, as the windows are
+    for s, (a, b) in zip(steps, windows):
         while i < len(kernels) and kernels[i][0] < a:
             i += 1
         mine = []
@@ -134,7 +159,6 @@ def profile_steps(engine: LLMEngine, prompts, output_lens) -> list[dict]:
         for k0, k1, name in mine:
             s["by_kind"][kernel_kind(name)] += (k1 - k0) / 1e9
             s["by_kernel"][name] += (k1 - k0) / 1e9
-    return steps
 
 
 def top_kernels(profiled: list[dict], top: int) -> dict[str, list[tuple[str, str, float, float]]]:
@@ -216,6 +240,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--num-blocks", type=int, default=None)
+    ap.add_argument("--overlap", choices=["on", "off"], default=None,
+                    help="overlap in the served run (default: the engine's, on on CUDA)")
     ap.add_argument("--top-kernels", type=int, default=0, metavar="N",
                     help="print each kind of step's N costliest kernels (device time per step, share of its busy time)")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
@@ -233,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         prompts = random_prompts(args.num_requests, args.input_len, engine.runner.model.config.vocab_size, args.seed)
         output_lens = args.output_len.sample(args.num_requests, args.seed + 1)
-        overlap = engine.overlap
+        overlap = engine.overlap if args.overlap is None else args.overlap == "on"
         run_engine(engine, prompts, output_lens)  # warm-up: every shape compiled and captured
         served, served_s = run_steps(engine, prompts, output_lens, overlap)
         plain, plain_s = run_steps(engine, prompts, output_lens, overlap=False)
@@ -253,7 +279,7 @@ def main(argv: list[str] | None = None) -> dict:
     for kind, kernels in tops.items():
         print(f"{kind}: its {len(kernels)} costliest kernels")
         for name, what, ms, share in kernels:
-            print(f"  {ms:8.3f} ms/step {share:6.1%}  {what:9s} {name[:110]}")
+            print(f"| {ms:8.3f} ms/step | {share:6.1%} | {what:9s} | {name[:110]} |")
     result = {"model": model, "device": device, "torch": torch.__version__, "num_requests": args.num_requests,
               "input_len": str(args.input_len), "output_len": str(args.output_len), "output_tokens": tokens,
               "overlap": overlap, "served_seconds": served_s, "overlap_off_seconds": plain_s, "kinds": rows,
