@@ -5,7 +5,8 @@
 Each process sends its share of the requests (closed loop, its share of the concurrency) to /v1/completions,
 128 random prompt ids in, --output-len tokens out with ignore_eos, and records each request's first-chunk
 time, chunk gaps and token count. The window is first request sent to last byte received, across processes.
-With --pids, each listed process's CPU seconds over the window are reported (the server's processes).
+With --pids, each listed process's CPU seconds over the window are reported (the server's processes); each of
+the client's own processes reports its CPU share too.
 Prints one JSON line.
 """
 
@@ -68,8 +69,10 @@ def _proc(args, share, conc, seed, start_at, q):
         uvloop.install()
     except ImportError:
         pass
-    q.put(asyncio.run(_worker(args.url, args.model, share, conc, args.stream, args.input_len, args.output_len,
-                              seed, start_at)))
+    cpu = time.process_time()
+    results = asyncio.run(_worker(args.url, args.model, share, conc, args.stream, args.input_len, args.output_len,
+                                  seed, start_at))
+    q.put((results, time.process_time() - cpu))
 
 
 def main() -> None:
@@ -103,7 +106,8 @@ def main() -> None:
             cpu0[pid] = t.user + t.system
         except psutil.Error:
             pass
-    results = [r for _ in ps for r in q.get()]
+    done = [q.get() for _ in ps]
+    results = [r for rs, _ in done for r in rs]
     for p in ps:
         p.join()
     # window: first request sent to last byte received, in wall-clock terms (processes share time.time)
@@ -126,7 +130,7 @@ def main() -> None:
            "ttft_p50_ms": round(statistics.median(ttft), 2) if ttft else None,
            "ttft_mean_ms": round(statistics.mean(ttft), 2) if ttft else None,
            "itl_p50_ms": round(statistics.median(itl), 3) if itl else None,
-           "cpu_share": cpu}
+           "cpu_share": cpu, "client_cpu_share": sorted(round(c / window, 3) for _, c in done)}
     print(json.dumps(out), flush=True)
 
 
