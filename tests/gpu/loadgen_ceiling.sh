@@ -41,13 +41,20 @@ if [ "$phase" != mock ]; then
   PIDS=$(pgrep -P $SERVER | paste -sd,)
   python3 tests/gpu/http_load.py http://127.0.0.1:8000 --model $M --requests 512 --concurrency 256 --stream \
     --label warm > /dev/null
+  spread() {  # mid-run: established connections on the port by front-end process (the lean between clients)
+    sleep 8
+    command -v ss > /dev/null && echo "connections by front end: $(ss -tnpH state established '( sport = :8000 )' \
+      | grep -o 'pid=[0-9]*' | sort | uniq -c | awk '{print $1}' | sort -n | paste -sd' ')"
+  }
   ours() {
+    spread &
     echo "== bench serve, run $1"
     python3 -m service bench serve --url http://127.0.0.1:8000 --model $M --max-concurrency 256 \
       --num-requests 8192 --input-len 128 --output-len 128 --random-token-range 100:30000 --workers ${GEN_WORKERS:-8} \
       --progress off --json $OUT/serve-$1.json 2>&1 | quiet | tail -45
   }
   theirs() {
+    spread &
     echo "== independent client (aiohttp, 8 processes), run $1"
     python3 tests/gpu/http_load.py http://127.0.0.1:8000 --model $M --requests 8192 --concurrency 256 \
       --procs 8 --stream --pids "$PIDS" --label "independent-$1"
