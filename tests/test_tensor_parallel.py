@@ -26,10 +26,10 @@ def test_kv_heads_are_split_by_whole_groups():
         head_ranges(config, 4, 0)
 
 
-def _generate(engine: LLMEngine, prompts) -> tuple[list[list[int]], int]:
+def _generate(engine: LLMEngine, prompts, params: SamplingParams = GREEDY) -> tuple[list[list[int]], int]:
     preempted = []
     engine.observer = lambda step: preempted.extend(step.preempted)
-    outputs = [o["token_ids"] for o in engine.generate(prompts, GREEDY)]
+    outputs = [o["token_ids"] for o in engine.generate(prompts, params)]
     engine.observer = None
     return outputs, len(preempted)
 
@@ -51,10 +51,12 @@ def test_two_ranks_equal_one_rank_with_chunked_prefill_and_preemption(tiny_model
 
 def test_default_model_over_two_ranks_with_uneven_heads_equals_one_rank(default_model):
     prompts = ["The capital of France is", "Once upon a time, in a small village,"]
-    expected, _ = _generate(make_engine(default_model, max_num_batched_tokens=8), prompts)
+    # 12 tokens: each step over two gloo ranks costs this machine about 0.7 s (60 all-reduces)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected, _ = _generate(make_engine(default_model, max_num_batched_tokens=8), prompts, params)
     engine = LLMEngine(EngineConfig(device="cpu", num_blocks=512, tensor_parallel_size=2, max_num_batched_tokens=8))
     try:
-        got, _ = _generate(engine, prompts)
+        got, _ = _generate(engine, prompts, params)
     finally:
         engine.close()
     assert got == expected
