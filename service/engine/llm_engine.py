@@ -18,7 +18,7 @@ from service.engine.runner.model_runner import ModelRunner
 from service.engine.runner.sampler import SampleResult
 from service.engine.sampling import SamplingParams, check_request, tokenize
 from service.engine.scheduler import ScheduledBatch, Scheduler
-from service.engine.sequence import Sequence, Status
+from service.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -261,14 +261,13 @@ class LLMEngine:
             kv_blocks_used=blocks.num_used_blocks, kv_blocks_total=blocks.num_usable_blocks))
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
-        p, total = seq.params, len(seq.token_ids)
-        produced = total - len(seq.prompt_token_ids)  # seq.num_output_tokens, once a token a step: inlined
+        p, produced = seq.params, seq.num_output_tokens
         if produced >= p.min_tokens and (
                 token in p.stop_token_ids or (not p.ignore_eos and token in seq.eos_token_ids)):
             return "stop"
         if self.detokenizer.append(seq):
             return "stop"
-        if produced >= p.max_tokens or total >= self.max_model_len:
+        if produced >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
 
@@ -287,9 +286,8 @@ class LLMEngine:
         if self.rows:  # the engine process: one bare row per request and step (see messages.Step)
             return [seq.request_id, new_tokens, seq.finish_reason, logprobs or None,
                     (seq.timings.first_scheduled, seq.num_cached_tokens) if first else None]
-        prompt = len(seq.prompt_token_ids)
-        return RequestOutput(seq.request_id, new_tokens, Detokenizer.take_delta(seq), seq.status is Status.FINISHED,
-                             seq.finish_reason, prompt, len(seq.token_ids) - prompt, seq.num_cached_tokens,
+        return RequestOutput(seq.request_id, new_tokens, Detokenizer.take_delta(seq), seq.is_finished,
+                             seq.finish_reason, seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
                              logprobs, seq.timings)
 
     def _request_id(self, out) -> str:

@@ -32,9 +32,9 @@ class ScheduledBatch:
     def phase(self) -> str:
         """prefill, decode or mixed; read before the step updates num_computed_tokens."""
         decode = prefill = False
-        for s, n in zip(self.seqs, self.num_new_tokens):  # once a step over every sequence: no property calls
-            total = len(s.token_ids) + s.num_pending_tokens
-            if n == 1 and total > len(s.prompt_token_ids) and s.num_computed_tokens + 1 == total:
+        for s, n in zip(self.seqs, self.num_new_tokens):
+            total = s.num_tokens
+            if n == 1 and total > s.num_prompt_tokens and s.num_computed_tokens + 1 == total:
                 decode = True
             else:
                 prefill = True
@@ -101,8 +101,7 @@ class Scheduler:
     @staticmethod
     def chunk_size(seq: Sequence, budget: int) -> int:
         """Tokens to compute for `seq` in this step: all it has not computed, up to the step's token budget."""
-        left = len(seq.token_ids) + seq.num_pending_tokens - seq.num_computed_tokens  # seq.num_tokens, inlined
-        return left if left < budget else budget
+        return min(seq.num_tokens - seq.num_computed_tokens, budget)
 
     def choose_victim(self) -> Sequence:
         """Whom to preempt when blocks run out: the most recently admitted running sequence."""
@@ -223,8 +222,7 @@ class Scheduler:
     @staticmethod
     def _sampled_last_token(seq: Sequence) -> bool:
         """Its max_tokens-th token is still on the device (overlap): the host ends it on reading it back."""
-        pending = seq.num_pending_tokens
-        return pending > 0 and len(seq.token_ids) + pending - len(seq.prompt_token_ids) >= seq.params.max_tokens
+        return seq.num_pending_tokens > 0 and seq.num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free_sequence(seq)

@@ -82,7 +82,7 @@ class ModelRunner:
         sample_rows, sample_seqs, offset = [], [], 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             offset += n
-            if seq.num_computed_tokens + n == len(seq.token_ids) + seq.num_pending_tokens:  # its last token: it samples
+            if seq.num_computed_tokens + n == seq.num_tokens:
                 sample_rows.append(offset - 1)
                 sample_seqs.append(seq)
         decode_only = offset == len(batch.seqs)

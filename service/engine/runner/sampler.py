@@ -100,8 +100,7 @@ class Sampler:
         bans, wanted, all_greedy = [], [], True
         for i, s in enumerate(seqs):
             p = s.params
-            # output tokens so far, those still on the device included
-            if p.min_tokens and len(s.token_ids) + s.num_pending_tokens - len(s.prompt_token_ids) < p.min_tokens:
+            if p.min_tokens and s.num_tokens - s.num_prompt_tokens < p.min_tokens:  # tokens on the device count
                 stop = p.stop_token_ids if p.ignore_eos else [*p.stop_token_ids, *s.eos_token_ids]
                 if stop:
                     bans += [(i, t) for t in set(stop)]
