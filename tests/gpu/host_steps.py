@@ -60,16 +60,7 @@ def main() -> None:
     timed(engine.scheduler, "schedule", "schedule")
     timed(engine.runner, "execute", "launch")
     timed(engine, "_read_back", "read back")
-    read = sampler_module.SampleResult.read
-
-    def timed_read(result):
-        t = time.perf_counter()
-        try:
-            return read(result)
-        finally:
-            call["wait"] += time.perf_counter() - t
-
-    sampler_module.SampleResult.read = timed_read
+    timed(sampler_module.SampleResult, "read", "wait")  # inside "read back"
     if torch.cuda.is_available():  # the graph launch alone (cudaGraphLaunch), inside "launch"
         timed(torch.cuda.CUDAGraph, "replay", "graph launch")
     gcs = collections.Counter()

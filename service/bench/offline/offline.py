@@ -24,7 +24,8 @@ from service.engine.quant.quantization import check as check_quantization
 from service.engine.runner.attention import ATTN_IMPLEMENTATION
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing to wait for on CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -44,14 +45,14 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], output_lens: list[in
     engine.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
     gc.collect()
     engine.observer = observer
-    _sync(engine.device)
+    sync(engine.device)
     steps, start = 0, time.perf_counter()
     for p, n in zip(prompts, output_lens):
         engine.add_request(p, SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0))
     while engine.has_unfinished():
         engine.step()
         steps += 1
-    _sync(engine.device)
+    sync(engine.device)
     elapsed = time.perf_counter() - start
     engine.observer = None
     return {"system": "this engine (all at once)", "key": "engine", "output_tokens": sum(output_lens),
@@ -106,14 +107,14 @@ def run_static(model, prompts: list[list[int]], output_len: int, batch: int, dev
     ids = torch.tensor(prompts, device=device)
     warm = ids[:2]
     model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, do_sample=False, pad_token_id=0)
-    _sync(device)
+    sync(device)
     start, n = time.perf_counter(), 0
     for i in range(0, len(prompts), batch):
         x = ids[i:i + batch]
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=output_len,
                              min_new_tokens=output_len, do_sample=False, pad_token_id=0)
         n += (out.shape[1] - x.shape[1]) * out.shape[0]
-    _sync(device)
+    sync(device)
     return {"system": f"transformers generate, static batch {batch}", "key": f"static_b{batch}", "output_tokens": n,
             "seconds": time.perf_counter() - start}
 
@@ -130,7 +131,7 @@ def run_generate_batch(model, prompts: list[list[int]], output_lens: list[int], 
     model.set_attn_implementation("paged|sdpa")
     config = GenerationConfig(max_new_tokens=max(output_lens), do_sample=False, eos_token_id=None, pad_token_id=0)
     model.generate_batch(inputs=prompts[:8], generation_config=config, max_new_tokens=min(output_lens))
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     if len(set(output_lens)) == 1:
         results = list(model.generate_batch(inputs=prompts, generation_config=config).values())
@@ -148,7 +149,7 @@ def run_generate_batch(model, prompts: list[list[int]], output_lens: list[int], 
                     raise RuntimeError("transformers' continuous batching stopped before every request finished")
                 if result is not None and result.is_finished():
                     results.append(result)
-    _sync(device)
+    sync(device)
     seconds = time.perf_counter() - start
     n = sum(len(r.generated_tokens) for r in results)
     if n != sum(output_lens):

@@ -16,24 +16,11 @@ import time
 import torch
 
 from service.bench.offline.lengths import Lengths, lengths_arg
-from service.bench.offline.offline import random_prompts, run_engine
+from service.bench.offline.offline import random_prompts, run_engine, sync
+from service.bench.offline.steps import busy_union
 from service.bench.store import add_db_argument, open_store_or_exit
 from service.engine import EngineConfig, LLMEngine, SamplingParams
 from service.engine.runner import sampler as sampler_module
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _busy_union(intervals: list[tuple[float, float]]) -> float:
-    busy, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b > end:
-            busy += b - max(a, end)
-            end = b
-    return busy
 
 
 def profile_decode(engine: LLMEngine, prompts: list[list[int]], steps: int, trace: str | None) -> dict:
@@ -62,19 +49,19 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], steps: int, trac
         engine.step()
     for _ in range(4):  # settle into full decode steps
         engine.step()
-    _sync()
+    sync(engine.device)
     sampler_module.SampleResult.read = timed_read
     try:
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
-        _sync()
+        sync(engine.device)
         wall = time.perf_counter() - start
         host = wall - waited[0]
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 engine.step()
-            _sync()
+            sync(engine.device)
     finally:
         sampler_module.SampleResult.read = read
         for rid in list(engine.seqs):
@@ -83,7 +70,7 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], steps: int, trac
             engine.step()
     gpu = [(e.time_range.start, e.time_range.end) for e in prof.events()
            if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy = _busy_union(gpu) / 1e6  # microseconds -> seconds
+    busy = busy_union(gpu) / 1e6  # microseconds -> seconds
     if trace:
         prof.export_chrome_trace(trace)
     return {"steps": steps, "wall_ms_per_step": 1e3 * wall / steps, "host_ms_per_step": 1e3 * host / steps,

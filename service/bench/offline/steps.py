@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 from service.bench.offline.lengths import Lengths, lengths_arg
-from service.bench.offline.offline import random_prompts, run_engine
+from service.bench.offline.offline import random_prompts, run_engine, sync
 from service.bench.store import add_db_argument, open_store_or_exit
 from service.engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -50,11 +50,6 @@ class Event(NamedTuple):
     stream: int
     start_ns: int
     end_ns: int
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def kernel_kind(name: str) -> str:
@@ -90,7 +85,7 @@ def run_steps(engine: LLMEngine, prompts, output_lens, overlap: bool, annotate: 
     params = [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0) for n in output_lens]
     engine._launch = logged
     try:
-        _sync()
+        sync(engine.device)
         start = time.perf_counter()
         for p, sp in zip(prompts, params):
             engine.add_request(p, sp)
@@ -101,7 +96,7 @@ def run_steps(engine: LLMEngine, prompts, output_lens, overlap: bool, annotate: 
             if len(steps) > n:
                 steps[-1]["wall"] = time.perf_counter() - t0
             calls[0] += 1
-        _sync()
+        sync(engine.device)
         seconds = time.perf_counter() - start
     finally:
         del engine._launch  # the bound method again
