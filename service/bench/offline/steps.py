@@ -72,13 +72,13 @@ def run_steps(engine: LLMEngine, prompts, output_lens, overlap: bool, annotate: 
     token and sequence counts, and the wall time of the step() call that launched it (with overlap that call
     also reads back the step before it: the time a served step takes). `annotate` marks each call for
     torch.profiler as `LLMEngine.step`."""
-    runner, launch, steps, calls = engine.runner, engine._launch, [], [0]
+    runner, launch, steps = engine.runner, engine._launch, []
 
     def logged(batch, start):
         phase, eager = batch.phase, runner.eager_steps
         launched = launch(batch, start)
         steps.append({"kind": f"{phase}, {'eager' if runner.eager_steps > eager else 'graph'}",
-                      "tokens": sum(batch.num_new_tokens), "seqs": len(batch.seqs), "call": calls[0]})
+                      "tokens": sum(batch.num_new_tokens), "seqs": len(batch.seqs)})
         return launched
 
     served, engine.overlap = engine.overlap, overlap
@@ -89,13 +89,14 @@ def run_steps(engine: LLMEngine, prompts, output_lens, overlap: bool, annotate: 
         start = time.perf_counter()
         for p, sp in zip(prompts, params):
             engine.add_request(p, sp)
+        call = 0
         while engine.has_unfinished():
             n, t0 = len(steps), time.perf_counter()
             with torch.profiler.record_function(STEP) if annotate else contextlib.nullcontext():
                 engine.step()
-            if len(steps) > n:
-                steps[-1]["wall"] = time.perf_counter() - t0
-            calls[0] += 1
+            if len(steps) > n:  # this call launched a step
+                steps[-1].update(wall=time.perf_counter() - t0, call=call)
+            call += 1
         sync(engine.device)
         seconds = time.perf_counter() - start
     finally:

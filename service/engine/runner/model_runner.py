@@ -20,6 +20,7 @@ from service.engine.runner.sampler import SampleResult, Sampler, to_device
 from service.engine.scheduler import ScheduledBatch
 from service.engine.sequence import Sequence
 
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, device: torch.device, max_model_len: int):
         self.model = model
