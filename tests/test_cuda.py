@@ -62,6 +62,52 @@ def test_triton_kernel_matches_torch_reference(dtype, heads, kv_heads, head_dim,
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
 
 
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.bfloat16, None), (torch.float32, None),
+                                                (torch.bfloat16, torch.float8_e4m3fn)])
+@pytest.mark.parametrize("splits, min_tiles, block_n", [(4, 2, 64), (16, 1, 32)])
+@pytest.mark.parametrize("window, softcap", [(None, None), (300, None), (None, 30.0)])
+def test_triton_split_decode_matches_torch_reference(dtype, cache_dtype, splits, min_tiles, block_n, window,
+                                                      softcap):
+    """Decode with each context split into parts (flash-decoding) and the parts combined: the same output as the
+    reference, and each sequence in the parts the split rule gives (one part: the output is written directly).
+    The kernel also reads an 8-bit cache (float16 products; tests/gpu/decode_split_sweep.py measures it): against
+    the reference over the same 8-bit values."""
+    from service.engine.runner.triton_attention import decode_splits, triton_paged_attention
+    torch.manual_seed(1)
+    rng = random.Random(1)
+    heads, kv_heads, head_dim = 32, 8, 64
+    contexts = [1, 17, 64, 65, 129, 500, 1000, 2000, 2048, 777]
+    num_blocks = sum(-(-c // 16) for c in contexts) + 1
+    k_cache = torch.randn(num_blocks, 16, kv_heads, head_dim, device="cuda").to(cache_dtype or dtype)
+    v_cache = torch.randn(num_blocks, 16, kv_heads, head_dim, device="cuda").to(cache_dtype or dtype)
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    seqs = []
+    for i, context in enumerate(contexts):
+        seq = Sequence(f"s{i}", [1] * context, SP())
+        seq.num_computed_tokens = context - 1
+        seq.block_table = [free.pop() for _ in range(-(-context // 16))]
+        seqs.append(seq)
+    batch = ScheduledBatch(seqs, [1] * len(seqs), [])
+    q = torch.randn(len(seqs), heads, head_dim, device="cuda", dtype=dtype)
+    scale = head_dim ** -0.5
+    ref = torch_paged_attention(q.double(), k_cache.double(), v_cache.double(),
+                                _metadata("torch", batch, heads // kv_heads, True), scale, window, softcap)
+    parts = []
+    out = triton_paged_attention(q, k_cache, v_cache, _metadata("triton", batch, heads // kv_heads, True), scale,
+                                 window, softcap, config=(block_n, 4, 2, splits, min_tiles), parts=parts)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+    expected = []
+    for c in contexts:
+        start = (max(c - window, 0) // block_n * block_n) if window else 0
+        tiles = -(-(c - start) // block_n)
+        per_part = max(-(-tiles // splits), min_tiles)
+        expected.append(-(-tiles // per_part))
+    assert parts[0].tolist() == expected and max(expected) > 1
+    assert decode_splits(len(seqs), kv_heads) > 1  # the engine's decode steps at this batch split too
+
+
 @pytest.fixture(scope="module")
 def tiny_cuda():
     return load_model("random:tiny", torch.float32, torch.device("cuda"))

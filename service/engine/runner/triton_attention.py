@@ -3,7 +3,15 @@
 One program handles one tile: up to BLOCK_M (query token, head) rows of one sequence that share a
 KV head (grouped-query heads are packed into the rows, so a decode token still fills the matrix
 units), and walks that sequence's context through its block table with an online softmax.
+
+Decode steps split each sequence's context into up to SPLITS parts, one program each (a third grid dimension),
+as flash-decoding does: one program per (sequence, KV head) is too few programs to fill the GPU at small batches,
+and at large ones a mix of short and long contexts leaves the SMs that drew long ones working alone at the end.
+Each part writes its normalised output and log-sum-exp, and a second kernel combines a sequence's parts; a
+sequence short enough for one part writes its output directly and the second kernel skips it.
 """
+
+import functools
 
 import torch
 import triton
@@ -19,7 +27,8 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr,
+    PART_O, PART_LSE, NUM_PARTS, SPLITS: tl.constexpr, MIN_TILES: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -39,6 +48,8 @@ def _paged_attention_kernel(
     d_ok = d < HEAD_DIM
     q = tl.load(Q + (q_begin + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if FP16_DOTS:  # an 8-bit cache: keys and values widen to float16 (one conversion), and queries with them
+        q = q.to(tl.float16)
     q_pos = context + tok
 
     last_tok = tl.minimum(q_first + TOKENS, q_len) - 1
@@ -47,6 +58,18 @@ def _paged_attention_kernel(
     if USE_WINDOW:
         kv_start = tl.maximum(context + q_first - window + 1, 0)
         kv_start = (kv_start // BLOCK_N) * BLOCK_N
+    parts, split = 1, 0
+    if SPLITS > 1:  # decode: this program's part of the context, whole tiles of keys, at least MIN_TILES each
+        split = tl.program_id(2)
+        tiles = tl.cdiv(kv_end - kv_start, BLOCK_N)
+        per_part = tl.maximum(tl.cdiv(tiles, SPLITS), MIN_TILES)
+        parts = tl.cdiv(tiles, per_part)
+        if split >= parts:
+            return
+        if (split == 0) & (kv_head == 0):
+            tl.store(NUM_PARTS + seq, parts)
+        kv_start = kv_start + split * per_part * BLOCK_N
+        kv_end = tl.minimum(kv_start + per_part * BLOCK_N, kv_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -57,8 +80,8 @@ def _paged_attention_kernel(
         n_ok = n < kv_end
         page = tl.load(block_tables + seq * stride_bt + n // PAGE, mask=n_ok, other=0).to(tl.int64)
         offs = page * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
-        k = tl.load(K + offs[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(V + offs[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        k = tl.load(K + offs[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
+        v = tl.load(V + offs[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if USE_SOFTCAP:
             qk = qk * scale / softcap
@@ -77,8 +100,45 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(O + (q_begin + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    out_ok = row_ok[:, None] & d_ok[None, :]
+    if parts > 1:  # (decode: token = sequence) a part for _combine_parts_kernel, in float32
+        part = (seq * tl.num_programs(1) * GROUP + head) * SPLITS + split
+        tl.store(PART_O + part[:, None] * HEAD_DIM + d[None, :], out, mask=out_ok)
+        tl.store(PART_LSE + part, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_i)), mask=row_ok)
+    else:
+        tl.store(O + (q_begin + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(O.dtype.element_ty), mask=out_ok)
+
+
+@triton.jit
+def _combine_parts_kernel(O, PART_O, PART_LSE, NUM_PARTS, stride_ot, stride_oh, num_heads,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr):
+    """One decode token's output from its parts, weighted by their log-sum-exps (log2 domain); a token whose
+    context was one part already has its output."""
+    seq = tl.program_id(0)
+    parts = tl.load(NUM_PARTS + seq)
+    if parts <= 1:
+        return
+    head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = head < num_heads
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    base = (seq * num_heads + head) * SPLITS
+    top = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s in tl.static_range(SPLITS):
+        top = tl.maximum(top, tl.load(PART_LSE + base + s, mask=h_ok & (s < parts), other=float("-inf")))
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    for s in tl.static_range(SPLITS):
+        ok = h_ok & (s < parts)
+        w = tl.exp2(tl.load(PART_LSE + base + s, mask=ok, other=float("-inf")) - top)
+        w = tl.where(ok, w, 0.0)
+        acc += w[:, None] * tl.load(PART_O + (base + s)[:, None] * HEAD_DIM + d[None, :],
+                                    mask=ok[:, None] & d_ok[None, :], other=0.0)
+        total += w
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(O + seq * stride_ot + head[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty),
+             mask=h_ok[:, None] & d_ok[None, :])
 
 
 def launch_config(block_m: int, head_dim: int) -> tuple[int, int, int]:
@@ -91,27 +151,72 @@ def launch_config(block_m: int, head_dim: int) -> tuple[int, int, int]:
     return (64 if block_m <= 16 else 32), 4, 2
 
 
+# Decode splits (tests/gpu/decode_split_sweep.py on the H100, 2026-11-26): with 64-wide heads, 16 sequences over
+# 1,500-2,040 tokens took 51.6 us unsplit and 30-33 us in 4-8 parts, one request 11.6 us and 7.6 us in 8; from 64
+# sequences (512 programs) up, splitting was no faster or slower (batch 256 over 100-1,100 tokens: 128 us unsplit,
+# 137 us in 4 parts)
+MAX_SPLITS, PROGRAMS_PER_SM, MIN_TILES = 8, 3, 2
+
+
+@functools.cache
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_splits(num_seqs: int, kv_heads: int) -> int:
+    """Parts each sequence's context is split into at a decode step of num_seqs sequences: the fewest (a power of
+    two, at most MAX_SPLITS) that give PROGRAMS_PER_SM programs per SM. A CUDA graph captured for a batch size
+    keeps its choice; a sequence shorter than MIN_TILES tiles of keys per part uses fewer parts."""
+    enough = PROGRAMS_PER_SM * _sm_count(torch.cuda.current_device())
+    splits = 1
+    while splits < MAX_SPLITS and num_seqs * kv_heads * splits < enough:
+        splits *= 2
+    return splits
+
+
 def triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                            sliding_window: int | None = None, softcap: float | None = None,
-                           config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """Attention of the packed queries q [tokens, heads, head dim] over the paged cache; `config` overrides
-    launch_config (for a sweep)."""
+                           config: tuple[int, ...] | None = None, parts: list | None = None) -> torch.Tensor:
+    """Attention of the packed queries q [tokens, heads, head dim] over the paged cache. `config` overrides
+    launch_config and, for decode, the split: (BLOCK_N, warps, stages[, splits, min tiles per part]). A list
+    passed as `parts` receives the number of parts of each decode sequence's context (a tensor; tests)."""
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = num_heads // kv_heads
+    num_seqs = meta.seq_lens.shape[0]
     out = torch.empty_like(q)
-    grid = (meta.tile_seq.shape[0], kv_heads)
-    block_n, warps, stages = config or launch_config(meta.block_m, head_dim)
+    config = config or launch_config(meta.block_m, head_dim)
+    block_n, warps, stages = config[:3]
+    decode = meta.max_query_len == 1
+    splits, min_tiles = config[3:] if len(config) > 3 else (decode_splits(num_seqs, kv_heads), MIN_TILES)
+    splits = splits if decode else 1
+    if splits > 1:  # decode: token i is sequence i
+        part_o = torch.empty(num_seqs * num_heads * splits * head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs * num_heads * splits, dtype=torch.float32, device=q.device)
+        num_parts = torch.empty(num_seqs, dtype=torch.int32, device=q.device)
+        if parts is not None:
+            parts.append(num_parts)
+    else:
+        part_o = part_lse = num_parts = out
+    grid = (meta.tile_seq.shape[0], kv_heads, splits)
+    block_d = triton.next_power_of_2(head_dim)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
         meta.tile_seq, meta.tile_qstart,
         scale, float(softcap or 1.0), int(sliding_window or 0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=k_cache.shape[1],
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=k_cache.shape[1],
         BLOCK_M=meta.block_m, BLOCK_N=block_n,
         USE_WINDOW=bool(sliding_window), USE_SOFTCAP=bool(softcap),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FP16_DOTS=k_cache.element_size() == 1 and q.dtype != torch.float32,
+        PART_O=part_o, PART_LSE=part_lse, NUM_PARTS=num_parts, SPLITS=splits, MIN_TILES=min_tiles,
         num_warps=warps, num_stages=stages,
     )
+    if splits > 1:
+        block_h = min(triton.next_power_of_2(num_heads), 32)
+        _combine_parts_kernel[(num_seqs, triton.cdiv(num_heads, block_h))](
+            out, part_o, part_lse, num_parts, out.stride(0), out.stride(1), num_heads,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, SPLITS=splits, num_warps=4)
     return out

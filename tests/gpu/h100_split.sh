@@ -1,0 +1,46 @@
+#!/bin/bash
+# Split decode attention on the H100 (device tool; carry .whl, and .base for the phases that compare: a copy of the
+# code before, `git archive <commit> service | tar -x -C .base`). Phases (default: tests sweep mixed):
+#   tests   tests/test_cuda.py (TESTS_K: a -k expression; TESTS_TIMEOUT, default 420 s);
+#   sweep   tests/gpu/decode_split_sweep.py (SWEEP_ARGS: its options), logged to $OUT/sweep.log;
+#   steps   the mixed workload's step profile with each kind's 16 costliest kernels;
+#   one     one request's decode step p50 (tests/gpu/decode_steps.py), this code then .base's;
+#   mixed, 128   bench offline median of 7 on mixed lengths or 128/128 x 256, this code and .base's alternating
+#                (CODES, default "split base split base").
+# Usage: [VAR=...] bash tests/gpu/h100_split.sh [tests] [sweep] [steps] [one] [mixed] [128]
+set -u
+cd "$(dirname "$0")/../.."
+source tests/gpu/env.sh
+phases=${*:-tests sweep mixed}
+nvidia-smi -L
+MIXED="--input-len uniform:100-1024 --output-len uniform:100-1024"
+for phase in $phases; do
+  case $phase in
+  tests)
+    echo "== CUDA tests: ${TESTS_K:-all}"
+    timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py ${TESTS_K:+-k "$TESTS_K"} > $OUT/tests.log 2>&1
+    grep -E "^(FAILED|ERROR)" $OUT/tests.log; tail -1 $OUT/tests.log ;;
+  one)
+    for code in split base; do
+      [ $code = base ] && P=$PWD/.base:$PYTHONPATH || P=$PYTHONPATH
+      echo "== one request, 128 in / 512 out, $code"
+      env PYTHONPATH=$P timeout 150 python3 tests/gpu/decode_steps.py --model random:llama-1b --num-requests 1 \
+        --output-len 512 --profile-steps 0 2>&1 | grep -E "steps |decode at batch|profiled" | head -6
+    done ;;
+  sweep)
+    echo "== decode split sweep"
+    timeout 300 python3 tests/gpu/decode_split_sweep.py ${SWEEP_ARGS:-} 2>&1 | quiet | tee $OUT/sweep.log ;;
+  steps)
+    echo "== steps, mixed lengths"
+    timeout 200 python3 -m service.bench.offline.steps $MIXED --top-kernels 16 --json $OUT/steps-mixed.json 2>&1 | quiet ;;
+  mixed|128)
+    [ $phase = mixed ] && W=$MIXED || W="--input-len 128 --output-len 128"
+    for code in ${CODES:-split base split base}; do
+      [ $code = base ] && P=$PWD/.base:$PYTHONPATH || P=$PYTHONPATH
+      echo "== $phase, $code"
+      env PYTHONPATH=$P timeout 150 python3 -m service bench offline $W --peers none --label $phase-$code \
+        --json $OUT/$phase-$code.json > $OUT/$phase-$code.log 2>&1
+      grep -E "^\| this|tok/s$" $OUT/$phase-$code.log | head -3 || true; grep -v -i warn $OUT/$phase-$code.log | tail -2
+    done ;;
+  esac
+done
