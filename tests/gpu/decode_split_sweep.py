@@ -31,6 +31,8 @@ CASES = [("mixed-start", 256, 100, 1100), ("mixed-middle", 128, 600, 1700), ("mi
 
 
 def batch_of(batch: int, low: int, high: int, kv_heads: int, head_dim: int, rng: random.Random, layout: str):
+    """A decode batch (one new token a sequence, contexts uniform in [low, high], pages shuffled) and its key and
+    value caches, random, in `layout`: nhd or hnd (heads outside tokens), -fp8 for float8 e4m3 values."""
     contexts = [rng.randint(low, high) for _ in range(batch)]
     blocks = sum(-(-c // 16) for c in contexts)
     free = list(range(1, blocks + 1))
@@ -51,6 +53,7 @@ def batch_of(batch: int, low: int, high: int, kv_heads: int, head_dim: int, rng:
 
 
 def main():
+    """Time each configuration for every case, head dim and layout; one line each."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--layouts", default="nhd,hnd,nhd-fp8,hnd-fp8")
@@ -60,12 +63,12 @@ def main():
     name = torch.cuda.get_device_name()
     _, peak_bw = roofline.device_peak(name, "bf16")
     print(name, "torch", torch.__version__, "triton", triton.__version__, "peak GB/s", peak_bw)
-    rng = random.Random(0)
     for head_dim, (case, batch, low, high), layout in itertools.product(
             map(int, args.head_dims.split(",")), CASES, args.layouts.split(",")):
         if case not in args.cases.split(","):
             continue
         heads, kv_heads = 32, 8
+        rng = random.Random(f"{head_dim} {case}")  # every layout of a case gets the same contexts and pages
         sched, k_cache, v_cache, contexts = batch_of(batch, low, high, kv_heads, head_dim, rng, layout)
         meta = pack_inputs(sched, True, block_size=16, backend_name="triton", group=heads // kv_heads,
                            device=torch.device("cuda"))[2]
@@ -89,14 +92,15 @@ def main():
             run = lambda: triton_attention.triton_paged_attention(q, k_cache, v_cache, meta, scale, config=config)
             error = (run().float() - expected).abs().max().item()
             if not error < 2e-2 * max(1.0, scale_err):
-                print(f"  WRONG {config}: error {error:.3g}")
+                print(f"WRONG {config}: error {error:.3g}")
                 continue
             results[config] = do_bench_cudagraph(run, rep=30) / 1e3
         ranked = sorted(results, key=results.get)
         share = lambda c: nbytes / results[c] / 1e9 / peak_bw
         unsplit = (block_n, warps, stages, 1, 1)
         chosen = (block_n, warps, stages, *policy) if policy[0] > 1 else unsplit
-        print(f"{layout} dim {head_dim} {case} (batch {batch}, contexts {low}-{high}): unsplit {results[unsplit] * 1e6:.1f} us "
+        print(f"{layout} dim {head_dim} {case} (batch {batch}, contexts {low}-{high}): "
+              f"unsplit {results[unsplit] * 1e6:.1f} us "
               f"({share(unsplit):.0%} BW); policy {policy} {results[chosen] * 1e6:.1f} us ({share(chosen):.0%}); "
               f"best {ranked[0]} {results[ranked[0]] * 1e6:.1f} us ({share(ranked[0]):.0%}); next "
               + ", ".join(f"{c} {results[c] * 1e6:.1f}" for c in ranked[1:4]), flush=True)

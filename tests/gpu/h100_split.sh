@@ -18,7 +18,8 @@ for phase in $phases; do
   case $phase in
   tests)
     echo "== CUDA tests: ${TESTS_K:-all}"
-    timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py ${TESTS_K:+-k "$TESTS_K"} > $OUT/tests.log 2>&1
+    timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py ${TESTS_K:+-k "$TESTS_K"} \
+      > $OUT/tests.log 2>&1
     grep -E "^(FAILED|ERROR)" $OUT/tests.log; tail -1 $OUT/tests.log ;;
   one)
     for code in split base; do
@@ -29,10 +30,11 @@ for phase in $phases; do
     done ;;
   sweep)
     echo "== decode split sweep"
-    timeout 300 python3 tests/gpu/decode_split_sweep.py ${SWEEP_ARGS:-} 2>&1 | quiet | tee $OUT/sweep.log ;;
+    timeout 300 python3 tests/gpu/decode_split_sweep.py ${SWEEP_ARGS:-} 2>&1 | grep -v -i warn | tee $OUT/sweep.log ;;
   steps)
     echo "== steps, mixed lengths"
-    timeout 200 python3 -m service.bench.offline.steps $MIXED --top-kernels 16 --json $OUT/steps-mixed.json 2>&1 | quiet ;;
+    timeout 200 python3 -m service.bench.offline.steps $MIXED --top-kernels 16 --json $OUT/steps-mixed.json 2>&1 \
+      | quiet ;;
   mixed|128)
     [ $phase = mixed ] && W=$MIXED || W="--input-len 128 --output-len 128"
     for code in ${CODES:-split base split base}; do

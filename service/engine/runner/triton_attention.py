@@ -151,15 +151,16 @@ def launch_config(block_m: int, head_dim: int) -> tuple[int, int, int]:
     return (64 if block_m <= 16 else 32), 4, 2
 
 
-# Decode splits (tests/gpu/decode_split_sweep.py on the H100, 2026-11-26): with 64-wide heads, 16 sequences over
-# 1,500-2,040 tokens took 51.6 us unsplit and 30-33 us in 4-8 parts, one request 11.6 us and 7.6 us in 8; from 64
-# sequences (512 programs) up, splitting was no faster or slower (batch 256 over 100-1,100 tokens: 128 us unsplit,
-# 137 us in 4 parts)
+# Decode splits (tests/gpu/decode_split_sweep.py on the H100, 2026-11-27, bf16, heads 32/8, 64 wide): 16 sequences
+# over 1,500-2,040 tokens took 50.7 us unsplit and 29.9 us in 4 parts, one request over 600 tokens 11.6 and 7.4 us
+# in 8; 128 sequences over 600-1,700 tokens 124.7 and 119.3 us in 4 (noise-sized); from 64 sequences over
+# 900-2,000 tokens up no split was faster, and 256 over 100-1,100 tokens took 128.3 us unsplit, 137.2 us in 4
 MAX_SPLITS, PROGRAMS_PER_SM, MIN_TILES = 8, 3, 2
 
 
 @functools.cache
 def _sm_count(device: int) -> int:
+    """The device's streaming multiprocessors (asked once per device)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -176,10 +177,10 @@ def decode_splits(num_seqs: int, kv_heads: int) -> int:
 
 def triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                            sliding_window: int | None = None, softcap: float | None = None,
-                           config: tuple[int, ...] | None = None, parts: list | None = None) -> torch.Tensor:
+                           config: tuple[int, ...] | None = None, parts_out: list | None = None) -> torch.Tensor:
     """Attention of the packed queries q [tokens, heads, head dim] over the paged cache. `config` overrides
     launch_config and, for decode, the split: (BLOCK_N, warps, stages[, splits, min tiles per part]). A list
-    passed as `parts` receives the number of parts of each decode sequence's context (a tensor; tests)."""
+    passed as `parts_out` receives the number of parts of each decode sequence's context (a tensor; tests)."""
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = num_heads // kv_heads
@@ -187,16 +188,18 @@ def triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: 
     out = torch.empty_like(q)
     config = config or launch_config(meta.block_m, head_dim)
     block_n, warps, stages = config[:3]
-    decode = meta.max_query_len == 1
-    splits, min_tiles = config[3:] if len(config) > 3 else (decode_splits(num_seqs, kv_heads), MIN_TILES)
-    splits = splits if decode else 1
-    if splits > 1:  # decode: token i is sequence i
+    # decode: one token a sequence, token i of sequence i (a mixed graph of one token also holds an empty sequence)
+    decode = meta.max_query_len == 1 and num_tokens == num_seqs
+    splits, min_tiles = 1, MIN_TILES
+    if decode:
+        splits, min_tiles = config[3:5] if len(config) > 3 else (decode_splits(num_seqs, kv_heads), MIN_TILES)
+    if splits > 1:
         part_o = torch.empty(num_seqs * num_heads * splits * head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_seqs * num_heads * splits, dtype=torch.float32, device=q.device)
         num_parts = torch.empty(num_seqs, dtype=torch.int32, device=q.device)
-        if parts is not None:
-            parts.append(num_parts)
-    else:
+        if parts_out is not None:
+            parts_out.append(num_parts)
+    else:  # unused by the kernel without a split, but pointers all the same
         part_o = part_lse = num_parts = out
     grid = (meta.tile_seq.shape[0], kv_heads, splits)
     block_d = triton.next_power_of_2(head_dim)
