@@ -81,7 +81,7 @@ class Scheduler:
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         """Add the running sequences in admission order while the budget lasts; return the budget left."""
-        running, seqs, counts, needed = self.running, batch.seqs, batch.num_new_tokens, self.blocks.blocks_needed
+        running, seqs, counts = self.running, batch.seqs, batch.num_new_tokens
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -89,7 +89,7 @@ class Scheduler:
                 i += 1
                 continue
             n = self.chunk_size(seq, budget)
-            if needed(seq, n) and not self.make_room(seq, n, batch):  # most decode steps need no new block
+            if not self.make_room(seq, n, batch):
                 break  # it was preempted itself: those after it in `running` were already
             seqs.append(seq)
             counts.append(n)
@@ -112,6 +112,8 @@ class Scheduler:
 
         Returns False if `seq` itself had to be preempted. Victims are added to `batch.preempted`.
         """
+        if not self.blocks.blocks_needed(seq, num_new_tokens):  # most decode steps: nothing to allocate
+            return True
         while not self.blocks.allocate(seq, num_new_tokens):
             victim = self.choose_victim()
             self.running.remove(victim)

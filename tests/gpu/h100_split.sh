@@ -3,11 +3,11 @@
 # code before, `git archive <commit> service | tar -x -C .base`). Phases (default: tests sweep mixed):
 #   tests   tests/test_cuda.py (TESTS_K: a -k expression; TESTS_TIMEOUT, default 420 s);
 #   sweep   tests/gpu/decode_split_sweep.py (SWEEP_ARGS: its options), logged to $OUT/sweep.log;
-#   steps   the mixed workload's step profile with each kind's 16 costliest kernels;
 #   one     one request's decode step p50 (tests/gpu/decode_steps.py), this code then .base's;
 #   mixed, 128   bench offline median of 7 on mixed lengths or 128/128 x 256, this code and .base's alternating
 #                (CODES, default "split base split base").
-# Usage: [VAR=...] bash tests/gpu/h100_split.sh [tests] [sweep] [steps] [one] [mixed] [128]
+# (The step profile: tests/gpu/h100_steps.sh steps.)
+# Usage: [VAR=...] bash tests/gpu/h100_split.sh [tests] [sweep] [one] [mixed] [128]
 set -u
 cd "$(dirname "$0")/../.."
 source tests/gpu/env.sh
@@ -31,10 +31,6 @@ for phase in $phases; do
   sweep)
     echo "== decode split sweep"
     timeout 300 python3 tests/gpu/decode_split_sweep.py ${SWEEP_ARGS:-} 2>&1 | grep -v -i warn | tee $OUT/sweep.log ;;
-  steps)
-    echo "== steps, mixed lengths"
-    timeout 200 python3 -m service.bench.offline.steps $MIXED --top-kernels 16 --json $OUT/steps-mixed.json 2>&1 \
-      | quiet ;;
   mixed|128)
     [ $phase = mixed ] && W=$MIXED || W="--input-len 128 --output-len 128"
     for code in ${CODES:-split base split base}; do

@@ -16,7 +16,7 @@ import time
 import torch
 
 from service.bench.offline.lengths import Lengths
-from service.bench.offline.offline import random_prompts
+from service.bench.offline.offline import random_prompts, sync
 from service.engine import EngineConfig, LLMEngine, SamplingParams
 from service.engine.runner import sampler as sampler_module
 
@@ -96,8 +96,7 @@ def main() -> None:
                 call["step"] += time.perf_counter() - t
                 spent.update(call)
             steps += 1
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        sync(engine.device)
         seconds = time.perf_counter() - start
         if run == 0:
             continue  # the warm-up: every shape compiled and captured

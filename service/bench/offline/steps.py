@@ -67,7 +67,8 @@ def busy_union(intervals: list[tuple[float, float]]) -> float:
     return busy
 
 
-def run_steps(engine: LLMEngine, prompts, output_lens, overlap: bool, annotate: bool = False) -> tuple[list[dict], float]:
+def run_steps(engine: LLMEngine, prompts, output_lens, overlap: bool,
+              annotate: bool = False) -> tuple[list[dict], float]:
     """All prompts at once (after `run_engine`'s warm-up), with overlap on or off: each launched step's kind,
     token and sequence counts, and the wall time of the step() call that launched it (with overlap that call
     also reads back the step before it: the time a served step takes). `annotate` marks each call for
@@ -187,11 +188,11 @@ def summarise(served: list[dict], plain: list[dict], profiled: list[dict]) -> li
     on; `wall` from the run with overlap off; `busy` and each kind of kernel from the profiled run (overlap
     off). Per step: `served_ms`, `wall_ms`, `busy_ms`, and `host_ms` = wall_ms - busy_ms."""
     rows = collections.defaultdict(collections.Counter)
-    for name, run in (("served", served), ("wall", plain), ("busy", profiled)):
+    for name, run, key in (("served", served, "wall"), ("wall", plain, "wall"), ("busy", profiled, "busy")):
         for s in run:
             r = rows[s["kind"]]
             r[f"{name} steps"] += 1
-            r[name] += s.get("wall" if name != "busy" else "busy", 0.0)
+            r[name] += s.get(key, 0.0)
             if name == "wall":
                 r["tokens"] += s["tokens"]
                 r["seqs"] += s["seqs"]
@@ -268,7 +269,8 @@ def main(argv: list[str] | None = None) -> dict:
     rows = summarise(served, plain, profiled)
     device = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"{model}, {args.num_requests} requests x {args.input_len} in / {args.output_len} out, {device}: "
-          f"overlap {'on' if overlap else 'off'} {served_s:.3f} s ({tokens / served_s:,.0f} tok/s, {len(served)} steps); "
+          f"overlap {'on' if overlap else 'off'} {served_s:.3f} s ({tokens / served_s:,.0f} tok/s, "
+          f"{len(served)} steps); "
           f"overlap off {plain_s:.3f} s ({tokens / plain_s:,.0f} tok/s, {len(plain)} steps)")
     print_table(rows)
     tops = top_kernels(profiled, args.top_kernels) if args.top_kernels else {}
