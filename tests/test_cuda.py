@@ -53,11 +53,16 @@ def test_triton_kernel_matches_torch_reference(dtype, heads, kv_heads, head_dim,
         new.append(q_len)
     batch = ScheduledBatch(seqs, new, [])
     q = torch.randn(sum(new), heads, head_dim, device="cuda", dtype=dtype)
+    # the step's own keys and values, in the layout the model hands them over ([1, KV heads, T, D] transposed)
+    k_new, v_new = (torch.randn(1, kv_heads, sum(new), head_dim, device="cuda", dtype=dtype)[0].transpose(0, 1)
+                    for _ in range(2))
     scale = head_dim ** -0.5
-    ref = torch_paged_attention(q.double(), k_cache.double(), v_cache.double(),
-                                _metadata("torch", batch, heads // kv_heads, decode_only), scale, window, softcap)
+    k_ref, v_ref = k_cache.double(), v_cache.double()
+    ref = torch_paged_attention(q.double(), k_ref, v_ref, _metadata("torch", batch, heads // kv_heads, decode_only),
+                                scale, window, softcap, new_kv=(k_new.double(), v_new.double()))
     out = triton_paged_attention(q, k_cache, v_cache, _metadata("triton", batch, heads // kv_heads, decode_only),
-                                 scale, window, softcap)
+                                 scale, window, softcap, new_kv=(k_new, v_new))
+    assert torch.equal(k_cache.double(), k_ref) and torch.equal(v_cache.double(), v_ref)  # the same slots written
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
 
@@ -90,12 +95,18 @@ def test_triton_split_decode_matches_torch_reference(dtype, cache_dtype, splits,
         seqs.append(seq)
     batch = ScheduledBatch(seqs, [1] * len(seqs), [])
     q = torch.randn(len(seqs), heads, head_dim, device="cuda", dtype=dtype)
+    # the new tokens' keys and values, exact in the cache's dtype (an 8-bit cache rounds what it stores)
+    k_new, v_new = (torch.randn(len(seqs), kv_heads, head_dim, device="cuda").to(cache_dtype or dtype).to(dtype)
+                    for _ in range(2))
     scale = head_dim ** -0.5
-    ref = torch_paged_attention(q.double(), k_cache.double(), v_cache.double(),
-                                _metadata("torch", batch, heads // kv_heads, True), scale, window, softcap)
+    k_ref, v_ref = k_cache.double(), v_cache.double()
+    ref = torch_paged_attention(q.double(), k_ref, v_ref, _metadata("torch", batch, heads // kv_heads, True), scale,
+                                window, softcap, new_kv=(k_new.double(), v_new.double()))
     parts = []
     out = triton_paged_attention(q, k_cache, v_cache, _metadata("triton", batch, heads // kv_heads, True), scale,
-                                 window, softcap, config=(block_n, 4, 2, splits, min_tiles), parts_out=parts)
+                                 window, softcap, new_kv=(k_new, v_new), config=(block_n, 4, 2, splits, min_tiles),
+                                 parts_out=parts)
+    assert torch.equal(k_cache.double(), k_ref) and torch.equal(v_cache.double(), v_ref)
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
     expected = []

@@ -253,9 +253,9 @@ def test_steps_bench_names_kernels_and_merges_busy_time():
                                                        ("_paged_attention_kernel", "attention", 0.5, 0.125)]}
     assert [kernel_kind(n) for n in ("_paged_attention_kernel", "nvjet_tst_128x64", "sm90_xmma_gemm_bf16",
                                      "Memcpy HtoD (Pinned -> Device)", "triton_poi_fused_add_rms_norm_0",
-                                     "void at::native::index_copy_kernel", "at::native::index_elementwise_kernel",
-                                     "_scatter_gather_elementwise_kernel")] == \
-        ["attention", "matmul", "matmul", "copy", "other", "kv write", "other", "other"]
+                                     "void at::native::index_copy_kernel", "_write_kv_kernel",
+                                     "at::native::index_elementwise_kernel", "_scatter_gather_elementwise_kernel")] == \
+        ["attention", "matmul", "matmul", "copy", "other", "kv write", "kv write", "other", "other"]
     assert busy_union([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
 
 

@@ -4,8 +4,8 @@
 #   tests   tests/test_cuda.py (TESTS_K: a -k expression; TESTS_TIMEOUT, default 420 s);
 #   sweep   tests/gpu/decode_split_sweep.py (SWEEP_ARGS: its options), logged to $OUT/sweep.log;
 #   one     one request's decode step p50 (tests/gpu/decode_steps.py), this code then .base's;
-#   mixed, 128   bench offline median of 7 on mixed lengths or 128/128 x 256, this code and .base's alternating
-#                (CODES, default "split base split base").
+#   mixed, 128   bench offline --telemetry (a median of 7 runs with telemetry off, 7 with it on) on mixed lengths
+#                or 128/128 x 256, this code and .base's alternating (CODES, default "new base new base").
 # (The step profile: tests/gpu/h100_steps.sh steps.)
 # Usage: [VAR=...] bash tests/gpu/h100_split.sh [tests] [sweep] [one] [mixed] [128]
 set -u
@@ -22,7 +22,7 @@ for phase in $phases; do
       > $OUT/tests.log 2>&1
     grep -E "^(FAILED|ERROR)" $OUT/tests.log; tail -1 $OUT/tests.log ;;
   one)
-    for code in split base; do
+    for code in new base; do
       [ $code = base ] && P=$PWD/.base:$PYTHONPATH || P=$PYTHONPATH
       echo "== one request, 128 in / 512 out, $code"
       env PYTHONPATH=$P timeout 150 python3 tests/gpu/decode_steps.py --model random:llama-1b --num-requests 1 \
@@ -33,12 +33,14 @@ for phase in $phases; do
     timeout 300 python3 tests/gpu/decode_split_sweep.py ${SWEEP_ARGS:-} 2>&1 | grep -v -i warn | tee $OUT/sweep.log ;;
   mixed|128)
     [ $phase = mixed ] && W=$MIXED || W="--input-len 128 --output-len 128"
-    for code in ${CODES:-split base split base}; do
+    i=0
+    for code in ${CODES:-new base new base}; do
+      i=$((i + 1)); run=$phase-$code-$i
       [ $code = base ] && P=$PWD/.base:$PYTHONPATH || P=$PYTHONPATH
-      echo "== $phase, $code"
-      env PYTHONPATH=$P timeout 150 python3 -m service bench offline $W --peers none --label $phase-$code \
-        --json $OUT/$phase-$code.json > $OUT/$phase-$code.log 2>&1
-      grep -E "^\| this|tok/s$" $OUT/$phase-$code.log | head -3 || true; grep -v -i warn $OUT/$phase-$code.log | tail -2
+      echo "== $run"
+      env PYTHONPATH=$P timeout 200 python3 -m service bench offline $W --telemetry --peers none --label $run \
+        --json $OUT/$run.json > $OUT/$run.log 2>&1
+      grep -E "^\| this|tok/s$" $OUT/$run.log | head -3 || true; grep -v -i warn $OUT/$run.log | tail -2
     done ;;
   esac
 done

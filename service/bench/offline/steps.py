@@ -34,7 +34,7 @@ from service.engine import EngineConfig, LLMEngine, SamplingParams
 KERNEL_KINDS = (
     ("attention", ("paged_attention", "flash", "fmha", "attention", "sdpa")),
     ("matmul", ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "splitk", "scaled_mm", "int8_scaled_mm")),
-    ("kv write", ("index_copy",)),  # the engine writes K and V into the cache with index_copy_ (attention.py)
+    ("kv write", ("write_kv", "index_copy")),  # triton_attention.write_kv; attention.torch_paged_attention
     ("copy", ("memcpy", "memset")),
 )
 

@@ -1,8 +1,9 @@
 """Attention over the paged KV cache, plugged into unchanged transformers models.
 
 The runner packs every token of a step into one row ([1, T]) and sets a forward context; the
-registered attention function writes the new keys and values into the cache slots of that row
-and attends each sequence's queries to its own cached context through its block table.
+registered attention function hands the chosen backend the queries and the new keys and values: the backend
+writes the keys and values into the cache slots of that row and attends each sequence's queries to its own
+cached context through its block table.
 """
 
 from contextlib import contextmanager
@@ -63,11 +64,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    slots = ctx.meta.slot_mapping
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = ctx.backend(q, k_cache, v_cache, ctx.meta, scale, sliding_window, softcap)
+    out = ctx.backend(q, k_cache, v_cache, ctx.meta, scale, sliding_window, softcap, new_kv=(k, v))
     return out.unsqueeze(0), None
 
 
@@ -75,8 +73,15 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 
 
 def torch_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                          sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-    """Reference backend in plain PyTorch: gather each sequence's context, pad, one masked SDPA call."""
+                          sliding_window: int | None = None, softcap: float | None = None,
+                          new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Reference backend in plain PyTorch: gather each sequence's context, pad, one masked SDPA call.
+
+    Every backend takes the same arguments: `new_kv`, this step's keys and values [tokens, KV heads, head dim],
+    goes into the cache at meta.slot_mapping before the queries attend (here with two index_copy_)."""
+    if new_kv is not None:
+        for cache, new in zip((k_cache, v_cache), new_kv):
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, meta.slot_mapping, new.to(cache.dtype))
     num_seqs = meta.seq_lens.shape[0]
     num_heads, kv_heads, head_dim = q.shape[1], k_cache.shape[2], k_cache.shape[3]
     block_size, length = k_cache.shape[1], meta.max_seq_len

@@ -9,6 +9,9 @@ as flash-decoding does: one program per (sequence, KV head) is too few programs 
 and at large ones a mix of short and long contexts leaves the SMs that drew long ones working alone at the end.
 Each part writes its normalised output and log-sum-exp, and a second kernel combines a sequence's parts; a
 sequence short enough for one part writes its output directly and the second kernel skips it.
+
+A step's new keys and values go into the cache first, one small kernel for both (two index_copy_ took 6.3 us a
+layer at 256 tokens on the H100, this 1.9).
 """
 
 import functools
@@ -141,6 +144,33 @@ def _combine_parts_kernel(O, PART_O, PART_LSE, NUM_PARTS, stride_ot, stride_oh, 
              mask=h_ok[:, None] & d_ok[None, :])
 
 
+@triton.jit
+def _write_kv_kernel(K, V, K_CACHE, V_CACHE, slots, stride_kt, stride_kh, stride_vt, stride_vh, stride_slot, stride_ch,
+                     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One token's keys and values (every KV head) into its cache slot, cast to the cache's dtype."""
+    t = tl.program_id(0)
+    slot = tl.load(slots + t)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    ok = (h < KV_HEADS) & (d < HEAD_DIM)
+    dst = slot * stride_slot + h * stride_ch + d
+    k = tl.load(K + t * stride_kt + h * stride_kh + d, mask=ok)
+    tl.store(K_CACHE + dst, k.to(K_CACHE.dtype.element_ty), mask=ok)
+    v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=ok)
+    tl.store(V_CACHE + dst, v.to(V_CACHE.dtype.element_ty), mask=ok)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Write keys and values [tokens, KV heads, head dim] into the caches' slots (token t into slots[t])."""
+    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
+    kv_heads, head_dim = k_cache.shape[2:]
+    _write_kv_kernel[(k.shape[0],)](
+        k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(1), k_cache.stride(2), KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=2)
+
+
 def launch_config(block_m: int, head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_N, warps, stages) for a tile of block_m rows: keys per iteration, and the launch's warps and
     pipeline stages.
@@ -177,10 +207,14 @@ def decode_splits(num_seqs: int, kv_heads: int) -> int:
 
 def triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                            sliding_window: int | None = None, softcap: float | None = None,
+                           new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                            config: tuple[int, ...] | None = None, parts_out: list | None = None) -> torch.Tensor:
-    """Attention of the packed queries q [tokens, heads, head dim] over the paged cache. `config` overrides
-    launch_config and, for decode, the split: (BLOCK_N, warps, stages[, splits, min tiles per part]). A list
-    passed as `parts_out` receives the number of parts of each decode sequence's context (a tensor; tests)."""
+    """Attention of the packed queries q [tokens, heads, head dim] over the paged cache, after writing `new_kv`
+    into it (as attention.torch_paged_attention). `config` overrides launch_config and, for decode, the split:
+    (BLOCK_N, warps, stages[, splits, min tiles per part]). A list passed as `parts_out` receives the number of
+    parts of each decode sequence's context (a tensor; tests)."""
+    if new_kv is not None:
+        write_kv(*new_kv, k_cache, v_cache, meta.slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = num_heads // kv_heads
