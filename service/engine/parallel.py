@@ -307,8 +307,8 @@ def _worker(config, world: int, rank: int, port: int, parent: int) -> None:
             if call.num_blocks not in caches:
                 if len(caches) >= 2:  # the engine's cache and one throwaway: drop the oldest throwaway
                     caches.pop(next(k for k in caches if k != max(caches)))
-                shape = (call.num_blocks, config.block_size, kv_heads, head_dim, dtype, device)
-                caches[call.num_blocks] = [(cache_tensor(*shape), cache_tensor(*shape)) for _ in range(layers)]
+                args = (call.num_blocks, config.block_size, kv_heads, head_dim, dtype, device)
+                caches[call.num_blocks] = [(cache_tensor(*args), cache_tensor(*args)) for _ in range(layers)]
             backend = getattr(importlib.import_module(call.backend[0]), call.backend[1])
             start = time.perf_counter()
             with forward_context(ForwardContext(caches[call.num_blocks], _to(call.meta, device), backend)):

@@ -32,7 +32,8 @@ def us(fn):
 
 
 def attention_case(lengths, heads, kv_heads, dim, context=0):
-    """Prefill chunks of `lengths` tokens each over `context` cached tokens before them."""
+    """Prefill chunks of `lengths` tokens each over `context` cached tokens before them: each kernel's time and its
+    largest error against the reference (printed, not a gate: a wrong kernel shows as a large error)."""
     gen = torch.Generator().manual_seed(0)
     group = heads // kv_heads
     qs = [torch.randn(n, heads, dim, generator=gen) for n in lengths]
@@ -57,14 +58,12 @@ def attention_case(lengths, heads, kv_heads, dim, context=0):
     ref = torch.cat(refs)
     flops = sum(4 * n * (context + (n + 1) / 2) * heads * dim for n in lengths)
     label = f"lens {lengths[0]}..{lengths[-1]} x{len(lengths)} ctx {context} heads {heads}/{kv_heads} d{dim}"
-    results = {}
 
     def attempt(name, fn):
         try:
             out = fn()
             err = (out.float() - ref).abs().max().item()
             t = us(fn)
-            results[name] = t
             print(f"  {name:28s} {t:9.1f} us  {flops / t / 1e6:6.0f} TFLOP/s  err {err:.3g}")
         except Exception as exc:  # noqa: BLE001
             print(f"  {name:28s} failed: {str(exc).strip().splitlines()[0][:150]}")
@@ -95,7 +94,6 @@ def attention_case(lengths, heads, kv_heads, dim, context=0):
         shape = Shape("prefill", b, heads, kv_heads, dim, n, "bf16")
         packed, kc, vc, meta, _ = paged_inputs(shape, qd, kd, vd, "triton")
         attempt("ours (triton paged)", lambda: triton_paged_attention(packed, kc, vc, meta, scale))
-    return results
 
 
 for dim in (64, 128):

@@ -37,8 +37,8 @@ class AttentionMetadata:
 
 @dataclass
 class ForwardContext:
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, kv_heads, head_dim]
-    # (indexed so; laid out in memory as kv_cache.cache_tensor says)
+    # per layer, indexed [num_blocks, block_size, kv_heads, head_dim] (in memory: kv_cache.cache_tensor)
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     meta: AttentionMetadata
     backend: Callable
 
