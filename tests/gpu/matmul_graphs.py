@@ -1,62 +1,39 @@
 """On the H100 (device tool): the decode step's matrix products in CUDA graphs, with a cold L2 as in the engine (16
-distinct weights a shape, one per layer), through cuBLAS and cuBLASLt and through a plain Triton kernel at its best
-of a few tile configurations, for the 1B shape's rows 1 to 256 and the 8B shape's 256. (Inductor's max-autotune
-tables favour Triton at these sizes, but they time each kernel alone with its launch and a warm L2.)
+distinct weights a shape, one per layer), through cuBLAS and cuBLASLt and through the project's Triton GEMM
+(quant/triton_w8a8.py, bf16 weights, unit scales; the figures in docs/benchmarks.md came from a plain copy of its
+loop without the scales) at its best of a few tile configurations, for the 1B shape's rows 1 to 256 and the 8B
+shape's 256. (Inductor's max-autotune tables favour Triton at these sizes, but they time each kernel alone with
+its launch and a warm L2.)
 
     source tests/gpu/env.sh; python3 tests/gpu/matmul_graphs.py
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
+
+from service.engine.quant.triton_w8a8 import int8_scaled_mm
 
 dev = torch.device("cuda")
 
 
-@triton.jit
-def _mm(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    size = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size
-    pid_n = (pid % per_group) // size
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    xp = X + rm[:, None] * stride_xm + rk[None, :]
-    wp = W + rn[:, None] * stride_wn + rk[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for _ in range(0, K, BLOCK_K):
-        x = tl.load(xp, mask=rm[:, None] < M, other=0.0)
-        w = tl.load(wp, mask=rn[:, None] < N, other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
-        xp += BLOCK_K
-        wp += BLOCK_K
-    tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+def triton_linear(x, w, tile):
+    """x @ w.T through the project's Triton GEMM (quant/triton_w8a8.py) in its weight-only path with unit scales."""
+    return int8_scaled_mm(x, None, w, ones(w.shape[0]), x.dtype, tile=tile)
 
 
-def triton_linear(x, w, cfg):
-    bm, bn, bk, gm, warps, stages = cfg
-    m, k = x.shape
-    n = w.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _mm[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-              GROUP_M=gm, num_warps=warps, num_stages=stages)
-    return y
+@functools.cache
+def ones(n):
+    return torch.ones(n, dtype=torch.float32, device=dev)
 
 
-CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages
-    (16, 32, 256, 8, 4, 4), (16, 64, 128, 8, 4, 4), (16, 64, 256, 8, 4, 3), (16, 128, 128, 8, 4, 4),
-    (32, 64, 128, 8, 4, 4), (32, 128, 128, 8, 4, 4),
-    (64, 64, 128, 8, 4, 5), (64, 128, 128, 8, 4, 4), (64, 128, 64, 8, 4, 3), (64, 256, 64, 8, 8, 3),
-    (128, 128, 64, 8, 8, 5), (128, 128, 64, 8, 4, 3), (128, 256, 64, 8, 8, 3),
+CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages (GROUP_M 8)
+    (16, 32, 256, 4, 4), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 4),
+    (32, 64, 128, 4, 4), (32, 128, 128, 4, 4),
+    (64, 64, 128, 4, 5), (64, 128, 128, 4, 4), (64, 128, 64, 4, 3), (64, 256, 64, 8, 3),
+    (128, 128, 64, 8, 5), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3),
 ]
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
           "lm_head": (128256, 2048)}
