@@ -9,14 +9,12 @@ import random
 import pytest
 import torch
 
+from service.bench.kernel.ops import scattered_batch
 from service.engine import SamplingParams
 from service.engine.models import load_model
 from service.engine.runner.attention import torch_paged_attention
 from service.engine.runner.input_packing import pack_inputs
 from service.engine.runner.kv_cache import cache_tensor
-from service.engine.sampling import SamplingParams as SP
-from service.engine.scheduler import ScheduledBatch
-from service.engine.sequence import Sequence
 from tests.conftest import make_engine, reference_greedy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
@@ -46,22 +44,13 @@ def test_triton_kernel_matches_torch_reference(dtype, heads, kv_heads, head_dim,
     from service.engine.runner.triton_attention import triton_paged_attention
     torch.manual_seed(0)
     rng = random.Random(0)
-    num_blocks = 200
-    k_cache, v_cache = (_cache(num_blocks, kv_heads, head_dim, dtype) for _ in "kv")
-    free = list(range(1, num_blocks))
-    rng.shuffle(free)
-    seqs, new = [], []
     shapes = [(5, 1), (40, 1), (200, 1), (16, 1)] if decode_only else [(5, 1), (0, 33), (20, 7), (200, 1), (0, 100), (31, 2)]
-    for i, (context, q_len) in enumerate(shapes):
-        seq = Sequence(f"s{i}", [1] * (context + q_len), SP())
-        seq.num_computed_tokens = context
-        seq.block_table = [free.pop() for _ in range(-(-(context + q_len) // 16))]
-        seqs.append(seq)
-        new.append(q_len)
-    batch = ScheduledBatch(seqs, new, [])
-    q = torch.randn(sum(new), heads, head_dim, device="cuda", dtype=dtype)
+    batch, num_blocks = scattered_batch(shapes, rng)
+    k_cache, v_cache = (_cache(num_blocks, kv_heads, head_dim, dtype) for _ in "kv")
+    tokens = sum(batch.num_new_tokens)
+    q = torch.randn(tokens, heads, head_dim, device="cuda", dtype=dtype)
     # the step's own keys and values, in the layout the model hands them over ([1, KV heads, T, D] transposed)
-    k_new, v_new = (torch.randn(1, kv_heads, sum(new), head_dim, device="cuda", dtype=dtype)[0].transpose(0, 1)
+    k_new, v_new = (torch.randn(1, kv_heads, tokens, head_dim, device="cuda", dtype=dtype)[0].transpose(0, 1)
                     for _ in range(2))
     scale = head_dim ** -0.5
     k_ref, v_ref = k_cache.double(), v_cache.double()
@@ -89,20 +78,11 @@ def test_triton_split_decode_matches_torch_reference(dtype, cache_dtype, splits,
     rng = random.Random(1)
     heads, kv_heads, head_dim = 32, 8, 64
     contexts = [1, 17, 64, 65, 129, 500, 1000, 2000, 2048, 777]
-    num_blocks = sum(-(-c // 16) for c in contexts) + 1
+    batch, num_blocks = scattered_batch([(c - 1, 1) for c in contexts], rng)
     k_cache, v_cache = (_cache(num_blocks, kv_heads, head_dim, cache_dtype or dtype) for _ in "kv")
-    free = list(range(1, num_blocks))
-    rng.shuffle(free)
-    seqs = []
-    for i, context in enumerate(contexts):
-        seq = Sequence(f"s{i}", [1] * context, SP())
-        seq.num_computed_tokens = context - 1
-        seq.block_table = [free.pop() for _ in range(-(-context // 16))]
-        seqs.append(seq)
-    batch = ScheduledBatch(seqs, [1] * len(seqs), [])
-    q = torch.randn(len(seqs), heads, head_dim, device="cuda", dtype=dtype)
+    q = torch.randn(len(contexts), heads, head_dim, device="cuda", dtype=dtype)
     # the new tokens' keys and values, exact in the cache's dtype (an 8-bit cache rounds what it stores)
-    k_new, v_new = (torch.randn(len(seqs), kv_heads, head_dim, device="cuda").to(cache_dtype or dtype).to(dtype)
+    k_new, v_new = (torch.randn(len(contexts), kv_heads, head_dim, device="cuda").to(cache_dtype or dtype).to(dtype)
                     for _ in range(2))
     scale = head_dim ** -0.5
     k_ref, v_ref = k_cache.double(), v_cache.double()

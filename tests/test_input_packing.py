@@ -83,22 +83,20 @@ def test_the_logits_the_graphs_keep_are_counted_row_by_row():
 def test_the_cuda_cache_layout_holds_the_same_slots_and_attention_as_the_contiguous_one():
     """CUDA caches lie heads outside tokens in memory (kv_cache.cache_tensor), indexed as the contiguous CPU ones:
     the reference backend writes a step's keys and values into the same slots and attends the same over either."""
+    import random
+
     import torch
 
+    from service.bench.kernel.ops import scattered_batch
     from service.engine.runner.attention import torch_paged_attention
     from service.engine.runner.input_packing import pack_inputs
 
     torch.manual_seed(0)
-    blocks, kv_heads, head_dim = 12, 2, 8
+    batch, blocks = scattered_batch([(0, 20), (33, 1), (15, 3)], random.Random(0))
+    seqs, kv_heads, head_dim = batch.seqs, 2, 8
     contiguous = [torch.randn(blocks, 16, kv_heads, head_dim) for _ in "kv"]
     heads_outside = [torch.empty(blocks, kv_heads, 16, head_dim).transpose(1, 2).copy_(c) for c in contiguous]
     assert heads_outside[0].stride(2) == 16 * head_dim and torch.equal(heads_outside[0], contiguous[0])
-    seqs = []
-    for i, (context, new) in enumerate([(0, 20), (33, 1), (15, 3)]):
-        seq = Sequence(f"s{i}", [1] * (context + new), SamplingParams())
-        seq.num_computed_tokens, seq.block_table = context, [1 + 4 * i + b for b in range(-(-(context + new) // 16))]
-        seqs.append(seq)
-    batch = ScheduledBatch(seqs, [20, 1, 3], [])
     meta = pack_inputs(batch, False, block_size=16, backend_name="torch", group=2, device=torch.device("cpu"))[2]
     q = torch.randn(24, 4, head_dim)
     new_kv = tuple(torch.randn(24, kv_heads, head_dim) for _ in "kv")

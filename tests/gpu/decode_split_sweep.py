@@ -16,12 +16,10 @@ import triton
 from triton.testing import do_bench_cudagraph
 
 from service.bench.kernel import roofline
+from service.bench.kernel.ops import scattered_batch
 from service.engine.runner import triton_attention
 from service.engine.runner.attention import torch_paged_attention
 from service.engine.runner.input_packing import pack_inputs
-from service.engine.sampling import SamplingParams
-from service.engine.scheduler import ScheduledBatch
-from service.engine.sequence import Sequence
 
 # (name, batch, lowest context, highest context): the mixed workload's decode steps from first (256 sequences
 # over [100, 1024] prompts) to its tail (few sequences, long contexts), 128/128's, and one request's
@@ -34,22 +32,14 @@ def batch_of(batch: int, low: int, high: int, kv_heads: int, head_dim: int, rng:
     """A decode batch (one new token a sequence, contexts uniform in [low, high], pages shuffled) and its key and
     value caches, random, in `layout`: nhd or hnd (heads outside tokens), -fp8 for float8 e4m3 values."""
     contexts = [rng.randint(low, high) for _ in range(batch)]
-    blocks = sum(-(-c // 16) for c in contexts)
-    free = list(range(1, blocks + 1))
-    rng.shuffle(free)
-    seqs = []
-    for i, c in enumerate(contexts):
-        seq = Sequence(f"s{i}", [1] * c, SamplingParams())
-        seq.num_computed_tokens = c - 1
-        seq.block_table = [free.pop() for _ in range(-(-c // 16))]
-        seqs.append(seq)
+    sched, pages = scattered_batch([(c - 1, 1) for c in contexts], rng)
     dtype = torch.float8_e4m3fn if "fp8" in layout else torch.bfloat16
     if "hnd" in layout:  # heads outside tokens in memory: one head's 16 tokens of a page are contiguous
-        k, v = (torch.randn(blocks + 1, kv_heads, 16, head_dim, device="cuda").to(dtype).transpose(1, 2)
+        k, v = (torch.randn(pages, kv_heads, 16, head_dim, device="cuda").to(dtype).transpose(1, 2)
                 for _ in range(2))
     else:
-        k, v = (torch.randn(blocks + 1, 16, kv_heads, head_dim, device="cuda").to(dtype) for _ in range(2))
-    return ScheduledBatch(seqs, [1] * batch, []), k, v, contexts
+        k, v = (torch.randn(pages, 16, kv_heads, head_dim, device="cuda").to(dtype) for _ in range(2))
+    return sched, k, v, contexts
 
 
 def main():

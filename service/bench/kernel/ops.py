@@ -5,7 +5,6 @@ one query per sequence over K cached tokens) and returns [B, H, Q, D]; its own l
 packed tokens) is built before the clock starts. An operation that cannot run a shape raises Unsupported.
 """
 
-import math
 import random
 from dataclasses import dataclass
 from typing import Callable
@@ -112,33 +111,41 @@ def _flex(shape: Shape, q, k, v) -> Callable:
     return lambda: _flex_compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa)
 
 
+def scattered_batch(shapes: list[tuple[int, int]], rng: random.Random):
+    """A scheduled batch of sequences, each (tokens already cached, new tokens), whose pages are drawn from a
+    shuffled cache, as a long-running cache has them; page 0 stays unused (the engine's scratch page). Returns the
+    batch and the number of pages its cache needs (page 0 included)."""
+    from service.engine.sampling import SamplingParams
+    from service.engine.scheduler import ScheduledBatch
+    from service.engine.sequence import Sequence
+
+    pages = [-(-(context + new) // BLOCK_SIZE) for context, new in shapes]
+    free = list(range(1, sum(pages) + 1))
+    rng.shuffle(free)
+    seqs = []
+    for i, ((context, new), n) in enumerate(zip(shapes, pages)):
+        seq = Sequence(f"s{i}", [0] * (context + new), SamplingParams())
+        seq.num_computed_tokens, seq.block_table = context, [free.pop() for _ in range(n)]
+        seqs.append(seq)
+    return ScheduledBatch(seqs, [new for _, new in shapes], []), sum(pages) + 1
+
+
 def paged_inputs(shape: Shape, q, k, v, backend: str):
     """A dense shape in this project's layout: (packed queries [tokens, heads, head dim], key cache, value cache,
     the attention metadata for `backend` (torch or triton), the scheduled batch), the cache's pages scattered and
     laid out in memory as the engine's on this device."""
     from service.engine.runner.input_packing import pack_inputs
     from service.engine.runner.kv_cache import cache_tensor
-    from service.engine.sampling import SamplingParams
-    from service.engine.scheduler import ScheduledBatch
-    from service.engine.sequence import Sequence
 
     device, b, qlen, klen = q.device, shape.batch, shape.queries, shape.context
-    per_seq = math.ceil(klen / BLOCK_SIZE)
-    blocks = list(range(1, b * per_seq + 1))
-    random.Random(0).shuffle(blocks)  # scattered pages, as a long-running cache has them
-    k_cache, v_cache = (cache_tensor(b * per_seq + 1, BLOCK_SIZE, shape.kv_heads, shape.head_dim, q.dtype, device)
+    batch, num_pages = scattered_batch([(klen - qlen, qlen)] * b, random.Random(0))
+    k_cache, v_cache = (cache_tensor(num_pages, BLOCK_SIZE, shape.kv_heads, shape.head_dim, q.dtype, device)
                         for _ in "kv")
-    seqs = []
-    for i in range(b):
-        table = blocks[i * per_seq:(i + 1) * per_seq]
-        pos = torch.arange(klen, device=device)
-        pages = torch.tensor(table, device=device)[pos // BLOCK_SIZE]
+    pos = torch.arange(klen, device=device)
+    for i, seq in enumerate(batch.seqs):
+        pages = torch.tensor(seq.block_table, device=device)[pos // BLOCK_SIZE]
         k_cache[pages, pos % BLOCK_SIZE] = k[i].transpose(0, 1)
         v_cache[pages, pos % BLOCK_SIZE] = v[i].transpose(0, 1)
-        seq = Sequence(f"s{i}", [0] * klen, SamplingParams())
-        seq.num_computed_tokens, seq.block_table = klen - qlen, table
-        seqs.append(seq)
-    batch = ScheduledBatch(seqs, [qlen] * b, [])
     meta = pack_inputs(batch, shape.phase == "decode", block_size=BLOCK_SIZE, backend_name=backend,
                        group=shape.heads // shape.kv_heads, device=device)[2]
     packed = q.transpose(1, 2).reshape(b * qlen, shape.heads, shape.head_dim).contiguous()

@@ -34,7 +34,7 @@ from service.engine import EngineConfig, LLMEngine, SamplingParams
 KERNEL_KINDS = (
     ("attention", ("paged_attention", "flash", "fmha", "attention", "sdpa")),
     ("matmul", ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "splitk", "scaled_mm", "int8_scaled_mm")),
-    ("kv write", ("write_kv", "index_copy")),  # triton_attention.write_kv; attention.torch_paged_attention
+    ("kv write", ("write_kv", "index_copy")),  # triton_attention.write_kv; index_copy_: the writes before it
     ("copy", ("memcpy", "memset")),
 )
 

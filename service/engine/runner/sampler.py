@@ -102,8 +102,7 @@ class Sampler:
             p = s.params
             if p.min_tokens and s.num_tokens - s.num_prompt_tokens < p.min_tokens:  # tokens on the device count
                 stop = p.stop_token_ids if p.ignore_eos else [*p.stop_token_ids, *s.eos_token_ids]
-                if stop:
-                    bans += [(i, t) for t in set(stop)]
+                bans += [(i, t) for t in set(stop)]
             if p.logprobs is not None:
                 wanted.append(i)
             if all_greedy and not p.greedy:
