@@ -65,9 +65,9 @@ def test_triton_kernel_matches_torch_reference(dtype, heads, kv_heads, head_dim,
 
 @pytest.mark.parametrize("dtype, cache_dtype", [(torch.bfloat16, None), (torch.float32, None),
                                                 (torch.bfloat16, torch.float8_e4m3fn)])
-@pytest.mark.parametrize("splits, min_tiles, block_n", [(4, 2, 64), (16, 1, 32)])
+@pytest.mark.parametrize("splits, min_tiles, block_n, wide_n", [(4, 2, 64, 128), (16, 1, 32, 32)])
 @pytest.mark.parametrize("window, softcap", [(None, None), (300, None), (None, 30.0)])
-def test_triton_split_decode_matches_torch_reference(dtype, cache_dtype, splits, min_tiles, block_n, window,
+def test_triton_split_decode_matches_torch_reference(dtype, cache_dtype, splits, min_tiles, block_n, wide_n, window,
                                                       softcap):
     """Decode with each context split into parts (flash-decoding) and the parts combined: the same output as the
     reference, and each sequence in the parts the split rule gives (one part: the output is written directly).
@@ -90,8 +90,8 @@ def test_triton_split_decode_matches_torch_reference(dtype, cache_dtype, splits,
                                 window, softcap, new_kv=(k_new.double(), v_new.double()))
     parts = []
     out = triton_paged_attention(q, k_cache, v_cache, _metadata("triton", batch, heads // kv_heads, True), scale,
-                                 window, softcap, new_kv=(k_new, v_new), config=(block_n, 4, 2, splits, min_tiles),
-                                 parts_out=parts)
+                                 window, softcap, new_kv=(k_new, v_new),
+                                 config=(block_n, wide_n, 4, 2, splits, min_tiles), parts_out=parts)
     assert torch.equal(k_cache.double(), k_ref) and torch.equal(v_cache.double(), v_ref)
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err

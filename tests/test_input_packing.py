@@ -56,11 +56,28 @@ def test_padded_metadata_covers_every_query_token_once_and_padding_tiles_do_noth
         assert seq < len(q_lens) and before == context + seq  # the sequence's own context
         covered += list(rows)
     assert sorted(covered) == list(range(total))  # each real query token exactly once
-    unpadded_seq, unpadded_first = build_tiles(np.asarray(q_lens, np.int32), per_tile)
+    unpadded_seq, unpadded_first = build_tiles(np.asarray(q_lens, np.int32), per_tile, host.seq_lens - host.q_lens)
     real = len(unpadded_seq)
     assert (metadata[2, :real] == unpadded_seq).all() and (metadata[3, :real] == unpadded_first).all()
     assert (metadata[2, real:tiles] == cap).all()
     assert (metadata[1, len(q_lens):cap + 2] == total).all()  # sequences past the step's hold no tokens
+
+
+@settings(max_examples=100, deadline=None)
+@given(q_lens=st.lists(st.integers(1, 300), min_size=1, max_size=40), data=st.data(),
+       per_tile=st.sampled_from([1, 4, 16, 64]))
+def test_tiles_come_longest_first_and_each_once(q_lens, data, per_tile):
+    """Given the contexts, build_tiles returns the same tiles as in sequence order, ordered by the keys each reads
+    (context + its last token), ties in sequence order."""
+    q_lens = np.asarray(q_lens, np.int32)
+    contexts = np.asarray(data.draw(st.lists(st.integers(0, 2000), min_size=len(q_lens), max_size=len(q_lens))),
+                          np.int32)
+    plain = list(zip(*build_tiles(q_lens, per_tile)))
+    ordered = list(zip(*build_tiles(q_lens, per_tile, contexts)))
+    assert sorted(ordered) == sorted(plain)
+    keys = [contexts[s] + min(first + per_tile, q_lens[s]) for s, first in ordered]
+    assert keys == sorted(keys, reverse=True)
+    assert all(a < b for a, b, ka, kb in zip(ordered, ordered[1:], keys, keys[1:]) if ka == kb)
 
 
 def test_mixed_sizes_pad_a_step_by_at_most_a_third_and_end_at_the_largest():

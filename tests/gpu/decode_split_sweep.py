@@ -69,15 +69,15 @@ def main():
         expected = torch_paged_attention(q.float(), k_cache.float(), v_cache.float(), ref_meta, scale)
         scale_err = expected.abs().max().item()
         nbytes = 2 * 2 * batch * heads * head_dim + k_cache.element_size() * 2 * kv_heads * head_dim * sum(contexts)
-        block_n, warps, stages = triton_attention.launch_config(meta.block_m, head_dim)
+        block_n, wide_n, warps, stages = triton_attention.launch_config(meta.block_m, head_dim)
         policy = (triton_attention.decode_splits(batch, kv_heads), triton_attention.MIN_TILES)
         results = {}
-        candidates = [(bn, warps, stages, splits, min_tiles) for splits, min_tiles, bn in
+        candidates = [(bn, max(bn, wide_n), warps, stages, splits, min_tiles) for splits, min_tiles, bn in
                       itertools.product((1, 2, 4, 8, 16), (1, 2, 4), (32, 64))] if args.full else \
-            [(block_n, warps, stages, 1, 1), (block_n, warps, stages, *policy)]
-        candidates += [(bn, w, st, 1, 1) for bn, w, st in itertools.product((64, 128), (4, 8), (2, 3))]
+            [(block_n, wide_n, warps, stages, 1, 1), (block_n, wide_n, warps, stages, *policy)]
+        candidates += [(bn, bn, w, st, 1, 1) for bn, w, st in itertools.product((64, 128), (4, 8), (2, 3))]
         for config in candidates:
-            if config[3] == 1 and config[4] > 1 or config in results:
+            if config[4] == 1 and config[5] > 1 or config in results:
                 continue
             run = lambda: triton_attention.triton_paged_attention(q, k_cache, v_cache, meta, scale, config=config)
             error = (run().float() - expected).abs().max().item()
@@ -87,8 +87,8 @@ def main():
             results[config] = do_bench_cudagraph(run, rep=30) / 1e3
         ranked = sorted(results, key=results.get)
         share = lambda c: nbytes / results[c] / 1e9 / peak_bw
-        unsplit = (block_n, warps, stages, 1, 1)
-        chosen = (block_n, warps, stages, *policy) if policy[0] > 1 else unsplit
+        unsplit = (block_n, wide_n, warps, stages, 1, 1)
+        chosen = (block_n, wide_n, warps, stages, *policy) if policy[0] > 1 else unsplit
         print(f"{layout} dim {head_dim} {case} (batch {batch}, contexts {low}-{high}): "
               f"unsplit {results[unsplit] * 1e6:.1f} us "
               f"({share(unsplit):.0%} BW); policy {policy} {results[chosen] * 1e6:.1f} us ({share(chosen):.0%}); "

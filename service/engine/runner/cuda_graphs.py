@@ -66,11 +66,12 @@ class DecodeGraphs:
         self.table_rows = np.zeros((max_batch, r.max_blocks_per_seq), dtype=np.int32)
         self.table_owners: list[tuple[list[int] | None, int]] = [(None, 0)] * max_batch
         self.up_inputs = PinnedUpload(3 * max_batch, torch.long)
-        self.up_lens = PinnedUpload(max_batch, torch.int32)
+        self.up_lens = PinnedUpload(2 * max_batch, torch.int32)  # context lengths, and the tiles' order
         self.up_tables = PinnedUpload(max_batch * r.max_blocks_per_seq, torch.int32)
-        self.g_seq_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
+        self.g_lens = torch.ones(2, max_batch, dtype=torch.int32, device=dev)
+        self.g_seq_lens, self.g_tile_seq = self.g_lens  # a graph of size n runs sequence g_tile_seq[i] i-th
+        self.g_tile_seq.copy_(torch.arange(max_batch))
         self.g_starts = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
-        self.g_tile_seq = torch.arange(max_batch, dtype=torch.int32, device=dev)
         self.g_tile_qstart = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         pool = self.pool
         for size in reversed(self._graph_sizes()):
@@ -98,11 +99,12 @@ class DecodeGraphs:
         inputs[0, :n] = [0 if s.num_pending_tokens else s.token_ids[p] for s, p in zip(seqs, pos.tolist())]
         inputs[1, :n] = pos
         inputs[2, :n] = self.table_rows[np.arange(n), pos // block_size] * block_size + pos % block_size
-        lens_t, lens = self.up_lens.take((len(self.g_ids),))
-        lens.fill(1)
-        lens[:n] = pos + 1
+        lens_t, lens = self.up_lens.take(tuple(self.g_lens.shape))
+        lens[0].fill(1)
+        lens[0, :n] = pos + 1
+        lens[1, :size] = np.argsort(-lens[0, :size], kind="stable")  # longest first, as build_tiles orders tiles
         self.up_inputs.send(inputs_t, self.g_inputs)
-        self.up_lens.send(lens_t, self.g_seq_lens)
+        self.up_lens.send(lens_t, self.g_lens)
         self.runner._feed_back(self.g_ids, batch)
         graph, out = self.graphs[size]
         graph.replay()
@@ -178,7 +180,7 @@ def padded_metadata(host: HostInputs, tokens: int, max_num_seqs: int, tokens_per
     out[0, :n] = host.seq_lens
     out[1, :n + 1] = host.starts
     out[1, n + 1:seqs + 2] = real
-    tile_seq, tile_qstart = build_tiles(host.q_lens, tokens_per_tile)
+    tile_seq, tile_qstart = build_tiles(host.q_lens, tokens_per_tile, host.seq_lens - host.q_lens)
     out[2, :len(tile_seq)] = tile_seq
     out[2, len(tile_seq):tiles] = seqs
     out[3, :len(tile_qstart)] = tile_qstart

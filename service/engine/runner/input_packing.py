@@ -21,12 +21,22 @@ def block_m_for(group: int, decode_only: bool) -> int:
     return max(16 if decode_only else 64, 1 << (group - 1).bit_length())
 
 
-def build_tiles(query_lens: np.ndarray, tokens_per_tile: int) -> tuple[np.ndarray, np.ndarray]:
-    """Split each sequence's query tokens into tiles: (sequence index, first query token) per tile."""
+def build_tiles(query_lens: np.ndarray, tokens_per_tile: int,
+                contexts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Split each sequence's query tokens into tiles: (sequence index, first query token) per tile.
+
+    Given each sequence's tokens before the step (`contexts`), the tiles come longest first: a tile's program reads
+    the keys up to its last token, the GPU starts programs about in grid order, and a long one started last would
+    run alone at the end of the launch."""
     per_seq = -(-query_lens // tokens_per_tile)
     tile_seq = np.repeat(np.arange(len(query_lens), dtype=np.int32), per_seq)
-    first = np.arange(per_seq.sum(), dtype=np.int32) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
-    return tile_seq, (first * tokens_per_tile).astype(np.int32)
+    first = (np.arange(per_seq.sum(), dtype=np.int32) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)) \
+        * tokens_per_tile
+    if contexts is not None:
+        order = np.argsort(-(contexts[tile_seq] + np.minimum(first + tokens_per_tile, query_lens[tile_seq])),
+                           kind="stable")
+        tile_seq, first = tile_seq[order], first[order]
+    return tile_seq, first.astype(np.int32)
 
 
 class HostInputs(NamedTuple):
@@ -89,7 +99,7 @@ def pack_inputs(batch: ScheduledBatch, decode_only: bool, *, block_size: int, ba
         meta.query_pos = up((seq_lens_arr - q_lens_arr)[:, None] + qr)
     else:
         meta.block_m = block_m_for(group, decode_only)
-        tile_seq, tile_qstart = build_tiles(q_lens_arr, max(1, meta.block_m // group))
+        tile_seq, tile_qstart = build_tiles(q_lens_arr, max(1, meta.block_m // group), seq_lens_arr - q_lens_arr)
         meta.tile_seq = up(tile_seq)
         meta.tile_qstart = up(tile_qstart)
     ids_t = to_device(host.ids, torch.long, dev).unsqueeze(0)

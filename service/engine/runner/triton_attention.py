@@ -2,7 +2,9 @@
 
 One program handles one tile: up to BLOCK_M (query token, head) rows of one sequence that share a
 KV head (grouped-query heads are packed into the rows, so a decode token still fills the matrix
-units), and walks that sequence's context through its block table with an online softmax.
+units), and walks that sequence's context through its block table with an online softmax. The keys every row of
+the tile sees (for a decode token, all but the last tile's) need no mask and go WIDE_N at a time; the rest,
+masked, BLOCK_N at a time. The tiles come longest first (input_packing.build_tiles).
 
 Decode steps split each sequence's context into up to SPLITS parts, one program each (a third grid dimension),
 as flash-decoding does: one program per (sequence, KV head) is too few programs to fill the GPU at small batches,
@@ -24,13 +26,50 @@ from service.engine.runner.attention import AttentionMetadata
 
 
 @triton.jit
+def _attend_keys(acc, m_i, l_i, q, K, V, table, start, kv_end, q_pos, head_offset, stride_kb, stride_ks, d, d_ok,
+                 scale, softcap, window, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                 USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of keys from `start` into the online softmax (acc, running max m_i, running sum l_i). Unless
+    MASKED, every key of the tile is in the context and visible to every row."""
+    n = start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        n_ok = n < kv_end
+        page = tl.load(table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        kv_ok = n_ok[:, None] & d_ok[None, :]
+    else:
+        page = tl.load(table + n // PAGE).to(tl.int64)
+        kv_ok = d_ok[None, :]
+    offs = page * stride_kb + (n % PAGE) * stride_ks + head_offset
+    k = tl.load(K + offs[:, None] + d[None, :], mask=kv_ok, other=0.0).to(q.dtype)
+    v = tl.load(V + offs[:, None] + d[None, :], mask=kv_ok, other=0.0).to(q.dtype)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if USE_SOFTCAP:
+        qk = qk * scale / softcap
+        qk = softcap * (2.0 * tl.sigmoid(2.0 * qk) - 1.0) * 1.4426950408889634
+    else:
+        qk = qk * (scale * 1.4426950408889634)  # log2(e): exp2 instead of exp
+    if MASKED:
+        ok = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        if USE_WINDOW:
+            ok = ok & (n[None, :] > q_pos[:, None] - window)
+        qk = tl.where(ok, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(qk - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _paged_attention_kernel(
     Q, K, V, O, block_tables, seq_lens, query_start_loc, tile_seq, tile_qstart,
     scale, softcap, window,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_N: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,    PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr,
     PART_O, PART_LSE, NUM_PARTS, SPLITS: tl.constexpr, MIN_TILES: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -77,31 +116,26 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    qk_scale = scale * 1.4426950408889634  # log2(e): exp2 instead of exp
-    for start in range(kv_start, kv_end, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < kv_end
-        page = tl.load(block_tables + seq * stride_bt + n // PAGE, mask=n_ok, other=0).to(tl.int64)
-        offs = page * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
-        k = tl.load(K + offs[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
-        v = tl.load(V + offs[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if USE_SOFTCAP:
-            qk = qk * scale / softcap
-            qk = softcap * (2.0 * tl.sigmoid(2.0 * qk) - 1.0) * 1.4426950408889634
-        else:
-            qk = qk * qk_scale
-        ok = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
-        if USE_WINDOW:
-            ok = ok & (n[None, :] > q_pos[:, None] - window)
-        qk = tl.where(ok, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(qk - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    # keys before the tile's first query token are visible to all its rows: whole tiles of them need no mask, and
+    # go WIDE_N at a time (fewer, larger loads), the rest BLOCK_N at a time
+    table, head_offset = block_tables + seq * stride_bt, kv_head * stride_kh
+    visible = 0
+    if not USE_WINDOW:
+        visible = tl.maximum(tl.minimum(context + q_first + 1, kv_end) - kv_start, 0)
+    wide_end = kv_start + visible // WIDE_N * WIDE_N
+    full_end = kv_start + visible // BLOCK_N * BLOCK_N
+    for start in range(kv_start, wide_end, WIDE_N):
+        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, K, V, table, start, kv_end, q_pos, head_offset, stride_kb,
+                                     stride_ks, d, d_ok, scale, softcap, window, PAGE, WIDE_N, False, USE_WINDOW,
+                                     USE_SOFTCAP, PRECISION)
+    for start in range(wide_end, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, K, V, table, start, kv_end, q_pos, head_offset, stride_kb,
+                                     stride_ks, d, d_ok, scale, softcap, window, PAGE, BLOCK_N, False, USE_WINDOW,
+                                     USE_SOFTCAP, PRECISION)
+    for start in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, K, V, table, start, kv_end, q_pos, head_offset, stride_kb,
+                                     stride_ks, d, d_ok, scale, softcap, window, PAGE, BLOCK_N, True, USE_WINDOW,
+                                     USE_SOFTCAP, PRECISION)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     out_ok = row_ok[:, None] & d_ok[None, :]
     if parts > 1:  # (decode: token = sequence) a part for _combine_parts_kernel, in float32
@@ -174,14 +208,17 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=2)
 
 
-def launch_config(block_m: int, head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_N, warps, stages) for a tile of block_m rows: keys per iteration, and the launch's warps and
-    pipeline stages.
+def launch_config(block_m: int, head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, WIDE_N, warps, stages) for a tile of block_m rows: keys per iteration (WIDE_N where no key of the
+    iteration needs a mask), and the launch's warps and pipeline stages.
 
-    A sweep on the H100 (tests/gpu/attention_sweep.py, 2026-11-26) found decode tiles of 64-wide heads 5-8% faster
-    alone with 32 keys, 2 warps and 3 stages at batch 256 over 512-2,048 tokens, but the engine ran 128/128 x 256
-    slower with them (59,821 and 52,880 output tok/s against 72,324 in one call, one run each), so these stay."""
-    return (64 if block_m <= 16 else 32), 4, 2
+    tests/gpu/attention_sweep.py on the H100 (2026-11-27): prefill tiles took 2-6% less time with 64 keys an
+    iteration than with 32 on six of eight packed-prompt shapes (1-3% more on 14 prompts of 188-991 tokens), and
+    more with 128; decode with 128 keys took 4-8% less over the mixed workload's contexts (64-wide heads) but 6%
+    more over 128/128's short ones, whose masked last tile is then most of the work: so decode reads the unmasked
+    keys 128 at a time and the rest 64 (against the code before: 5-7% less over the mixed contexts, 2% more at
+    128/128)."""
+    return (64, 128, 4, 2) if block_m <= 16 else (64, 64, 4, 2)
 
 
 # Decode splits (tests/gpu/decode_split_sweep.py on the H100, 2026-11-27, bf16, heads 32/8, 64 wide): 16 sequences
@@ -214,8 +251,8 @@ def triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: 
                            config: tuple[int, ...] | None = None, parts_out: list | None = None) -> torch.Tensor:
     """Attention of the packed queries q [tokens, heads, head dim] over the paged cache, after writing `new_kv`
     into it (as attention.torch_paged_attention). `config` overrides launch_config and, for decode, the split:
-    (BLOCK_N, warps, stages[, splits, min tiles per part]). A list passed as `parts_out` receives the number of
-    parts of each decode sequence's context (a tensor; tests)."""
+    (BLOCK_N, WIDE_N, warps, stages[, splits, min tiles per part]). A list passed as `parts_out` receives the
+    number of parts of each decode sequence's context (a tensor; tests)."""
     if new_kv is not None:
         write_kv(*new_kv, k_cache, v_cache, meta.slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
@@ -224,12 +261,12 @@ def triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: 
     num_seqs = meta.seq_lens.shape[0]
     out = torch.empty_like(q)
     config = config or launch_config(meta.block_m, head_dim)
-    block_n, warps, stages = config[:3]
+    block_n, wide_n, warps, stages = config[:4]
     # decode: one token a sequence, token i of sequence i (a mixed graph of one token also holds an empty sequence)
     decode = meta.max_query_len == 1 and num_tokens == num_seqs
     splits, min_tiles = 1, MIN_TILES
     if decode:
-        splits, min_tiles = config[3:5] if len(config) > 3 else (decode_splits(num_seqs, kv_heads), MIN_TILES)
+        splits, min_tiles = config[4:6] if len(config) > 4 else (decode_splits(num_seqs, kv_heads), MIN_TILES)
     if splits > 1:
         part_o = torch.empty(num_seqs * num_heads * splits * head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_seqs * num_heads * splits, dtype=torch.float32, device=q.device)
@@ -247,7 +284,7 @@ def triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=k_cache.shape[1],
-        BLOCK_M=meta.block_m, BLOCK_N=block_n,
+        BLOCK_M=meta.block_m, BLOCK_N=block_n, WIDE_N=wide_n,
         USE_WINDOW=bool(sliding_window), USE_SOFTCAP=bool(softcap),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP16_DOTS=k_cache.element_size() == 1 and q.dtype != torch.float32,
