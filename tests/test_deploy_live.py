@@ -184,9 +184,9 @@ def stack():
     with contextlib.ExitStack() as cleanup:
         tmp = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="llm-deploy-")))
         s = Stack(tmp)
-        cleanup.callback(s.stop)
         s.otlp = otlp = cleanup.enter_context(Receiver("grpc"))
         s.otlp_metrics = cleanup.enter_context(Receiver("http/protobuf"))
+        cleanup.callback(s.stop)  # before the receivers close (last in, first out): the service flushes to them
 
         # the webhook receiver the compose stack uses by default
         s.start("alert-sink", [sys.executable, str(DEPLOY / "alert_sink.py"), "--host", "127.0.0.1",
