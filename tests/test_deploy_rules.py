@@ -72,6 +72,14 @@ def test_unit_tests_fail_when_the_thresholds_are_out_of_reach(tmp_path):
     # ... except the GPU idle threshold, which fires when utilization is *below* it: make it 0
     thresholds.write_text(text.replace("gpu_idle_utilization_ratio\n        expr: vector(1e9)",
                                        "gpu_idle_utilization_ratio\n        expr: vector(0)"))
+    for path in UNIT_TESTS:  # only the cases where an alert fires (promtool's time goes by the groups it runs)
+        copy = tmp_path / "rules" / path.relative_to(RULES)
+        doc = yaml.safe_load(copy.read_text())
+        doc["tests"] = [{**{k: v for k, v in group.items() if k != "promql_expr_test"}, "alert_rule_test": firing}
+                        for group in doc["tests"]
+                        for firing in [[c for c in group.get("alert_rule_test", []) if c.get("exp_alerts")]]
+                        if firing]
+        copy.write_text(yaml.safe_dump(doc, sort_keys=False))
     done = run_promtool("test", "rules", *(str(p.relative_to(RULES)) for p in UNIT_TESTS), cwd=tmp_path / "rules")
     assert done.returncode != 0
     failed = set(re.findall(r"alertname: (\w+), time", done.stdout + done.stderr))
