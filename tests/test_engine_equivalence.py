@@ -52,7 +52,7 @@ def test_greedy_matches_with_preemption(case):
 
 def test_greedy_matches_with_chunked_prefill(case):
     loaded, prompts, references = case
-    engine = make_engine(loaded, max_num_batched_tokens=13)
+    engine = make_engine(loaded, max_num_batched_tokens=29)
     partial_prefills = []
     schedule = engine.scheduler.schedule
 
