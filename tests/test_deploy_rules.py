@@ -75,10 +75,13 @@ def test_unit_tests_fail_when_the_thresholds_are_out_of_reach(tmp_path):
     for path in UNIT_TESTS:  # only the cases where an alert fires (promtool's time goes by the groups it runs)
         copy = tmp_path / "rules" / path.relative_to(RULES)
         doc = yaml.safe_load(copy.read_text())
-        doc["tests"] = [{**{k: v for k, v in group.items() if k != "promql_expr_test"}, "alert_rule_test": firing}
-                        for group in doc["tests"]
-                        for firing in [[c for c in group.get("alert_rule_test", []) if c.get("exp_alerts")]]
-                        if firing]
+        groups = []
+        for group in doc["tests"]:
+            firing = [case for case in group.get("alert_rule_test", []) if case.get("exp_alerts")]
+            if firing:
+                group.pop("promql_expr_test", None)
+                groups.append({**group, "alert_rule_test": firing})
+        doc["tests"] = groups
         copy.write_text(yaml.safe_dump(doc, sort_keys=False))
     done = run_promtool("test", "rules", *(str(p.relative_to(RULES)) for p in UNIT_TESTS), cwd=tmp_path / "rules")
     assert done.returncode != 0
