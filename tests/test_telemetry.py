@@ -19,7 +19,7 @@ from service.engine import SamplingParams
 from service.telemetry.gpu import GPUSampler
 from service.telemetry.metrics import GPUMetrics, Metrics
 from service.telemetry.recorder import EngineRecorder, RequestRecorder, observe_many
-from tests.conftest import Linked, LiveServer, free_port, make_engine
+from tests.conftest import Linked, LiveServer, free_port, make_engine, wait_until
 from tests.otlp import ErroringCollector, HangingCollector, Receiver
 from tests.prometheus import Prometheus
 
@@ -458,8 +458,10 @@ def test_gpu_sampler_without_gpus_logs_once_and_exports_nothing(caplog):
 def test_gpu_sampler_reads_every_visible_gpu():
     registry = CollectorRegistry()
     sampler = GPUSampler(registry, interval=0.2).start()
-    time.sleep(0.5)
     try:
+        last = str(torch.cuda.device_count() - 1)  # every GPU sampled once, however busy the machine
+        wait_until(lambda: registry.get_sample_value("llm_gpu_sm_clock_hertz", {"gpu": last}) is not None, 60,
+                   "a sample of every GPU")
         for i in range(torch.cuda.device_count()):
             get = lambda name: registry.get_sample_value(name, {"gpu": str(i)})
             assert get("llm_gpu_memory_total_bytes") >= torch.cuda.get_device_properties(i).total_memory

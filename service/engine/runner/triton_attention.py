@@ -69,7 +69,7 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_N: tl.constexpr, USE_WINDOW: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr,    PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr,
     PART_O, PART_LSE, NUM_PARTS, SPLITS: tl.constexpr, MIN_TILES: tl.constexpr,
 ):
     tile = tl.program_id(0)
