@@ -104,6 +104,40 @@ def test_triton_split_decode_matches_torch_reference(dtype, cache_dtype, splits,
     assert parts[0].tolist() == expected and max(expected) > 1
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 64), (16, 16, 128)])
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_triton_kernel_writes_and_reads_an_8bit_cache(cache_dtype, heads, kv_heads, head_dim, decode_only):
+    """bfloat16 queries over a float8 cache (--kv-cache-dtype; the kernel's float16 products): the step's keys and
+    values stored bit for bit as the torch backend stores them (clamped to the type's range, rounded), and the
+    output within 1e-2 of the float64 reference over the stored values."""
+    from service.engine.runner.triton_attention import triton_paged_attention
+    torch.manual_seed(2)
+    rng = random.Random(2)
+    shapes = [(5, 1), (40, 1), (200, 1), (16, 1)] if decode_only else [(5, 1), (0, 33), (20, 7), (200, 1), (0, 100)]
+    batch, num_blocks = scattered_batch(shapes, rng)
+    k_cache, v_cache = (_cache(num_blocks, kv_heads, head_dim, cache_dtype) for _ in "kv")
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    tokens = sum(batch.num_new_tokens)
+    q = torch.randn(tokens, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    k_new, v_new = (torch.randn(1, kv_heads, tokens, head_dim, device="cuda", dtype=torch.bfloat16)[0].transpose(0, 1)
+                    for _ in range(2))
+    v_new[0, 0, :4] = torch.tensor([1e5, -1e5, 3.0, 0.1])  # beyond both types' range: clamped
+    scale = head_dim ** -0.5
+    ref = torch_paged_attention(q.double(), k_ref, v_ref, _metadata("torch", batch, heads // kv_heads, decode_only),
+                                scale, new_kv=(k_new, v_new))
+    out = triton_paged_attention(q, k_cache, v_cache, _metadata("triton", batch, heads // kv_heads, decode_only),
+                                 scale, new_kv=(k_new, v_new))
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+    top = torch.finfo(cache_dtype).max
+    slot = batch.seqs[0].block_table[batch.seqs[0].num_computed_tokens // 16] * 16 + \
+        batch.seqs[0].num_computed_tokens % 16
+    assert v_cache[slot // 16, slot % 16, 0, :2].float().tolist() == [top, -top]
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-2, err
+
+
 @pytest.fixture(scope="module")
 def tiny_cuda():
     return load_model("random:tiny", torch.float32, torch.device("cuda"))
@@ -255,6 +289,27 @@ def test_cuda_nan_logits_fail_the_step_and_the_engine_serves_on(tiny_cuda):
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.has_unfinished()
     outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert [o["token_ids"] for o in outs] == [reference_greedy(tiny_cuda, p, 12) for p in prompts]
+
+
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
+def test_cuda_engine_with_an_8bit_cache_matches_the_torch_backend(tiny_cuda, kv):
+    """float32 queries over a float8 cache: the kernel widens keys and values to float32 as the torch backend does,
+    so the compiled, graph-replayed engine under preemption, chunked prefill and prefix reuse gives the eager torch
+    backend's greedy tokens."""
+    rng = random.Random(4)
+    shared = [rng.randrange(5, 500) for _ in range(40)]
+    prompts = [shared + [rng.randrange(5, 500) for _ in range(rng.choice([1, 9, 17, 48]))] for _ in range(16)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    eager = make_engine(tiny_cuda, device="cuda", attention_backend="torch", cuda_graphs=False, compile=False,
+                        kv_cache_dtype=kv, max_num_seqs=16)
+    refs = [o["token_ids"] for o in eager.generate(prompts, params)]
+    engine = make_engine(tiny_cuda, device="cuda", kv_cache_dtype=kv, max_num_seqs=16, num_blocks=30,
+                         max_num_batched_tokens=64, enable_prefix_caching=True)
+    assert engine.runner.kv_caches[0][0].element_size() == 1 and engine.runner.backend_name == "triton"
+    assert engine.runner.graphs and engine.runner.compiled
+    assert [o["token_ids"] for o in engine.generate(prompts, params)] == refs
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
 
 
 # -- weight-only quantization on CUDA (torchao: int8, int4 tinygemm, fp8 on compute capability 8.9+) ---------

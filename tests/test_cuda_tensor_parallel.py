@@ -20,11 +20,11 @@ def _greedy(engine: LLMEngine, prompts) -> list[list[tuple[int, float, dict]]]:
     return [steps[rid] for rid in ids]
 
 
-@pytest.mark.parametrize("preset", ["tiny", "llama-1b"])
-def test_two_gpus_compute_what_one_does_with_preemption_and_chunked_prefill(preset):
+@pytest.mark.parametrize("preset, kv", [("tiny", "auto"), ("llama-1b", "auto"), ("tiny", "fp8")])
+def test_two_gpus_compute_what_one_does_with_preemption_and_chunked_prefill(preset, kv):
     prompts = [list(range(1, 300)), list(range(400, 420)), list(range(200, 333)), [7, 8, 9]]  # ids < tiny's 512
     # the same kernels on both sides (tensor parallelism runs eager, without graphs), float32
-    settings = dict(model=f"random:{preset}", device="cuda", dtype="float32", num_blocks=24,
+    settings = dict(model=f"random:{preset}", device="cuda", dtype="float32", kv_cache_dtype=kv, num_blocks=24,
                     max_num_batched_tokens=128, compile=False, cuda_graphs=False)
     runs = {}
     for size in (1, 2):

@@ -1,6 +1,6 @@
-"""Quantization on CPU (weight-only int8 and int4, int8-w8a8; fp8-w8a8 as its float32 simulation): each mode
-loads, answers sensibly, stays close to the unquantized model, reports the real size of its weights, runs under
-the engine's paged batching, and refusals are one line."""
+"""Quantization on CPU (weight-only int8 and int4, int8-w8a8; fp8-w8a8 as its float32 simulation; an 8-bit KV
+cache): each mode loads, answers sensibly, stays close to the unquantized model, reports the real size of its
+weights, runs under the engine's paged batching, and refusals are one line."""
 
 import json
 import subprocess
@@ -13,9 +13,11 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from service.bench.offline.quantization import PROMPTS, agreement, greedy, load_simulated, prompt_ids
 from service.engine import SamplingParams
-from service.engine.config import resolve_dtype
+from service.engine.config import KV_CACHE_DTYPES, resolve_dtype
 from service.engine.models import _convert_gguf, default_gguf_path, load_model
 from service.engine.quant.quantization import CPU_INT4_GROUP, weight_bytes
+from service.engine.runner.attention import to_cache_dtype
+from service.settings import parse
 from tests.conftest import LiveServer, make_engine, reference_greedy
 
 CPU = torch.device("cpu")
@@ -27,6 +29,8 @@ AGREEMENT_PROMPTS, AGREEMENT_TOKENS = 4, 16
 # W8A8 measured 0.42 (int8-w8a8) and 0.72 (fp8-w8a8:sim); int8-w8a8:sim, the same codes summed in float32
 # instead of int32, gives 0.69: one near-tie flipped early decides most of an answer
 AGREEMENT_BOUND = {"int8": 0.5, "int4": 0.2, "int8-w8a8": 0.3, "fp8-w8a8:sim": 0.3}
+# an 8-bit KV cache (--kv-cache-dtype) measured 0.92 (fp8, e4m3) and 0.47 (fp8_e5m2: two mantissa bits)
+KV_AGREEMENT_BOUND = {"fp8": 0.6, "fp8_e5m2": 0.25}
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +95,36 @@ def test_greedy_output_stays_within_the_agreement_bound(unquantized_answers, qua
     assert share >= AGREEMENT_BOUND[mode], share
 
 
+@pytest.mark.parametrize("kv", KV_AGREEMENT_BOUND)
+def test_an_8bit_kv_cache_takes_one_byte_a_value_and_stays_close(default_model, unquantized_answers, kv):
+    questions, reference = unquantized_answers
+    engine = make_engine(default_model, kv_cache_dtype=kv)
+    caches = [c for pair in engine.runner.kv_caches for c in pair]
+    assert {c.dtype for c in caches} == {getattr(torch, KV_CACHE_DTYPES[kv])}
+    assert engine.runner.kv_cache_bytes == sum(c.numel() for c in caches) == 2 * 30 * 512 * 16 * 3 * 64
+    share = agreement(reference, greedy(engine, questions, AGREEMENT_TOKENS))
+    assert share >= KV_AGREEMENT_BOUND[kv], share
+    paris = engine.generate(prompt_ids(engine, ["What is the capital of France?"]),
+                            SamplingParams(max_tokens=16, temperature=0))[0]["text"]
+    assert "Paris" in paris
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_values_beyond_an_8bit_cache_range_are_clamped_to_it(dtype):
+    top = torch.finfo(dtype).max
+    x = torch.tensor([1e6, -1e6, 2 * top, 1.0, -0.5])
+    assert to_cache_dtype(x, dtype).float().tolist() == [top, -top, top, 1.0, -0.5]  # a plain cast to e5m2: inf
+
+
+def test_an_unknown_kv_cache_dtype_is_refused_at_start(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse(["--device", "cpu", "--kv-cache-dtype", "int8"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        "service serve: error: unknown kv_cache_dtype 'int8': use auto, fp8, fp8_e4m3, fp8_e5m2"
+
+
 @pytest.mark.parametrize("mode", CPU_MODES)
 def test_quantized_engine_matches_transformers_under_preemption_chunking_and_prefix_reuse(mode):
     loaded = load_model("random:tiny", resolve_dtype("auto", CPU, mode), CPU, quantization=mode)
@@ -147,18 +181,20 @@ def test_prequantized_checkpoint_that_cannot_load_here_fails_with_its_method(tmp
         load_model(folder, torch.float32, CPU, quantization="int8")
 
 
-@pytest.mark.parametrize("mode, scheme", [
-    ("int8", "weights int8, one scale per output channel; activations in the model's dtype (weight-only)"),
-    ("int8-w8a8", "weights int8, one scale per output channel; activations int8, one scale per token (dynamic)")])
-def test_quantization_is_visible_in_models_route_and_info_metric(mode, scheme):
+@pytest.mark.parametrize("mode, scheme, kv, kv_dtype", [
+    ("int8", "weights int8, one scale per output channel; activations in the model's dtype (weight-only)", "auto",
+     "float32"),
+    ("int8-w8a8", "weights int8, one scale per output channel; activations int8, one scale per token (dynamic)",
+     "fp8", "float8_e4m3fn")])
+def test_quantization_is_visible_in_models_route_and_info_metric(mode, scheme, kv, kv_dtype):
     loaded = load_model("random:tiny", torch.float32, CPU, quantization=mode)
-    with LiveServer(loaded, {"num_blocks": 64, "block_size": 16}) as s:
+    with LiveServer(loaded, {"num_blocks": 64, "block_size": 16, "kv_cache_dtype": kv}) as s:
         model = httpx.get(s.url + "/v1/models").json()["data"][0]
         metrics = httpx.get(s.url + "/metrics").text
     assert model["quantization"] == mode
     assert model["quantization_scheme"] == scheme
-    assert ('llm_model_info{dtype="float32",kv_block_size="16",kv_blocks="64",model="random:tiny",'
-            f'quantization="{mode}"}} 1.0') in metrics
+    assert ('llm_model_info{dtype="float32",kv_block_size="16",kv_blocks="64",'
+            f'kv_cache_dtype="{kv_dtype}",model="random:tiny",quantization="{mode}"}} 1.0') in metrics
 
 
 def test_bench_run_quantization_dimension_names_resolves_and_skips():

@@ -128,12 +128,12 @@ def dashboard(uid: str, title: str, description: str, panels: list[dict], instan
 
 
 def model_info() -> dict:
-    """How each instance runs its model: dtype, weight quantization, KV cache blocks (llm_model_info labels)."""
-    labels = "instance, model, dtype, quantization, kv_block_size, kv_blocks"
+    """How each instance runs its model: dtype, weight quantization, KV cache (llm_model_info labels)."""
+    labels = "instance, model, dtype, quantization, kv_cache_dtype, kv_block_size, kv_blocks"
     return {"type": "table", "title": "Model, dtype and quantization", "_size": (24, 5), "datasource": PROM,
             "description": "Per instance: the served model, its dtype, its quantization (none; weight-only int8, "
                            "int4, fp8; weights and activations int8-w8a8, fp8-w8a8; or a pre-quantized checkpoint's "
-                           "method) and its KV cache (block size in tokens, block count).",
+                           "method) and its KV cache (element type, block size in tokens, block count).",
             "targets": [target(f"max by ({labels}) (llm_model_info{{{SEL}}})", instant=True)],
             "transformations": [{"id": "labelsToFields", "options": {}}],
             "fieldConfig": {"defaults": {}, "overrides": []}, "options": {"showHeader": True}}

@@ -16,6 +16,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bfloat16 on CUDA or with int4, else float32; or float32 / float16 / bfloat16
     quantization: str = "none"  # weight-only: int8, int4 (bfloat16; dtype auto picks it), fp8 (CUDA 8.9+); weights
     # and activations: int8-w8a8, fp8-w8a8 (CUDA 8.9+); engine/quant/quantization.py describes each
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: keys and values in 8 bits
+    # (half the bytes, twice the tokens; CUDA 8.9+ or CPU), clamped to the type's range, unscaled
     device: str = "auto"  # auto: cuda when available, else cpu
     block_size: int = 16  # tokens per KV cache block
     num_blocks: int | None = None  # KV blocks; None: 1024 on CPU, from gpu_memory_utilization on CUDA
@@ -59,6 +61,22 @@ def resolve_dtype(dtype: str, device: "torch.device", quantization: str = "none"
                 "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[dtype]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, float16 or bfloat16") from None
+
+
+KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, dtype: "torch.dtype") -> "torch.dtype":
+    """The KV cache's element type: the model's `dtype` for auto, else an 8-bit float. Values go in clamped to its
+    range with no scale, as vLLM's fp8 cache does without calibrated scales."""
+    import torch
+
+    if kv_cache_dtype == "auto":
+        return dtype
+    try:
+        return getattr(torch, KV_CACHE_DTYPES[kv_cache_dtype])
+    except KeyError:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}: use auto, {', '.join(KV_CACHE_DTYPES)}") from None
 
 
 def display_name(spec: str) -> str:

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from service.engine.config import resolve_kv_dtype
 from service.engine.errors import RankFailedError
 from service.engine.runner import attention
 from service.engine.runner.attention import AttentionMetadata, ForwardContext, forward_context
@@ -290,7 +291,7 @@ def _worker(config, world: int, rank: int, port: int, parent: int) -> None:
         from service.engine.fusion import fuse
         fuse(model)
     layers, kv_heads, head_dim = kv_shape(model.config)
-    dtype = next(model.parameters()).dtype
+    dtype = resolve_kv_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)
     caches: dict[int, list] = {}
     busy = 0.0
     with torch.inference_mode():

@@ -53,9 +53,10 @@ class Telemetry:
 
     def engine_loaded(self, engine) -> None:
         """Publish how the model runs (llm_model_info) and start observing the engine's steps."""
-        self.metrics.model_info.labels(self.metrics.model, str(engine.runner.dtype).removeprefix("torch."),
-                                       engine.quantization, str(engine.config.block_size),
-                                       str(engine.runner.num_blocks)).set(1)
+        runner = engine.runner
+        self.metrics.model_info.labels(self.metrics.model, str(runner.dtype).removeprefix("torch."),
+                                       engine.quantization, str(runner.kv_dtype).removeprefix("torch."),
+                                       str(engine.config.block_size), str(runner.num_blocks)).set(1)
         engine.observer = self.observer
         self.metrics.threads.set_function(threading.active_count)
         if self.otlp is not None:

@@ -93,8 +93,9 @@ class Metrics:
         self.batch_tokens = histogram("llm_batch_tokens", "Tokens computed in one engine step, by phase.",
                                       BATCH_TOKEN_BUCKETS, ["model", "phase"])
         self.model_info = Gauge("llm_model_info", "The served model and how it runs (always 1, set once the model "
-                                "is loaded): dtype, weight quantization, KV cache block size and block count.",
-                                ["model", "dtype", "quantization", "kv_block_size", "kv_blocks"], registry=r)
+                                "is loaded): dtype, weight quantization, KV cache dtype, block size and block count.",
+                                ["model", "dtype", "quantization", "kv_cache_dtype", "kv_block_size", "kv_blocks"],
+                                registry=r)
 
         self.step_failures = Counter("llm_engine_step_failures", "Engine steps that raised (out of memory, NaN "
                                      "logits, any exception), by the exception's type; the requests of such a step "

@@ -190,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="none, int8, int4, fp8 (weight-only), int8-w8a8, fp8-w8a8; a comma list (none first) compares "
                          "the modes in one run (the first is the baseline): weight memory, throughput against it, greedy "
                          "agreement, perplexity; there a W8A8 mode with :sim runs its float32 simulation (fp8-w8a8:sim on CPU)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2")
     flags.deprecated_alias(ap, "--repeats", flags.add_iterations(ap, 5, "throughput runs per mode when comparing "
                                                                         "modes", dest="repeats"))
     flags.add_json(ap)
@@ -236,7 +237,7 @@ def engine_config(args: argparse.Namespace, p: Plan) -> EngineConfig:
                         max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
                         gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=args.cuda_graphs,
                         compile=args.compile, fuse_qkv=args.fuse_qkv, tensor_parallel_size=args.tensor_parallel_size,
-                        enable_prefix_caching=False, quantization=p.modes[0])
+                        enable_prefix_caching=False, quantization=p.modes[0], kv_cache_dtype=args.kv_cache_dtype)
 
 
 def measure_engine(config: EngineConfig, args: argparse.Namespace, p: Plan, peers: list[str]):

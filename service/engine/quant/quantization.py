@@ -3,8 +3,8 @@
 Weight-only modes (torchao): int8 (per output channel), int4 (groups of weights sharing a scale and zero point),
 fp8 (e4m3, per output channel); activations keep the model's dtype. On CUDA int8 runs engine/quant/w8a8.py's layer
 (our Triton kernel) instead of torchao's, which torch.compile stalled on. W8A8 modes (engine/quant/w8a8.py): int8-w8a8
-and fp8-w8a8 quantize the activations too, per token, so the matmul runs in 8 bits. In every mode the KV cache and
-the embedding/output projection keep the model's dtype.
+and fp8-w8a8 quantize the activations too, per token, so the matmul runs in 8 bits. In every mode the embedding/output
+projection keeps the model's dtype; the KV cache does unless --kv-cache-dtype says fp8 (config.resolve_kv_dtype).
 """
 
 import importlib.util
@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from service.engine.config import resolve_dtype
+from service.engine.config import resolve_dtype, resolve_kv_dtype
 from service.engine.quant import w8a8
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,12 @@ def check_config(config) -> None:
     """`check` for an EngineConfig, so that a server refuses a bad mode before it starts loading."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" \
         else torch.device(config.device)
-    check(config.quantization, device, resolve_dtype(config.dtype, device, config.quantization))
+    dtype = resolve_dtype(config.dtype, device, config.quantization)
+    check(config.quantization, device, dtype)
+    kv = resolve_kv_dtype(config.kv_cache_dtype, dtype)
+    if kv.itemsize == 1 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError("an 8-bit KV cache needs a GPU of compute capability 8.9 or newer (Ada, Hopper) for the "
+                         "attention kernel's float8 loads: use --kv-cache-dtype auto")
     if config.quantization != "none" and config.tensor_parallel_size > 1:
         raise ValueError("quantization does not work with tensor parallelism yet: use --tensor-parallel-size 1")
 

@@ -73,6 +73,15 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 
 
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values in the cache's dtype; into an 8-bit float cache clamped to its range (a plain cast stores
+    what lies beyond as inf in e5m2, and may as NaN in e4m3, which has no inf)."""
+    if dtype.itemsize == 1:
+        top = torch.finfo(dtype).max
+        x = x.clamp(-top, top)
+    return x.to(dtype)
+
+
 def torch_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                           sliding_window: int | None = None, softcap: float | None = None,
                           new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -84,14 +93,14 @@ def torch_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: f
     if new_kv is not None:
         blocks, offsets = meta.slot_mapping // k_cache.shape[1], meta.slot_mapping % k_cache.shape[1]
         for cache, new in zip((k_cache, v_cache), new_kv):
-            cache[blocks, offsets] = new.to(cache.dtype)
+            cache[blocks, offsets] = to_cache_dtype(new, cache.dtype)
     num_seqs = meta.seq_lens.shape[0]
     num_heads, kv_heads, head_dim = q.shape[1], k_cache.shape[2], k_cache.shape[3]
     block_size, length = k_cache.shape[1], meta.max_seq_len
     nblocks = -(-length // block_size)
     tables = meta.block_tables[:, :nblocks].long()
-    keys = k_cache[tables].reshape(num_seqs, nblocks * block_size, kv_heads, head_dim)[:, :length].transpose(1, 2)
-    values = v_cache[tables].reshape(num_seqs, nblocks * block_size, kv_heads, head_dim)[:, :length].transpose(1, 2)
+    keys, values = (cache[tables].reshape(num_seqs, nblocks * block_size, kv_heads, head_dim)[:, :length]
+                    .transpose(1, 2).to(q.dtype) for cache in (k_cache, v_cache))  # an 8-bit cache widens here
     queries = q[meta.query_index].transpose(1, 2)  # [S, H, Q, D]
 
     key_pos = torch.arange(length, device=q.device)

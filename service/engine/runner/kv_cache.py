@@ -40,7 +40,7 @@ def cache_tensor(num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
 def new_kv_caches(runner, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Zeroed (keys, values) of `num_blocks` blocks for each of the runner's layers."""
     r = runner
-    return [tuple(cache_tensor(num_blocks, r.block_size, r.kv_heads, r.head_dim, r.dtype, r.device) for _ in "kv")
+    return [tuple(cache_tensor(num_blocks, r.block_size, r.kv_heads, r.head_dim, r.kv_dtype, r.device) for _ in "kv")
             for _ in range(r.layers)]
 
 
@@ -48,7 +48,7 @@ def blocks_that_fit(runner) -> int:
     r = runner
     if r.device.type != "cuda":
         return 1024
-    per_block = 2 * r.layers * r.block_size * r.kv_heads * r.head_dim * r.dtype.itemsize
+    per_block = r.kv_block_bytes
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     peak = profile_peak_memory(r)

@@ -10,7 +10,7 @@ pinned_upload's double-buffered uploads), kv_cache (the cache's shape and size) 
 import torch
 
 from service.engine import fusion
-from service.engine.config import EngineConfig
+from service.engine.config import EngineConfig, resolve_kv_dtype
 from service.engine.runner import compilation
 from service.engine.runner.attention import ForwardContext, forward_context, torch_paged_attention
 from service.engine.runner.cuda_graphs import DecodeGraphs, MixedGraphs
@@ -30,6 +30,7 @@ class ModelRunner:
         self.layers, self.kv_heads, self.head_dim = kv_shape(model.config)
         self.group = model.config.get_text_config().num_attention_heads // self.kv_heads
         self.dtype = next(model.parameters()).dtype
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         self.sampler = Sampler(device, config.seed)
         backend = config.attention_backend
         if backend == "auto":
@@ -69,8 +70,13 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one block of keys and values over every layer."""
+        return 2 * self.layers * self.block_size * self.kv_heads * self.head_dim * self.kv_dtype.itemsize
+
+    @property
     def kv_cache_bytes(self) -> int:
-        return 2 * self.layers * self.num_blocks * self.block_size * self.kv_heads * self.head_dim * self.dtype.itemsize
+        return self.num_blocks * self.kv_block_bytes
 
     # -- a step ------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -182,8 +182,9 @@ def _combine_parts_kernel(O, PART_O, PART_LSE, NUM_PARTS, stride_ot, stride_oh, 
 def _write_kv_kernel(K, V, K_CACHE, V_CACHE, slots, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_cs, stride_ch,
                      KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
-    """One token's keys and values (every KV head) into its cache slot, cast to the cache's dtype."""
+                     BLOCK_D: tl.constexpr, CLAMP: tl.constexpr):
+    """One token's keys and values (every KV head) into its cache slot, cast to the cache's dtype (an 8-bit one's
+    values clamped to +-CLAMP first, as attention.to_cache_dtype)."""
     t = tl.program_id(0)
     slot = tl.load(slots + t)
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -191,8 +192,11 @@ def _write_kv_kernel(K, V, K_CACHE, V_CACHE, slots, stride_kt, stride_kh, stride
     ok = (h < KV_HEADS) & (d < HEAD_DIM)
     dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + h * stride_ch + d
     k = tl.load(K + t * stride_kt + h * stride_kh + d, mask=ok)
-    tl.store(K_CACHE + dst, k.to(K_CACHE.dtype.element_ty), mask=ok)
     v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=ok)
+    if CLAMP > 0:
+        k = tl.clamp(k.to(tl.float32), -CLAMP, CLAMP)
+        v = tl.clamp(v.to(tl.float32), -CLAMP, CLAMP)
+    tl.store(K_CACHE + dst, k.to(K_CACHE.dtype.element_ty), mask=ok)
     tl.store(V_CACHE + dst, v.to(V_CACHE.dtype.element_ty), mask=ok)
 
 
@@ -205,7 +209,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _write_kv_kernel[(k.shape[0],)](
         k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), KV_HEADS=kv_heads, HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=2)
+        BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        CLAMP=torch.finfo(k_cache.dtype).max if k_cache.element_size() == 1 else 0.0, num_warps=2)
 
 
 def launch_config(block_m: int, head_dim: int) -> tuple[int, int, int, int]:
