@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--num-blocks", type=int, default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2")
     ap.add_argument("--overlap", choices=["on", "off"], default=None,
                     help="overlap in the served run (default: the engine's, on on CUDA)")
     ap.add_argument("--top-kernels", type=int, default=0, metavar="N",
@@ -252,7 +253,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = args.model or ("random:llama-1b" if cuda else "random:tiny")
     engine = LLMEngine(EngineConfig(model=model, max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
-                                    gpu_memory_utilization=0.5, enable_prefix_caching=False))
+                                    gpu_memory_utilization=0.5, enable_prefix_caching=False,
+                                    kv_cache_dtype=args.kv_cache_dtype))
     try:
         prompts = random_prompts(args.num_requests, args.input_len, engine.runner.model.config.vocab_size, args.seed)
         output_lens = args.output_len.sample(args.num_requests, args.seed + 1)
@@ -284,7 +286,8 @@ def main(argv: list[str] | None = None) -> dict:
               "top_kernels": tops}
     with store.run(kind="steps", name=f"steps-{model}", label=args.label,
                    config={"model": model, "num_requests": args.num_requests, "input_len": str(args.input_len),
-                           "output_len": str(args.output_len), "seed": args.seed}) as run:
+                           "output_len": str(args.output_len), "seed": args.seed,
+                           **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype != "auto" else {})}) as run:
         run.measure("output_tokens_per_second", tokens / served_s, unit="tok/s")
         run.measure("overlap_off_output_tokens_per_second", tokens / plain_s, unit="tok/s")
         for r in rows:
