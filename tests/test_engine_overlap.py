@@ -209,11 +209,14 @@ def test_a_stop_token_right_after_min_tokens_stops_there(tiny_case, overlap):
 
 def test_steps_bench_accounts_for_every_step_of_each_run(tmp_path, capsys):
     """bench's step profile: each of its runs (overlap on as served, off, off under the profiler) schedules the
-    same steps, each step counted once under its kind; every kind's time adds up to its run's."""
+    same steps, each step counted once under its kind; every kind's time adds up to its run's (here over an 8-bit
+    KV cache, which the stored configuration names)."""
     from service.bench.offline import steps
+    from service.bench.store import open_store
+    from service.bench.store.provenance import stable_hash
     result = steps.main(["--model", "random:tiny", "--overlap", "on", "--num-requests", "6", "--input-len", "uniform:4-40",
                          "--output-len", "uniform:2-9", "--max-num-batched-tokens", "64", "--top-kernels", "3",
-                         "--db", str(tmp_path / "b.db")])
+                         "--kv-cache-dtype", "fp8", "--db", str(tmp_path / "b.db")])
     kinds = {r["kind"]: r for r in result["kinds"]}
     assert {"prefill, eager", "decode, eager"} <= set(kinds)
     counts = [sum(r[f"{run} steps"] for r in kinds.values()) for run in ("served", "wall", "busy")]
@@ -221,6 +224,9 @@ def test_steps_bench_accounts_for_every_step_of_each_run(tmp_path, capsys):
     assert all(r["served steps"] == r["wall steps"] == r["busy steps"] for r in kinds.values())
     assert sum(r["served"] for r in kinds.values()) <= result["served_seconds"]
     assert "stored as run 1" in capsys.readouterr().out
+    config = {"model": "random:tiny", "num_requests": 6, "input_len": "uniform:4-40", "output_len": "uniform:2-9",
+              "seed": 1, "kv_cache_dtype": "fp8"}
+    assert open_store(str(tmp_path / "b.db")).find_done("steps", stable_hash(config)) == [1]
 
 
 def test_steps_bench_gives_each_step_the_work_that_started_in_it_on_the_compute_streams_ranges():

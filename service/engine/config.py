@@ -64,6 +64,7 @@ def resolve_dtype(dtype: str, device: "torch.device", quantization: str = "none"
 
 
 KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+KV_CACHE_DTYPE_HELP = "auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2 (8-bit floats; CUDA 8.9+ or CPU)"
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, dtype: "torch.dtype") -> "torch.dtype":

@@ -28,8 +28,8 @@ def main() -> None:
     kvs = args.kv.split(",")
     # each engine compiles the same decoder-layer code: keep torch.dynamo's cache from running out between them
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(kvs))
-    engines = {kv: LLMEngine(EngineConfig(model=args.model, device=args.device, kv_cache_dtype=kv, num_blocks=args.num_blocks,
-                                          enable_prefix_caching=False, max_num_batched_tokens=8192)) for kv in kvs}
+    engines = {kv: LLMEngine(EngineConfig(model=args.model, device=args.device, kv_cache_dtype=kv,
+                                          num_blocks=args.num_blocks, enable_prefix_caching=False)) for kv in kvs}
     base = engines[kvs[0]]
     prompts = random_prompts(args.num_requests, args.input_len, base.runner.model.config.vocab_size, 1)
     output_lens = args.output_len.sample(args.num_requests, 2)

@@ -14,7 +14,7 @@ import yaml
 from service.bench.offline.lengths import Lengths
 from service.bench.offline.quantization import scheme_entry
 from service.bench.store.provenance import stable_hash
-from service.engine.config import EngineConfig
+from service.engine.config import KV_CACHE_DTYPE_HELP, EngineConfig
 from service.engine.quant.quantization import check as check_quantization, check_config
 
 
@@ -57,7 +57,7 @@ DIMENSIONS = [
     Dimension("tensor_parallel_size", _positive, "1", "ranks the model is split over (tensor parallelism)"),
     Dimension("quantization", str, "none",
               "none; weight-only int8, int4 (bfloat16), fp8 (CUDA 8.9+); int8-w8a8, fp8-w8a8 (CUDA 8.9+)"),
-    Dimension("kv_cache_dtype", str, "auto", "auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e5m2 (CUDA 8.9+ or CPU)"),
+    Dimension("kv_cache_dtype", str, "auto", KV_CACHE_DTYPE_HELP),
 ]
 BY_KEY = {d.key: d for d in DIMENSIONS}
 DTYPE_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}

@@ -19,7 +19,7 @@ from service.bench.offline import quantization
 from service.bench.offline.lengths import Lengths, lengths_arg
 from service.bench.store import add_db_argument, open_store_or_exit
 from service.engine import EngineConfig, LLMEngine, SamplingParams
-from service.engine.config import resolve_dtype
+from service.engine.config import KV_CACHE_DTYPE_HELP, resolve_dtype
 from service.engine.quant.quantization import check as check_quantization
 from service.engine.runner.attention import ATTN_IMPLEMENTATION
 
@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="none, int8, int4, fp8 (weight-only), int8-w8a8, fp8-w8a8; a comma list (none first) compares "
                          "the modes in one run (the first is the baseline): weight memory, throughput against it, greedy "
                          "agreement, perplexity; there a W8A8 mode with :sim runs its float32 simulation (fp8-w8a8:sim on CPU)")
-    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2")
+    ap.add_argument("--kv-cache-dtype", default="auto", help=KV_CACHE_DTYPE_HELP)
     flags.deprecated_alias(ap, "--repeats", flags.add_iterations(ap, 5, "throughput runs per mode when comparing "
                                                                         "modes", dest="repeats"))
     flags.add_json(ap)

@@ -29,6 +29,7 @@ from service.bench.offline.lengths import Lengths, lengths_arg
 from service.bench.offline.offline import random_prompts, run_engine, sync
 from service.bench.store import add_db_argument, open_store_or_exit
 from service.engine import EngineConfig, LLMEngine, SamplingParams
+from service.engine.config import KV_CACHE_DTYPE_HELP
 
 # kernel name -> the kind of work it does; the first pattern that a (lower-case) name contains wins
 KERNEL_KINDS = (
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--num-blocks", type=int, default=None)
-    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2")
+    ap.add_argument("--kv-cache-dtype", default="auto", help=KV_CACHE_DTYPE_HELP)
     ap.add_argument("--overlap", choices=["on", "off"], default=None,
                     help="overlap in the served run (default: the engine's, on on CUDA)")
     ap.add_argument("--top-kernels", type=int, default=0, metavar="N",
@@ -284,10 +285,11 @@ def main(argv: list[str] | None = None) -> dict:
               "input_len": str(args.input_len), "output_len": str(args.output_len), "output_tokens": tokens,
               "overlap": overlap, "served_seconds": served_s, "overlap_off_seconds": plain_s, "kinds": rows,
               "top_kernels": tops}
-    with store.run(kind="steps", name=f"steps-{model}", label=args.label,
-                   config={"model": model, "num_requests": args.num_requests, "input_len": str(args.input_len),
-                           "output_len": str(args.output_len), "seed": args.seed,
-                           **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype != "auto" else {})}) as run:
+    config = {"model": model, "num_requests": args.num_requests, "input_len": str(args.input_len),
+              "output_len": str(args.output_len), "seed": args.seed}
+    if args.kv_cache_dtype != "auto":  # runs stored before the option keep their configuration's hash
+        config["kv_cache_dtype"] = args.kv_cache_dtype
+    with store.run(kind="steps", name=f"steps-{model}", label=args.label, config=config) as run:
         run.measure("output_tokens_per_second", tokens / served_s, unit="tok/s")
         run.measure("overlap_off_output_tokens_per_second", tokens / plain_s, unit="tok/s")
         for r in rows:
