@@ -59,7 +59,8 @@ def blocks_that_fit(runner) -> int:
     blocks = int(budget // per_block)
     if blocks < 2:
         raise RuntimeError(f"no GPU memory left for the KV cache (peak {peak / 2**30:.1f} GiB)")
-    log.info("KV cache: %d blocks of %d tokens (%.1f GiB)", blocks, r.block_size, blocks * per_block / 2**30)
+    log.info("KV cache: %d blocks of %d tokens (%.1f GiB, %s)", blocks, r.block_size, blocks * per_block / 2**30,
+             str(r.kv_dtype).removeprefix("torch."))
     return blocks
 
 
