@@ -35,13 +35,16 @@ def test_bench_serve_stores_each_request_and_regress_can_judge_two_runs(server, 
     assert [(r["n_baseline"], r["n_candidate"]) for r in rows] == [(8, 8)]
 
 
-def test_bench_offline_stores_its_engine_run(tmp_path):
+def test_bench_offline_stores_its_engine_run(tmp_path, capsys):
     db = f"sqlite:///{tmp_path / 'bench.db'}"
     rows = offline.main(["--model", "random:tiny", "--device", "cpu", "--num-requests", "3", "--input-len", "5",
-                         "--output-len", "4", "--peers", "none", "--num-blocks", "32", "--db", db, "--label", "x"])
+                         "--output-len", "4", "--peers", "none", "--num-blocks", "32", "--kv-cache-dtype", "fp8",
+                         "--db", db, "--label", "x"])
+    assert "model random:tiny, quantization none, KV cache fp8, 3 requests" in capsys.readouterr().out
     store = open_store(db)
     [run] = queries.resolve(store, "x")
     assert run["kind"] == "offline" and run["config"]["input_len"] == "5" and run["config"]["num_requests"] == 3
+    assert run["config"]["kv_cache_dtype"] == "fp8"
     stored = queries.values(store, [run["id"]])[run["id"]]
     assert stored["wall_seconds"] == ("s", [rows[0]["seconds"]])
     assert stored["output_tokens_per_second"] == ("tok/s", [pytest.approx(12 / rows[0]["seconds"])])

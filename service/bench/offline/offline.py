@@ -292,7 +292,8 @@ def report(rows: list[dict], config: EngineConfig, args: argparse.Namespace, p: 
     """Print the table (adding each row's tokens_per_second); return the machine's description."""
     machine = torch.cuda.get_device_name() if p.cuda else \
         f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
-    print(f"\nmodel {p.model}, quantization {config.quantization}, {p.num_requests} requests x {args.input_len} "
+    kv = f", KV cache {config.kv_cache_dtype}" if config.kv_cache_dtype != "auto" else ""
+    print(f"\nmodel {p.model}, quantization {config.quantization}{kv}, {p.num_requests} requests x {args.input_len} "
           f"prompt / {p.output_len} output tokens, {p.device.type} ({machine}), torch {torch.__version__}")
     print("| system | output tokens | seconds | output tok/s |\n|---|---|---|---|")
     for r in rows:
