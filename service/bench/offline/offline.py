@@ -302,12 +302,19 @@ def report(rows: list[dict], config: EngineConfig, args: argparse.Namespace, p: 
     return machine
 
 
+def engine_settings(config: EngineConfig, *leave_out: str) -> dict:
+    """The engine's settings as a stored run keeps them; an 8-bit KV cache only where asked for, so that runs stored
+    before the option existed keep their configuration's hash."""
+    return {k: v for k, v in config.__dict__.items()
+            if k not in leave_out and not (k == "kv_cache_dtype" and v == "auto")}
+
+
 def save(store, rows: list[dict], config: EngineConfig, args: argparse.Namespace, p: Plan, machine: str) -> None:
     """One run in the results store, and the JSON file when --json names one."""
     record(store, args.label, {"model": p.model, "device": p.device.type, "dtype": args.dtype,
                                "num_requests": p.num_requests, "input_len": str(args.input_len),
                                "output_len": str(p.output_len), "seed": args.seed,
-                               **{k: v for k, v in config.__dict__.items() if k not in ("model", "device", "dtype")}},
+                               **engine_settings(config, "model", "device", "dtype")},
            rows)
     if args.json:
         with open(args.json, "w") as f:
@@ -367,7 +374,7 @@ def _compare_quantization(store, label: str | None, config: EngineConfig, modes:
     for r in rows:
         stored = {"model": config.model, "device": engine.device.type, "num_requests": num_requests,
                   "input_len": str(input_len), "output_len": str(output_len), "seed": seed,
-                  **{k: v for k, v in config.__dict__.items() if k not in ("model", "device")},
+                  **engine_settings(config, "model", "device"),
                   "quantization": r["quantization"], "dtype": r["dtype"],
                   **quantization.scheme_entry(r["quantization"])}
         with store.run(kind="offline", config=stored, label=label,
