@@ -73,11 +73,16 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 
 
+def cache_limit(dtype: torch.dtype) -> float:
+    """The largest magnitude a cache of this dtype takes, keys and values beyond it clamped to it: an 8-bit float
+    type's range (a plain cast stores what lies beyond as inf in e5m2, and may as NaN in e4m3, which has no inf);
+    0.0 for wider types, which are cast as they are."""
+    return torch.finfo(dtype).max if dtype.itemsize == 1 else 0.0
+
+
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Keys or values in the cache's dtype; into an 8-bit float cache clamped to its range (a plain cast stores
-    what lies beyond as inf in e5m2, and may as NaN in e4m3, which has no inf)."""
-    if dtype.itemsize == 1:
-        top = torch.finfo(dtype).max
+    """Keys or values in the cache's dtype (clamped to cache_limit)."""
+    if top := cache_limit(dtype):
         x = x.clamp(-top, top)
     return x.to(dtype)
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from service.engine.runner.attention import AttentionMetadata
+from service.engine.runner.attention import AttentionMetadata, cache_limit
 
 
 @triton.jit
@@ -183,8 +183,8 @@ def _write_kv_kernel(K, V, K_CACHE, V_CACHE, slots, stride_kt, stride_kh, stride
                      stride_cb, stride_cs, stride_ch,
                      KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
                      BLOCK_D: tl.constexpr, CLAMP: tl.constexpr):
-    """One token's keys and values (every KV head) into its cache slot, cast to the cache's dtype (an 8-bit one's
-    values clamped to +-CLAMP first, as attention.to_cache_dtype)."""
+    """One token's keys and values (every KV head) into its cache slot, cast to the cache's dtype (clamped to
+    +-CLAMP first unless it is 0: attention.cache_limit)."""
     t = tl.program_id(0)
     slot = tl.load(slots + t)
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -210,7 +210,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), KV_HEADS=kv_heads, HEAD_DIM=head_dim, PAGE=page,
         BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        CLAMP=torch.finfo(k_cache.dtype).max if k_cache.element_size() == 1 else 0.0, num_warps=2)
+        CLAMP=cache_limit(k_cache.dtype), num_warps=2)
 
 
 def launch_config(block_m: int, head_dim: int) -> tuple[int, int, int, int]:
