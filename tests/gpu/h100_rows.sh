@@ -1,0 +1,18 @@
+#!/bin/bash
+# The 8-bit kernel's few-row tiles (issue 26), one device call: its CUDA tests, then one request's decode step with
+# each int8 mode, this code against the code before (a copy of its service/ in .base):
+#   rm -rf .base; mkdir .base; git archive <commit> service | tar -x -C .base; bash tests/gpu/h100_rows.sh
+source tests/gpu/env.sh
+nvidia-smi --query-gpu=uuid,name --format=csv,noheader
+t=tests/test_cuda.py::test_cuda_w8a8
+timeout 130 python3 -m pytest -q -p no:cacheprovider ${t}_kernel_lies_within_the_derived_bound_of_the_float32_reference \
+  ${t}_compiled_and_graph_replayed_layer_equals_eager_with_one_compile_for_all_row_counts \
+  "${t}_engine_compiles_once_and_matches_transformers[int8]" 2>&1 | tail -3
+one() {  # model, quantization, output length, code
+  [ $4 = base ] && P=$PWD/.base:$PYTHONPATH || P=$PYTHONPATH
+  echo "== $1 one request, 128 in / $3 out, --quantization $2, $4"
+  env PYTHONPATH=$P timeout ${T:-70} python3 tests/gpu/decode_steps.py --model $1 --num-requests 1 --output-len $3 \
+    --profile-steps 0 --quantization $2 2>&1 | grep -E "decode at batch"
+}
+for q in int8 int8-w8a8; do for code in new base; do one random:llama-1b $q 512 $code; done; done
+for code in new base; do T=80 one random:llama-8b int8 256 $code; done
