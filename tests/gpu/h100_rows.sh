@@ -1,5 +1,6 @@
 #!/bin/bash
-# The 8-bit kernel's tiles for few rows (issue 26), in one device call; sections in the order given (default: tests one):
+# The 8-bit kernel's tiles for few rows (issue 26), in one device call; sections in the order given (default:
+# tests one):
 #   tests  its CUDA tests (the W8A8 kernel and layer, and the int8 engine against transformers)
 #   one    one request's decode step with each int8 mode, this code against the code before (a copy of its service/
 #          in .base: rm -rf .base; mkdir .base; git archive <commit> service | tar -x -C .base), then 8B int8

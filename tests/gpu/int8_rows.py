@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from matmul_graphs import graph_us  # a sibling script: python3 puts this folder on the path
 from service.engine.quant import triton_w8a8
 from service.engine.quant.w8a8 import quantize_rows
 
@@ -32,31 +33,12 @@ def candidates(rows):
     return [(block_m, n, k, w, s) for n, k, w, s in itertools.product((16, 32, 64), (128, 256, 512), (2, 4), (3, 4, 5))]
 
 
-def graph_us(fn) -> float:
-    """Microseconds a call of fn(i), i over the COPIES weights, takes inside one CUDA graph."""
-    fn(0)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(COPIES):
-            fn(i)
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / 20 / COPIES
-
-
 def timed(run, ref, tile) -> float:
     """run(i, tile)'s time, after checking its result against ref; inf for a tile over the GPU's resources."""
     try:
         out = run(0, tile).float()
         assert (out - ref).abs().max().item() <= 2e-2 * ref.abs().max().item(), f"wrong result with {tile}"
-        return graph_us(lambda i: run(i, tile))
+        return graph_us(lambda i: run(i, tile), COPIES)
     except Exception as error:  # noqa: BLE001
         if "OutOfResources" in type(error).__name__ or "shared memory" in str(error):
             return float("inf")
@@ -84,7 +66,7 @@ def main() -> None:
             "w8a8": (lambda i, tile: triton_w8a8.int8_scaled_mm(codes, scale, *qs[i], torch.bfloat16, tile=tile),
                      (codes.float() * scale) @ (qs[0][0].float() * qs[0][1].t()).t()),
         }
-        t_bf16 = graph_us(lambda i: F.linear(x, ws[i]))
+        t_bf16 = graph_us(lambda i: F.linear(x, ws[i]), COPIES)
         line = f"{name:11s} rows {rows:3d}: bf16 {t_bf16:6.1f} us ({2 * n * k / t_bf16 / 1e6:4.2f} TB/s)"
         sums = totals.setdefault((name.split()[0], rows), {})
         sums["bf16"] = sums.get("bf16", 0.0) + t_bf16 * LAYERS[name.split()[0]]

@@ -41,6 +41,7 @@ SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "
 
 
 def graph_us(fn, copies):
+    """Microseconds a call of fn(i), i over range(copies), takes inside one CUDA graph (also tests/gpu/int8_rows.py)."""
     fn(0)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -94,7 +95,8 @@ def run(shapes, ms, layers):
         print(f"  M {m:4d} step's products: " + ", ".join(f"{key} {v / 1000:.3f} ms" for key, v in totals.items()))
 
 
-print("1B shapes (16 layers)")
-run(SHAPES, (1, 16, 64, 144, 256), 16)
-print("8B shapes (32 layers; no head)")
-run(SHAPES_8B, (256,), 32)
+if __name__ == "__main__":
+    print("1B shapes (16 layers)")
+    run(SHAPES, (1, 16, 64, 144, 256), 16)
+    print("8B shapes (32 layers; no head)")
+    run(SHAPES_8B, (256,), 32)
