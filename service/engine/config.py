@@ -63,6 +63,11 @@ def resolve_dtype(dtype: str, device: "torch.device", quantization: str = "none"
         raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, float16 or bfloat16") from None
 
 
+def dtype_name(dtype: "torch.dtype") -> str:
+    """How logs, metrics and stored runs name a dtype: "bfloat16" for torch.bfloat16."""
+    return str(dtype).removeprefix("torch.")
+
+
 KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 KV_CACHE_DTYPE_HELP = "auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2 (8-bit floats; CUDA 8.9+ or CPU)"
 

@@ -13,6 +13,7 @@ import os
 import zmq
 
 from service.engine import messages
+from service.engine.config import dtype_name
 from service.engine.detokenizer import Detokenizer
 from service.engine.errors import EngineDeadError
 from service.engine.messages import Abort, Add, Admitted, Dead, FrontendGone, Hello, Step
@@ -48,7 +49,7 @@ class EngineCore:
         e = self.engine
         return Hello(os.getpid(), e.model_name, e.max_model_len, e.vocab_size, sorted(e.eos_token_ids),
                      e.tokenizer_source if e.tokenizer is not None else None, e.quantization,
-                     describe(e.quantization), str(e.runner.dtype).removeprefix("torch."), e.config.block_size, e.runner.num_blocks)
+                     describe(e.quantization), dtype_name(e.runner.dtype), e.config.block_size, e.runner.num_blocks)
 
     def run(self) -> None:
         """Serve until stopped and idle; on a failure, tell every front end (Dead) and raise."""

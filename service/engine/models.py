@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from service.engine.config import DEFAULT_MODEL, display_name
+from service.engine.config import DEFAULT_MODEL, display_name, dtype_name
 from service.engine.quant import quantization as quant
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def load_model(spec: str, dtype: torch.dtype, device: torch.device, cache_dir: s
         quant.quantize(loaded.model, quantization, device)
         loaded.quantization = quantization
     log.info("loaded %s on %s: dtype %s, quantization %s, weights %.1f MiB", loaded.name, device.type,
-             str(dtype).removeprefix("torch."), loaded.quantization, quant.weight_bytes(loaded.model) / 2**20)
+             dtype_name(dtype), loaded.quantization, quant.weight_bytes(loaded.model) / 2**20)
     return loaded
 
 

@@ -14,6 +14,7 @@ import time
 import zmq.asyncio
 
 from service.engine import StepObserver, StepStats
+from service.engine.config import dtype_name
 from service.settings import TelemetrySettings
 from service.telemetry import gather, otlp
 from service.telemetry.gpu import GPUSampler
@@ -54,8 +55,8 @@ class Telemetry:
     def engine_loaded(self, engine) -> None:
         """Publish how the model runs (llm_model_info) and start observing the engine's steps."""
         runner = engine.runner
-        self.metrics.model_info.labels(self.metrics.model, str(runner.dtype).removeprefix("torch."),
-                                       engine.quantization, str(runner.kv_dtype).removeprefix("torch."),
+        self.metrics.model_info.labels(self.metrics.model, dtype_name(runner.dtype),
+                                       engine.quantization, dtype_name(runner.kv_dtype),
                                        str(engine.config.block_size), str(runner.num_blocks)).set(1)
         engine.observer = self.observer
         self.metrics.threads.set_function(threading.active_count)

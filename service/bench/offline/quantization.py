@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from service.engine import EngineConfig, LLMEngine, SamplingParams
-from service.engine.config import resolve_dtype
+from service.engine.config import dtype_name, resolve_dtype
 from service.engine.models import LoadedModel, load_model
 from service.engine.quant.quantization import W8A8_MODES, check, describe, quantize, weight_bytes
 
@@ -140,7 +140,7 @@ def compare(engines: dict[str, LLMEngine], prompts: list[list[int]], output_lens
     for mode in modes:
         engine = engines[mode]
         ratios = sorted(b / s for b, s in zip(seconds[base], seconds[mode]))
-        row = {"quantization": mode, "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        row = {"quantization": mode, "dtype": dtype_name(engine.runner.dtype),
                "weight_bytes": weight_bytes(engine.runner.model),
                "seconds": sorted(seconds[mode])[repeats // 2], "runs": seconds[mode],
                "output_tokens": sum(output_lens), "speed_vs_none": ratios[repeats // 2],

@@ -9,6 +9,7 @@ import logging
 
 import torch
 
+from service.engine.config import dtype_name
 from service.engine.runner.attention import ForwardContext, forward_context
 from service.engine.scheduler import ScheduledBatch
 from service.engine.sequence import Sequence
@@ -60,7 +61,7 @@ def blocks_that_fit(runner) -> int:
     if blocks < 2:
         raise RuntimeError(f"no GPU memory left for the KV cache (peak {peak / 2**30:.1f} GiB)")
     log.info("KV cache: %d blocks of %d tokens (%.1f GiB, %s)", blocks, r.block_size, blocks * per_block / 2**30,
-             str(r.kv_dtype).removeprefix("torch."))
+             dtype_name(r.kv_dtype))
     return blocks
 
 
