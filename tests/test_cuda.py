@@ -268,6 +268,32 @@ def test_bench_run_on_cuda_records_gpu_samples_and_cuda_peak_memory(tmp_path):
 
 
 from tests.cuda_bench import *  # noqa: E402,F401,F403  (bench model / bench kernel on CUDA)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows, vocab", [(1, 128256), (5, 3 * 4096 + 17), (300, 1000)])
+def test_cuda_row_max_kernel_equals_torch_max(dtype, rows, vocab):
+    """The greedy sampler's row maximum in chunks: the values and first indices of logits.max(-1), with the maximum
+    in the last, partial chunk, a tie across chunks, a tie within one, and a NaN propagating; a row all NaN still
+    gets an index inside the vocabulary (the next step embeds it before the NaN is read back)."""
+    from service.engine.runner.triton_sampling import CHUNK, row_max
+
+    torch.manual_seed(0)
+    logits = torch.randn(rows, vocab, device="cuda").to(dtype)
+    logits[0, vocab - 1] = 50.0
+    logits[-1, [min(CHUNK + 3, vocab - 2), vocab - 1]] = 60.0
+    if rows > 2:
+        logits[1, [0, vocab // 2]] = 70.0
+        logits[2, vocab // 3] = float("nan")
+        logits[3] = float("nan")
+    (top, index), ops = _ops_run(row_max, logits)
+    assert ((index >= 0) & (index < vocab)).all()
+    assert "_chunk_max_kernel" in ops, sorted(ops)
+    ref_top, ref_index = logits.max(-1)
+    torch.testing.assert_close(top, ref_top.float(), equal_nan=True, rtol=0, atol=0)
+    finite = ~torch.isnan(ref_top)
+    assert torch.equal(index[finite], ref_index[finite]) and torch.equal(index[finite], logits[finite].argmax(-1))
+    assert index[-1] == min(CHUNK + 3, vocab - 2) and (rows == 1 or index[0] == vocab - 1)
+
+
 def test_cuda_nan_logits_fail_the_step_and_the_engine_serves_on(tiny_cuda):
     engine = make_engine(tiny_cuda, device="cuda", max_num_seqs=8)
     prompts = [[5, 6, 7], [8, 9]]
@@ -485,6 +511,9 @@ def test_cuda_w8a8_engine_compiles_once_and_matches_transformers(mode):
 
     loaded = load_model("random:tiny", torch.float32, torch.device("cuda"), quantization=mode)
     assert any(isinstance(m, W8A8Linear) for m in loaded.model.modules())
+    head = loaded.model.get_output_embeddings()  # int8-w8a8 quantizes the output projection too, on CUDA
+    assert isinstance(head, W8A8Linear) == (mode == "int8-w8a8")
+    assert loaded.model.get_input_embeddings().weight.dtype == torch.float32
     engine = make_engine(loaded, device="cuda", num_blocks=64, max_num_seqs=16, max_num_batched_tokens=128)
     assert engine.runner.compiled and engine.runner.graphs and engine.runner.fused_layers == 2  # q, k, v as one
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--no-fuse-qkv", action="store_true", help="three multiplies for q, k, v (transformers' way)")
     ap.add_argument("--quantization", default="none", help="a --quantization mode (compare the step sums by phase)")
     ap.add_argument("--device", default="cuda", help="cpu: a check of this script, not a figure")
+    ap.add_argument("--trace", help="write the profiled steps' trace here (Chrome's JSON: kernels and their gaps)")
     args = ap.parse_args()
 
     from service.engine.config import EngineConfig
@@ -110,6 +111,8 @@ def main() -> None:
             per_step = (time.perf_counter() - t0) / args.profile_steps
         while not all(seq.is_finished for seq in seqs):
             engine.step()
+        if args.trace:
+            prof.export_chrome_trace(args.trace)
         events = prof.key_averages()
         gpu = sum(e.self_device_time_total for e in events) / 1e3 / args.profile_steps
         print(f"profiled {args.profile_steps} decode steps at batch {len(seqs)}: {1e3 * per_step:.3f} ms a step under "

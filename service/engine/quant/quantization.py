@@ -3,8 +3,9 @@
 Weight-only modes (torchao): int8 (per output channel), int4 (groups of weights sharing a scale and zero point),
 fp8 (e4m3, per output channel); activations keep the model's dtype. On CUDA int8 runs engine/quant/w8a8.py's layer
 (our Triton kernel) instead of torchao's, which torch.compile stalled on. W8A8 modes (engine/quant/w8a8.py): int8-w8a8
-and fp8-w8a8 quantize the activations too, per token, so the matmul runs in 8 bits. In every mode the embedding/output
-projection keeps the model's dtype; the KV cache does unless --kv-cache-dtype says fp8 (config.resolve_kv_dtype).
+and fp8-w8a8 quantize the activations too, per token, so the matmul runs in 8 bits. The embedding keeps the model's
+dtype, and so does the output projection but in int8-w8a8 on CUDA (`_quantizes_head`); the KV cache keeps it unless
+--kv-cache-dtype says fp8 (config.resolve_kv_dtype).
 """
 
 import importlib.util
@@ -12,7 +13,7 @@ import logging
 
 import torch
 
-from service.engine.config import resolve_dtype, resolve_kv_dtype
+from service.engine.config import dtype_name, resolve_dtype, resolve_kv_dtype
 from service.engine.quant import w8a8
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,8 @@ SCHEMES = {
     "int8": "weights int8, one scale per output channel; activations in the model's dtype (weight-only)",
     "int4": "weights int4, a scale and zero point per group of input channels; activations bfloat16 (weight-only)",
     "fp8": "weights float8 e4m3, one scale per output channel; activations in the model's dtype (weight-only)",
-    "int8-w8a8": "weights int8, one scale per output channel; activations int8, one scale per token (dynamic)",
+    "int8-w8a8": "weights int8, one scale per output channel; activations int8, one scale per token (dynamic); on "
+                 "CUDA the output projection too",
     "fp8-w8a8": "weights float8 e4m3, one scale per output channel; activations float8 e4m3, one scale per token "
                 "(dynamic)",
 }
@@ -68,7 +70,7 @@ def check(mode: str, device: torch.device, dtype: torch.dtype) -> None:
     if mode == "int4" and dtype != torch.bfloat16:
         # on CPU torchao's float32 path is a fallback ~50x slower than its bfloat16 kernel (measured)
         raise ValueError(f"int4 weights run in bfloat16 (the tinygemm kernels): use --dtype bfloat16 or auto, "
-                         f"not {str(dtype).removeprefix('torch.')}")
+                         f"not {dtype_name(dtype)}")
     if mode != "none" and device.type not in ("cpu", "cuda"):
         raise ValueError(f"quantization {mode} runs on cpu or cuda, not {device.type}")
 
@@ -99,16 +101,18 @@ def checkpoint_method(config) -> str | None:
 def quantize(model: torch.nn.Module, mode: str, device: torch.device, simulate: bool = False) -> None:
     """Replace the weights of every linear layer but the output projection by quantized tensors, in place.
 
-    The output projection stays: it is usually tied to the embedding, and a quantized copy would add
-    memory instead of saving it (vLLM leaves it alone too). `simulate` (W8A8 modes only, for measurements):
-    the layers run the scheme's float32 reference instead of its kernels, so fp8-w8a8 runs on a CPU.
+    The output projection stays but in int8-w8a8 on CUDA (`_quantizes_head`): it is usually tied to the embedding,
+    and a quantized copy adds memory instead of saving it (vLLM leaves it alone). `simulate` (W8A8 modes only, for
+    measurements): the layers run the scheme's float32 reference instead of its kernels, so fp8-w8a8 runs on a CPU.
     """
     if mode == "none":
         return
     output = model.get_output_embeddings()
     if mode in W8A8_MODES or _own_kernel(mode, device):
-        count = w8a8.quantize(model, mode, simulate, skip=output)
-        log.info("quantized %d linear layers to %s%s", count, mode, " (float32 simulation)" if simulate else "")
+        head = _quantizes_head(mode, device, simulate)
+        count = w8a8.quantize(model, mode, simulate, skip=None if head else output)
+        log.info("quantized %d linear layers%s to %s%s", count, " with the output projection" if head else "", mode,
+                 " (float32 simulation)" if simulate else "")
         return
     if simulate:
         raise ValueError(f"only the W8A8 modes have a float32 simulation, not {mode}")
@@ -117,6 +121,15 @@ def quantize(model: torch.nn.Module, mode: str, device: torch.device, simulate: 
     quantize_(model, _config(mode, device),
               filter_fn=lambda module, _name: isinstance(module, torch.nn.Linear) and module is not output)
     log.info("quantized %d linear layers to %s weights", _count_quantized(model), mode)
+
+
+def _quantizes_head(mode: str, device: torch.device, simulate: bool = False) -> bool:
+    """Whether the output projection is quantized too: in int8-w8a8 on CUDA, where it is the largest product of a
+    decode step, and our kernel over its int8 weights and activations took 88-167 us against cuBLAS's 188-247 in
+    bf16 at 1 to 256 rows (a 1B Llama's 128,256 x 2,048 head on the H100). A tied embedding keeps its weights, so
+    the int8 copy adds half the head's bf16 bytes. Weight-only int8 leaves it: its kernel, widening the weights,
+    took 320-347 us at 144-256 rows. On the CPU it stays too (not measured there)."""
+    return mode == "int8-w8a8" and device.type == "cuda" and not simulate
 
 
 def _own_kernel(mode: str, device: torch.device) -> bool:
