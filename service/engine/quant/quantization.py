@@ -30,8 +30,7 @@ SCHEMES = {
     "int8": "weights int8, one scale per output channel; activations in the model's dtype (weight-only)",
     "int4": "weights int4, a scale and zero point per group of input channels; activations bfloat16 (weight-only)",
     "fp8": "weights float8 e4m3, one scale per output channel; activations in the model's dtype (weight-only)",
-    "int8-w8a8": "weights int8, one scale per output channel; activations int8, one scale per token (dynamic); on "
-                 "CUDA the output projection too",
+    "int8-w8a8": "weights int8, one scale per output channel; activations int8, one scale per token (dynamic)",
     "fp8-w8a8": "weights float8 e4m3, one scale per output channel; activations float8 e4m3, one scale per token "
                 "(dynamic)",
 }
