@@ -3,7 +3,7 @@
 # given (default: tests kernels one):
 #   tests    their CUDA tests
 #   kernels  tests/gpu/row_max.py: the row maximum and the head's product, alone
-#   one      one request's decode step in int8-w8a8, this code against the code before (a copy of its
+#   one      one request's decode step in int8-w8a8 and bf16, this code against the code before (a copy of its
 #            service/ in .base: rm -rf .base; mkdir .base; git archive <commit> service | tar -x -C .base)
 #   full     256 x 128/128 decode steps in int8-w8a8, this code against the code before
 source tests/gpu/env.sh
@@ -23,7 +23,7 @@ for section in ${@:-tests kernels one}; do
       "$t::test_cuda_w8a8_engine_compiles_once_and_matches_transformers" > $OUT/tests.log 2>&1
     echo "pytest exit $?"; grep -E "passed|failed|FAILED|Fatal|Error|^tests/" $OUT/tests.log | head -20 ;;
   kernels) timeout 90 python3 tests/gpu/row_max.py 2>&1 | grep -v -i warn ;;
-  one) for q in int8-w8a8; do for c in new base; do steps $q $c 1 512; done; done ;;
+  one) for q in int8-w8a8 none; do for c in new base; do steps $q $c 1 512; done; done ;;
   full) for q in int8-w8a8; do for c in new base; do steps $q $c 256 128; done; done ;;
   esac
 done
