@@ -139,6 +139,24 @@ def test_quantized_engine_matches_transformers_under_preemption_chunking_and_pre
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
 
 
+@pytest.mark.parametrize("mode, device, quantized_head", [
+    ("int8-w8a8", "cuda", True), ("int8-w8a8", "cpu", False), ("int8", "cuda", False), ("fp8-w8a8", "cuda", False)])
+def test_only_int8_w8a8_on_cuda_quantizes_the_output_projection(mode, device, quantized_head):
+    """The output projection's policy (weights built on the CPU: only the policy depends on the device): int8-w8a8 on
+    CUDA quantizes it too, in the mode's own scheme; the tied embedding keeps its float weights either way."""
+    from service.engine.quant.quantization import quantize
+    from service.engine.quant.w8a8 import W8A8Linear
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, vocab_size=300, tie_word_embeddings=True))
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    quantize(model, mode, torch.device(device))
+    head = model.get_output_embeddings()
+    assert isinstance(head, W8A8Linear) == quantized_head
+    assert not quantized_head or (head.mode == mode and not head.weight_only)
+    assert torch.equal(model.get_input_embeddings().weight, embedding)
+
+
 def test_unsupported_modes_are_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^fp8 weights need a CUDA GPU of compute capability 8\.9 or newer"):
         load_model("random:tiny", torch.float32, CPU, quantization="fp8")
