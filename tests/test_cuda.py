@@ -268,6 +268,8 @@ def test_bench_run_on_cuda_records_gpu_samples_and_cuda_peak_memory(tmp_path):
 
 
 from tests.cuda_bench import *  # noqa: E402,F401,F403  (bench model / bench kernel on CUDA)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows, vocab", [(1, 128256), (5, 3 * 4096 + 17), (300, 1000)])
 def test_cuda_row_max_kernel_equals_torch_max(dtype, rows, vocab):
