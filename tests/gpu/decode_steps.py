@@ -31,7 +31,8 @@ def main() -> None:
     ap.add_argument("--no-fuse-qkv", action="store_true", help="three multiplies for q, k, v (transformers' way)")
     ap.add_argument("--quantization", default="none", help="a --quantization mode (compare the step sums by phase)")
     ap.add_argument("--device", default="cuda", help="cpu: a check of this script, not a figure")
-    ap.add_argument("--trace", help="write the profiled steps' trace here (Chrome's JSON: kernels and their gaps)")
+    ap.add_argument("--trace", help="write the profiled steps' trace here (Chrome's JSON), and print its kernels per "
+                                    "step with the gaps between them")
     args = ap.parse_args()
 
     from service.engine.config import EngineConfig
@@ -113,12 +114,40 @@ def main() -> None:
             engine.step()
         if args.trace:
             prof.export_chrome_trace(args.trace)
+            kernel_table(args.trace, args.profile_steps)
         events = prof.key_averages()
         gpu = sum(e.self_device_time_total for e in events) / 1e3 / args.profile_steps
         print(f"profiled {args.profile_steps} decode steps at batch {len(seqs)}: {1e3 * per_step:.3f} ms a step under "
               f"the profiler, GPU busy {gpu:.3f} ms a step")
         print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
         print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+
+
+def kernel_table(path: str, steps: int, gap_us: float = 20.0) -> None:
+    """Per step, from a trace of `steps` steps: how many kernels ran, the GPU's busy time, the time from a first
+    kernel to a last one, the gaps between consecutive kernels (those under gap_us: the device idle inside a
+    step, not between steps), and each kernel's time, count and mean."""
+    import collections
+    import json
+
+    with open(path) as f:
+        kernels = sorted((e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if not kernels:
+        print("no GPU kernels in the trace")
+        return
+    total, count = collections.defaultdict(float), collections.Counter()
+    for e in kernels:
+        total[e["name"]] += e["dur"]
+        count[e["name"]] += 1
+    gaps = [b["ts"] - a["ts"] - a["dur"] for a, b in zip(kernels, kernels[1:])]
+    inside = [g for g in gaps if g < gap_us]
+    span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
+    print(f"kernels a step {len(kernels) / steps:.1f}, busy {sum(total.values()) / steps:.1f} us, first to last "
+          f"kernel {span / steps:.1f} us, gaps under {gap_us:.0f} us {sum(inside) / steps:.1f} us "
+          f"(mean {sum(inside) / max(len(inside), 1):.2f} us)")
+    for name, us in sorted(total.items(), key=lambda item: -item[1]):
+        print(f"{us / steps:9.1f} us a step {count[name] / steps:6.1f} a step {us / count[name]:8.2f} us each  "
+              f"{name[:90]}")
 
 
 if __name__ == "__main__":
