@@ -122,7 +122,7 @@ def quantize(model: torch.nn.Module, mode: str, device: torch.device, simulate: 
     log.info("quantized %d linear layers to %s weights", _count_quantized(model), mode)
 
 
-def _quantizes_head(mode: str, device: torch.device, simulate: bool = False) -> bool:
+def _quantizes_head(mode: str, device: torch.device, simulate: bool) -> bool:
     """Whether the output projection is quantized too: in int8-w8a8 on CUDA, where it is the largest product of a
     decode step, and our kernel over its int8 weights and activations took 88-167 us against cuBLAS's 188-247 in
     bf16 at 1 to 256 rows (a 1B Llama's 128,256 x 2,048 head on the H100). A tied embedding keeps its weights, so

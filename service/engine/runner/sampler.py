@@ -7,6 +7,8 @@ the sampled ids stay there (the next step reads them as inputs) and are copied t
 stream of their own; `SampleResult.read` waits for that copy only when the host needs the ids.
 """
 
+import functools
+
 import torch
 
 from service.engine.sequence import Sequence
@@ -68,13 +70,19 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # logits.max(-1); on CUDA a kernel that spreads each row over the SMs (engine/runner/triton_sampling.py:
+        # PyTorch's reduction reads a row on one SM, 28-41 us for 128,256 logits on the H100)
+        self.row_max = functools.partial(torch.max, dim=-1)
+        if device.type == "cuda":
+            from service.engine.runner.triton_sampling import row_max
+            self.row_max = row_max
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         banned, wanted, all_greedy = self._scan(seqs)
         if all_greedy and not banned and not wanted:
             # argmax is the same in the model's dtype: skip the float copy of [rows, vocab]. max propagates NaN, so
             # the row maxima tell whether any logit was NaN: one pass over the logits instead of two
-            top, tokens = self._row_max(logits)
+            top, tokens = self.row_max(logits)
             return SampleResult(tokens, top.isnan().any().reshape(1), [], [], [], self.copy_stream)
         nan = torch.isnan(logits).any().reshape(1)  # read back with the tokens: no extra device sync
         logits = logits.float()
@@ -91,16 +99,6 @@ class Sampler:
             chosen = lp.gather(1, tokens.index_select(0, index).unsqueeze(1)).squeeze(1)
             extra = [chosen, top_v, top_i]
         return SampleResult(tokens, nan, wanted, ks, extra, self.copy_stream)
-
-    @staticmethod
-    def _row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits.max(-1); on CUDA through a kernel that spreads each row over the SMs (engine/runner/
-        triton_sampling.py: PyTorch's reduction reads a row on one SM, 28-41 us for 128,256 logits on the H100)."""
-        if not logits.is_cuda:
-            return logits.max(-1)
-        from service.engine.runner import triton_sampling
-
-        return triton_sampling.row_max(logits)
 
     @staticmethod
     def _scan(seqs: list[Sequence]) -> tuple[list[tuple[int, int]], list[int], bool]:
