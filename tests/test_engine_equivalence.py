@@ -80,3 +80,38 @@ def test_prefix_cache_reuses_blocks_and_keeps_output(case):
     while engine.has_unfinished():
         engine.step()
     assert first["token_ids"] == seq.output_token_ids == reference
+
+
+def test_compiled_layers_are_one_graph_each_shared_by_every_layer():
+    """Paged attention is one custom op inside the compiled layer (runner/attention.py), so dynamo traces each
+    decoder layer whole, and every layer runs the same graph: one for prefill sizes, one for a single token (a
+    size of 1 is specialized). With the layer's index as an int, dynamo would compile once per layer. aot_eager
+    runs the op's fake (shapes and strides) as inductor would; the output stays token for token."""
+    import torch
+    from torch._dynamo import lookup_backend
+
+    from service.engine.models import load_model
+    from service.engine.runner.compilation import compile_layers
+
+    loaded = load_model("random:small", torch.float32, torch.device("cpu"))
+    prompts = mixed_prompts(loaded, 8, seed=3)
+    references = [reference_greedy(loaded, p, 6) for p in prompts]
+    engine = make_engine(loaded, max_num_seqs=4)
+    graphs = []
+
+    def backend(gm, example_inputs):  # what dynamo traced, then compiled through aot_eager
+        graphs.append([node.target for node in gm.graph.nodes])
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    torch._dynamo.reset()
+    try:
+        assert compile_layers(engine.runner, backend=backend)
+        outs = engine.generate(prompts, greedy(6))
+    finally:
+        engine.runner.uncompile()
+    assert [o["token_ids"] for o in outs] == references
+    assert len(graphs) == 2 and len(loaded.model.model.layers) == 12
+    for ops in graphs:  # the whole layer: its projections and the attention op between them
+        assert ops.count(torch.ops.llm_service.paged_attention.default) == 1
+        assert ops.count(torch._C._nn.linear) == 4  # q, k, v as one; o; gate and up as one; down
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks

@@ -1,14 +1,12 @@
-"""The graphs torch.compile makes of one decoder layer (issue 26): runs on the CPU or the GPU, with a backend that
-only records what dynamo traced. The paged attention function is outside compiled code (torch.compiler.disable),
-and it is called from inside the attention module's forward, so dynamo splits the layer at both frames' edges:
-each graph's operators are printed, one line a graph, for the prefill and then the decode shapes.
+"""The graphs torch.compile makes of the decoder layers (issue 26): runs on the CPU or the GPU, with a backend that
+only records what dynamo traced, compiled as the engine compiles them (runner/compilation.py). Paged attention is
+one custom op, so a layer is one graph, and the layers share their graphs: one for prefill shapes and one for a
+single token (dynamo specializes a size of 1). Each graph's operators are printed, one line a graph.
 
 Usage: python3 tests/gpu/layer_graphs.py [--quantization int8-w8a8] [--device cpu]
 """
 
 import argparse
-
-import torch
 
 
 def main() -> None:
@@ -20,6 +18,7 @@ def main() -> None:
 
     from service.engine.config import EngineConfig
     from service.engine.llm_engine import LLMEngine
+    from service.engine.runner.compilation import compile_layers, decoder_layers
     from service.engine.sampling import SamplingParams
 
     graphs = []
@@ -30,10 +29,10 @@ def main() -> None:
 
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, quantization=args.quantization,
                                     dtype="float32", compile=False, cuda_graphs=False, max_num_seqs=4))
-    layers = max((m for m in engine.runner.model.modules() if isinstance(m, torch.nn.ModuleList)), key=len)
-    layers[0].compile(backend=record, dynamic=True)
+    assert compile_layers(engine.runner, backend=record)
     engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-    print(f"{len(graphs)} graphs of the first decoder layer ({args.model}, {args.quantization}, {args.device})")
+    print(f"{len(graphs)} graphs of {len(decoder_layers(engine.runner.model))} decoder layers "
+          f"({args.model}, {args.quantization}, {args.device})")
     for gm in graphs:
         ops = [getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes
                if n.op in ("call_function", "call_method", "call_module")]

@@ -56,21 +56,46 @@ def forward_context(ctx: ForwardContext):
         _context = previous
 
 
-@torch.compiler.disable  # compiled decoder layers call it as it is: the paged kernels are already fused
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                             sliding_window=None, softcap=None, **kwargs):
-    """transformers attention interface: query [1, H, T, D], key/value [1, KVH, T, D] -> [1, T, H, D]."""
-    ctx = _context
-    k_cache, v_cache = ctx.kv_caches[module.layer_idx]
-    q = query[0].transpose(0, 1)
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = ctx.backend(q, k_cache, v_cache, ctx.meta, scale, sliding_window, softcap, new_kv=(k, v))
+    """transformers attention interface: query [1, H, T, D], key/value [1, KVH, T, D] -> [1, T, H, D].
+
+    Inside a compiled decoder layer it is one custom op (below), so that dynamo traces the layer as one graph."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if torch.compiler.is_compiling():
+        out = paged_attention(query, key, value, module.paged_layer, scale, sliding_window or 0, softcap or 0.0)
+    else:
+        out = _attend(module.layer_idx, query, key, value, scale, sliding_window, softcap)
     return out.unsqueeze(0), None
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+def _attend(layer: int, query, key, value, scale, sliding_window, softcap) -> torch.Tensor:
+    """The step's keys and values into layer `layer`'s cache, and its queries' attention: [T, H, D]."""
+    ctx = _context
+    k_cache, v_cache = ctx.kv_caches[layer]
+    q = query[0].transpose(0, 1)
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    return ctx.backend(q, k_cache, v_cache, ctx.meta, scale, sliding_window, softcap, new_kv=(k, v))
+
+
+@torch.library.custom_op("llm_service::paged_attention", mutates_args=())
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: torch.Tensor, scale: float,
+                    sliding_window: int, softcap: float) -> torch.Tensor:
+    """Paged attention as compiled layers see it: an opaque op, whose cache and metadata it finds in the forward
+    context when it runs (as vLLM's attention op does), so that its writes into the cache are not the graph's
+    business. The layer comes as a 0-d CPU tensor (runner/compilation.py gives each attention module its own,
+    `paged_layer`): dynamo would make an int attribute a constant and compile the same layer once per index."""
+    # contiguous, as the fake below says (the backends' output has the queries' layout, which the graph chose)
+    return _attend(int(layer), query, key, value, scale, sliding_window or None, softcap or None).contiguous()
+
+
+@paged_attention.register_fake
+def _(query, key, value, layer, scale, sliding_window, softcap):
+    return query.new_empty(query.shape[2], query.shape[1], value.shape[-1])
 
 
 def cache_limit(dtype: torch.dtype) -> float:

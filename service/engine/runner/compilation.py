@@ -1,9 +1,11 @@
 """torch.compile of the decoder layers, tried once at start-up, and its undoing.
 
-Paged attention stays outside the compiled graphs (it is marked so), and the model's own code is untouched.
+Paged attention is one custom op inside each layer's graph (runner/attention.py), and the model's own code is
+untouched.
 """
 
 import logging
+from typing import Callable
 
 import torch
 
@@ -12,14 +14,17 @@ from service.engine.runner.kv_cache import dry_run
 log = logging.getLogger(__name__)
 
 
-def compile_layers(runner) -> bool:
+def compile_layers(runner, backend: str | Callable = "inductor") -> bool:
     """Compile each decoder layer (fusing norms, rotary embeddings, activations, residual adds).
 
     A model that torch.compile cannot handle fails here, at start-up, and runs eager.
     """
-    layers = max((m for m in runner.model.modules() if isinstance(m, torch.nn.ModuleList)), key=len)
+    layers = decoder_layers(runner.model)
     for layer in layers:
-        layer.compile(dynamic=True)
+        for module in layer.modules():
+            if hasattr(module, "layer_idx"):  # the attention op's argument (runner/attention.py)
+                module.paged_layer = torch.tensor(module.layer_idx)
+        layer.compile(backend=backend, dynamic=True)
     try:
         dry_run(runner, 2 * runner.block_size)
     except Exception:
@@ -28,6 +33,11 @@ def compile_layers(runner) -> bool:
         return False
     log.info("compiled %d decoder layers with torch.compile", len(layers))
     return True
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's longest ModuleList: its decoder layers."""
+    return max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len)
 
 
 def uncompile(model: torch.nn.Module) -> None:

@@ -99,4 +99,5 @@ def dry_run(runner, tokens: int) -> None:
     with forward_context(ForwardContext(caches, meta, r.backend)):
         logits = r.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1).logits
         logits.float().softmax(-1)
-    torch.cuda.synchronize()
+    if r.device.type == "cuda":
+        torch.cuda.synchronize()
