@@ -3,12 +3,14 @@
 # copy of its service/ in .base: rm -rf .base; mkdir .base; git archive <commit> service | tar -x -C .base
 # Sections, in the order given:
 #   tests     the CUDA tests of the compiled, graph-replayed engine (token for token against transformers)
+#   kernels   the CUDA tests of the Triton kernels (split decode attention, row maximum, int8 products, SiLU x up)
 #   one:Q     one request, 128 in / 512 out, --quantization Q: this code, the code before, again both
 #   full:Q    256 x 128/128, the same
 #   8b:Q      random:llama-8b, 256 x 128/128, this code then the code before
 #   trace:Q   one request's profiled decode steps and their kernels, this code (decode_steps.py --trace)
 source tests/gpu/env.sh
 nvidia-smi --query-gpu=uuid --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 steps() {  # code (new or base), model, requests, output length, then decode_steps.py's own arguments
   [ $1 = base ] && P=$PWD/.base:$PYTHONPATH || P=$PYTHONPATH
   echo "== $2 $3 x 128/$4 ${*:5}, $1"
@@ -26,6 +28,12 @@ for section in "$@"; do
       "$t::test_cuda_w8a8_compiled_and_graph_replayed_layer_equals_eager_with_one_compile_for_all_row_counts" \
       "$t::test_cuda_w8a8_engine_compiles_once_and_matches_transformers" > $OUT/tests.log 2>&1
     echo "pytest exit $?"; grep -E "passed|failed|FAILED|Fatal|Error|^tests/" $OUT/tests.log | head -20 ;;
+  kernels)
+    t=tests/test_cuda.py
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -rf "$t::test_triton_split_decode_matches_torch_reference" \
+      "$t::test_cuda_row_max_kernel_equals_torch_max" "$t::test_cuda_silu_mul_quantize_kernel_rounds_as_the_eager_ops" \
+      "$t::test_cuda_w8a8_kernel_lies_within_the_derived_bound_of_the_float32_reference" > $OUT/kernels.log 2>&1
+    echo "pytest exit $?"; grep -E "passed|failed|FAILED|Fatal|Error|^tests/" $OUT/kernels.log | head -20 ;;
   one:*) for c in new base new base; do steps $c random:llama-1b 1 512 --profile-steps 0 --quantization $q; done ;;
   full:*) for c in new base new base; do steps $c random:llama-1b 256 128 --profile-steps 0 --quantization $q; done ;;
   8b:*) for c in new base; do

@@ -23,14 +23,18 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from service.engine import pdl
+
 
 @triton.jit
 def _int8_scaled_mm_kernel(
     A, B, C, scale_a, scale_b, M, N, K,
     stride_am, stride_bn, stride_cm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    WEIGHT_ONLY: tl.constexpr, PRECISION: tl.constexpr,
+    WEIGHT_ONLY: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # the kernel before has finished and its writes are visible (engine/pdl.py)
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -61,6 +65,8 @@ def _int8_scaled_mm_kernel(
             acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         a_ptr += BLOCK_K
         b_ptr += BLOCK_K
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
 
     sb = tl.load(scale_b + rn, mask=rn < N, other=0.0)
     out = acc.to(tl.float32)
@@ -116,7 +122,8 @@ def int8_scaled_mm(codes: torch.Tensor, scale: torch.Tensor | None, weight: torc
         codes, weight, out, weight_scale if scale is None else scale, weight_scale, rows, n, k,
         codes.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, WEIGHT_ONLY=weight_only,
-        PRECISION="ieee" if codes.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
+        PRECISION="ieee" if codes.dtype == torch.float32 else "tf32", USE_PDL=pdl.enabled(),
+        num_warps=warps, num_stages=stages, launch_pdl=pdl.enabled())
     return out
 
 
@@ -124,12 +131,17 @@ MAX_ROW = 16384  # the widest row silu_mul_quantize holds in registers; wider ro
 
 
 @triton.jit
-def _silu_mul_quantize_kernel(H, Q, S, N, stride_h, stride_q, BLOCK: tl.constexpr, INT8: tl.constexpr):
+def _silu_mul_quantize_kernel(H, Q, S, N, stride_h, stride_q, BLOCK: tl.constexpr, INT8: tl.constexpr,
+                              USE_PDL: tl.constexpr):
+    if USE_PDL:  # the kernel before has finished and its writes are visible (engine/pdl.py)
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
     gate = tl.load(H + row * stride_h + cols, mask=ok, other=0.0)
     up = tl.load(H + row * stride_h + N + cols, mask=ok, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     # as eager code rounds: silu in float32 (expf and an IEEE division, as torch's kernel), rounded to the
     # activations' dtype, times up, rounded again
     g = gate.to(tl.float32)
@@ -159,5 +171,6 @@ def silu_mul_quantize(h: torch.Tensor, codes_dtype: torch.dtype) -> tuple[torch.
     if rows:
         block = triton.next_power_of_2(n)
         _silu_mul_quantize_kernel[(rows,)](h, codes, scale, n, h.stride(0), codes.stride(0), BLOCK=block,
-                                           INT8=codes_dtype == torch.int8, num_warps=min(16, max(4, block // 512)))
+                                           INT8=codes_dtype == torch.int8, USE_PDL=pdl.enabled(),
+                                           num_warps=min(16, max(4, block // 512)), launch_pdl=pdl.enabled())
     return codes, scale

@@ -8,7 +8,9 @@ import logging
 from typing import Callable
 
 import torch
+import torch._inductor.config
 
+from service.engine import pdl
 from service.engine.runner.kv_cache import dry_run
 
 log = logging.getLogger(__name__)
@@ -20,6 +22,8 @@ def compile_layers(runner, backend: str | Callable = "inductor") -> bool:
     A model that torch.compile cannot handle fails here, at start-up, and runs eager.
     """
     layers = decoder_layers(runner.model)
+    if runner.device.type == "cuda" and pdl.enabled(runner.device.index):  # inductor's kernels, as ours (engine/pdl.py)
+        torch._inductor.config.triton.enable_pdl = True
     for layer in layers:
         for module in layer.modules():
             if hasattr(module, "layer_idx"):  # the attention op's argument (runner/attention.py)

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from service.engine import pdl
 from service.engine.runner.attention import AttentionMetadata, cache_limit
 
 
@@ -70,8 +71,10 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_N: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr,
-    PART_O, PART_LSE, NUM_PARTS, SPLITS: tl.constexpr, MIN_TILES: tl.constexpr,
+    PART_O, PART_LSE, NUM_PARTS, SPLITS: tl.constexpr, MIN_TILES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # the kernel before has finished and its writes are visible (engine/pdl.py)
+        tl.extra.cuda.gdc_wait()
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.load(tile_seq + tile)
@@ -136,6 +139,8 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, K, V, table, start, kv_end, q_pos, head_offset, stride_kb,
                                      stride_ks, d, d_ok, scale, softcap, window, PAGE, BLOCK_N, True, USE_WINDOW,
                                      USE_SOFTCAP, PRECISION)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     out_ok = row_ok[:, None] & d_ok[None, :]
     if parts > 1:  # (decode: token = sequence) a part for _combine_parts_kernel, in float32
@@ -149,9 +154,12 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _combine_parts_kernel(O, PART_O, PART_LSE, NUM_PARTS, stride_ot, stride_oh, num_heads,
-                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr,
+                          USE_PDL: tl.constexpr):
     """One decode token's output from its parts, weighted by their log-sum-exps (log2 domain); a token whose
     context was one part already has its output."""
+    if USE_PDL:  # the kernel before has finished and its writes are visible (engine/pdl.py)
+        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     parts = tl.load(NUM_PARTS + seq)
     if parts <= 1:
@@ -173,6 +181,8 @@ def _combine_parts_kernel(O, PART_O, PART_LSE, NUM_PARTS, stride_ot, stride_oh, 
         acc += w[:, None] * tl.load(PART_O + (base + s)[:, None] * HEAD_DIM + d[None, :],
                                     mask=ok[:, None] & d_ok[None, :], other=0.0)
         total += w
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     tl.store(O + seq * stride_ot + head[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty),
              mask=h_ok[:, None] & d_ok[None, :])
@@ -182,9 +192,11 @@ def _combine_parts_kernel(O, PART_O, PART_LSE, NUM_PARTS, stride_ot, stride_oh, 
 def _write_kv_kernel(K, V, K_CACHE, V_CACHE, slots, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_cs, stride_ch,
                      KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_D: tl.constexpr, CLAMP: tl.constexpr):
+                     BLOCK_D: tl.constexpr, CLAMP: tl.constexpr, USE_PDL: tl.constexpr):
     """One token's keys and values (every KV head) into its cache slot, cast to the cache's dtype (clamped to
     +-CLAMP first unless it is 0: attention.cache_limit)."""
+    if USE_PDL:  # the kernel before has finished and its writes are visible (engine/pdl.py)
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     slot = tl.load(slots + t)
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -193,6 +205,8 @@ def _write_kv_kernel(K, V, K_CACHE, V_CACHE, slots, stride_kt, stride_kh, stride
     dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + h * stride_ch + d
     k = tl.load(K + t * stride_kt + h * stride_kh + d, mask=ok)
     v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=ok)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     if CLAMP > 0:
         k = tl.clamp(k.to(tl.float32), -CLAMP, CLAMP)
         v = tl.clamp(v.to(tl.float32), -CLAMP, CLAMP)
@@ -210,7 +224,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), KV_HEADS=kv_heads, HEAD_DIM=head_dim, PAGE=page,
         BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        CLAMP=cache_limit(k_cache.dtype), num_warps=2)
+        CLAMP=cache_limit(k_cache.dtype), USE_PDL=pdl.enabled(), num_warps=2, launch_pdl=pdl.enabled())
 
 
 def launch_config(block_m: int, head_dim: int) -> tuple[int, int, int, int]:
@@ -294,11 +308,12 @@ def triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: 
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP16_DOTS=k_cache.element_size() == 1 and q.dtype != torch.float32,
         PART_O=part_o, PART_LSE=part_lse, NUM_PARTS=num_parts, SPLITS=splits, MIN_TILES=min_tiles,
-        num_warps=warps, num_stages=stages,
+        USE_PDL=pdl.enabled(), num_warps=warps, num_stages=stages, launch_pdl=pdl.enabled(),
     )
     if splits > 1:
         block_h = min(triton.next_power_of_2(num_heads), 32)
         _combine_parts_kernel[(num_seqs, triton.cdiv(num_heads, block_h))](
             out, part_o, part_lse, num_parts, out.stride(0), out.stride(1), num_heads,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, SPLITS=splits, num_warps=4)
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, SPLITS=splits, USE_PDL=pdl.enabled(), num_warps=4,
+            launch_pdl=pdl.enabled())
     return out

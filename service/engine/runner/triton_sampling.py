@@ -9,15 +9,21 @@ import torch
 import triton
 import triton.language as tl
 
+from service.engine import pdl
+
 CHUNK = 4096  # logits per program
 
 
 @triton.jit
-def _chunk_max_kernel(X, VALUES, INDICES, n, stride_x, BLOCK: tl.constexpr):
+def _chunk_max_kernel(X, VALUES, INDICES, n, stride_x, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # the kernel before has finished and its writes are visible (engine/pdl.py)
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     top, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     # tl.max skips NaN, where torch's max returns it; and a row of NaN would leave its index undefined, which the
     # next step, launched before the NaN is read back, would take as a token id: the chunk's first column instead
@@ -37,6 +43,6 @@ def row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     indices = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
     if rows:
         _chunk_max_kernel[(rows, chunks)](logits, values, indices, vocab, logits.stride(0), BLOCK=CHUNK,
-                                          num_warps=8)
+                                          USE_PDL=pdl.enabled(), num_warps=8, launch_pdl=pdl.enabled())
     top, which = values.max(-1)
     return top, indices.gather(1, which.unsqueeze(1)).squeeze(1)
