@@ -110,8 +110,12 @@ def test_compiled_layers_are_one_graph_each_shared_by_every_layer():
     finally:
         engine.runner.uncompile()
     assert [o["token_ids"] for o in outs] == references
-    assert len(graphs) == 2 and len(loaded.model.model.layers) == 12
-    for ops in graphs:  # the whole layer: its projections and the attention op between them
+    layers = [ops for ops in graphs if torch.ops.llm_service.paged_attention.default in ops]
+    assert len(layers) == 2 and len(loaded.model.model.layers) == 12
+    for ops in layers:  # the whole layer: its projections and the attention op between them
         assert ops.count(torch.ops.llm_service.paged_attention.default) == 1
         assert ops.count(torch._C._nn.linear) == 4  # q, k, v as one; o; gate and up as one; down
+    # the rotary embedding's cosines and sines, and the last norm, once a step (the output projection too where
+    # it is one of the engine's quantized layers: a plain nn.Linear's forward is torch's own, which dynamo skips)
+    assert 2 <= len(graphs) - len(layers) <= 4
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks

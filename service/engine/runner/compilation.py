@@ -17,11 +17,16 @@ log = logging.getLogger(__name__)
 
 
 def compile_layers(runner, backend: str | Callable = "inductor") -> bool:
-    """Compile each decoder layer (fusing norms, rotary embeddings, activations, residual adds).
+    """Compile each decoder layer (fusing norms, rotary embeddings, activations, residual adds), and the modules
+    around them that run once a step: the rotary embedding's cosines and sines, the last norm and the output
+    projection (in eager code a dozen small kernels each; the projection's activations quantized in int8-w8a8).
 
     A model that torch.compile cannot handle fails here, at start-up, and runs eager.
     """
-    layers = decoder_layers(runner.model)
+    model = runner.model
+    layers = decoder_layers(model)
+    ends = [getattr(model.get_decoder(), name, None) for name in ("rotary_emb", "norm")]
+    ends = [m for m in ends + [model.get_output_embeddings()] if isinstance(m, torch.nn.Module)]
     if runner.device.type == "cuda" and pdl.enabled(runner.device.index):  # inductor's kernels, as ours (engine/pdl.py)
         torch._inductor.config.triton.enable_pdl = True
     for layer in layers:
@@ -29,13 +34,15 @@ def compile_layers(runner, backend: str | Callable = "inductor") -> bool:
             if hasattr(module, "layer_idx"):  # the attention op's argument (runner/attention.py)
                 module.paged_layer = torch.tensor(module.layer_idx)
         layer.compile(backend=backend, dynamic=True)
+    for module in ends:
+        module.compile(backend=backend, dynamic=True)
     try:
         dry_run(runner, 2 * runner.block_size)
     except Exception:
         log.warning("torch.compile failed for this model; running it eagerly", exc_info=True)
         uncompile(runner.model)
         return False
-    log.info("compiled %d decoder layers with torch.compile", len(layers))
+    log.info("compiled %d decoder layers and %d modules around them with torch.compile", len(layers), len(ends))
     return True
 
 
