@@ -17,3 +17,10 @@ import torch
 def enabled(device: int | None = None) -> bool:
     """Whether kernels on this CUDA device launch with PDL (compute capability 9.0 and later)."""
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch() -> dict:
+    """A Triton launch's keyword arguments for PDL on the current device: the kernel's USE_PDL (which makes it wait
+    for the kernel before, and let the next launch) and Triton's own launch_pdl."""
+    on = enabled()
+    return {"USE_PDL": on, "launch_pdl": on}

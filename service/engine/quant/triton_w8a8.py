@@ -122,8 +122,8 @@ def int8_scaled_mm(codes: torch.Tensor, scale: torch.Tensor | None, weight: torc
         codes, weight, out, weight_scale if scale is None else scale, weight_scale, rows, n, k,
         codes.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, WEIGHT_ONLY=weight_only,
-        PRECISION="ieee" if codes.dtype == torch.float32 else "tf32", USE_PDL=pdl.enabled(),
-        num_warps=warps, num_stages=stages, launch_pdl=pdl.enabled())
+        PRECISION="ieee" if codes.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+        **pdl.launch())
     return out
 
 
@@ -171,6 +171,6 @@ def silu_mul_quantize(h: torch.Tensor, codes_dtype: torch.dtype) -> tuple[torch.
     if rows:
         block = triton.next_power_of_2(n)
         _silu_mul_quantize_kernel[(rows,)](h, codes, scale, n, h.stride(0), codes.stride(0), BLOCK=block,
-                                           INT8=codes_dtype == torch.int8, USE_PDL=pdl.enabled(),
-                                           num_warps=min(16, max(4, block // 512)), launch_pdl=pdl.enabled())
+                                           INT8=codes_dtype == torch.int8, num_warps=min(16, max(4, block // 512)),
+                                           **pdl.launch())
     return codes, scale

@@ -1,7 +1,8 @@
-"""torch.compile of the decoder layers, tried once at start-up, and its undoing.
+"""torch.compile of the decoder layers and the modules around them, tried once at start-up, and its undoing.
 
-Paged attention is one custom op inside each layer's graph (runner/attention.py), and the model's own code is
-untouched.
+Paged attention is one custom op inside each layer's graph (runner/attention.py), so each layer is one graph and
+every layer runs the same one; the model's own code is untouched. On Hopper, inductor's kernels launch with
+programmatic dependent launch, as ours do (engine/pdl.py).
 """
 
 import logging
@@ -19,7 +20,7 @@ log = logging.getLogger(__name__)
 def compile_layers(runner, backend: str | Callable = "inductor") -> bool:
     """Compile each decoder layer (fusing norms, rotary embeddings, activations, residual adds), and the modules
     around them that run once a step: the rotary embedding's cosines and sines, the last norm and the output
-    projection (in eager code a dozen small kernels each; the projection's activations quantized in int8-w8a8).
+    projection (some 20 small kernels a step in eager code, among them the int8-w8a8 projection's quantization).
 
     A model that torch.compile cannot handle fails here, at start-up, and runs eager.
     """

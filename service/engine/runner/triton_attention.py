@@ -224,7 +224,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), KV_HEADS=kv_heads, HEAD_DIM=head_dim, PAGE=page,
         BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        CLAMP=cache_limit(k_cache.dtype), USE_PDL=pdl.enabled(), num_warps=2, launch_pdl=pdl.enabled())
+        CLAMP=cache_limit(k_cache.dtype), num_warps=2, **pdl.launch())
 
 
 def launch_config(block_m: int, head_dim: int) -> tuple[int, int, int, int]:
@@ -308,12 +308,11 @@ def triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: 
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP16_DOTS=k_cache.element_size() == 1 and q.dtype != torch.float32,
         PART_O=part_o, PART_LSE=part_lse, NUM_PARTS=num_parts, SPLITS=splits, MIN_TILES=min_tiles,
-        USE_PDL=pdl.enabled(), num_warps=warps, num_stages=stages, launch_pdl=pdl.enabled(),
+        num_warps=warps, num_stages=stages, **pdl.launch(),
     )
     if splits > 1:
         block_h = min(triton.next_power_of_2(num_heads), 32)
         _combine_parts_kernel[(num_seqs, triton.cdiv(num_heads, block_h))](
             out, part_o, part_lse, num_parts, out.stride(0), out.stride(1), num_heads,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, SPLITS=splits, USE_PDL=pdl.enabled(), num_warps=4,
-            launch_pdl=pdl.enabled())
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, SPLITS=splits, num_warps=4, **pdl.launch())
     return out

@@ -43,6 +43,6 @@ def row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     indices = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
     if rows:
         _chunk_max_kernel[(rows, chunks)](logits, values, indices, vocab, logits.stride(0), BLOCK=CHUNK,
-                                          USE_PDL=pdl.enabled(), num_warps=8, launch_pdl=pdl.enabled())
+                                          num_warps=8, **pdl.launch())
     top, which = values.max(-1)
     return top, indices.gather(1, which.unsqueeze(1)).squeeze(1)
