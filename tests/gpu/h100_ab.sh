@@ -17,23 +17,22 @@ steps() {  # code (new or base), model, requests, output length, then decode_ste
   env PYTHONPATH=$P timeout 240 python3 tests/gpu/decode_steps.py --model $2 --num-requests $3 --output-len $4 \
     "${@:5}" 2>&1 | grep -E "decode at batch|output tok/s|Error|error:"
 }
+cuda_tests() {  # log file, then test names of tests/test_cuda.py
+  log=$1; shift
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rf "${@/#/tests/test_cuda.py::}" > $OUT/$log 2>&1
+  echo "pytest exit $?"; grep -E "passed|failed|FAILED|Fatal|Error|^tests/" $OUT/$log | head -20
+}
 for section in "$@"; do
   q=${section#*:}
   case $section in
-  tests)
-    t=tests/test_cuda.py
-    timeout 300 python3 -m pytest -q -p no:cacheprovider -rf "$t::test_cuda_engine_greedy_matches_transformers" \
-      "$t::test_cuda_mixed_graphs_replay_every_step_with_no_compile_after_start" \
-      "$t::test_cuda_nan_logits_fail_the_step_and_the_engine_serves_on" \
-      "$t::test_cuda_w8a8_compiled_and_graph_replayed_layer_equals_eager_with_one_compile_for_all_row_counts" \
-      "$t::test_cuda_w8a8_engine_compiles_once_and_matches_transformers" > $OUT/tests.log 2>&1
-    echo "pytest exit $?"; grep -E "passed|failed|FAILED|Fatal|Error|^tests/" $OUT/tests.log | head -20 ;;
-  kernels)
-    t=tests/test_cuda.py
-    timeout 300 python3 -m pytest -q -p no:cacheprovider -rf "$t::test_triton_split_decode_matches_torch_reference" \
-      "$t::test_cuda_row_max_kernel_equals_torch_max" "$t::test_cuda_silu_mul_quantize_kernel_rounds_as_the_eager_ops" \
-      "$t::test_cuda_w8a8_kernel_lies_within_the_derived_bound_of_the_float32_reference" > $OUT/kernels.log 2>&1
-    echo "pytest exit $?"; grep -E "passed|failed|FAILED|Fatal|Error|^tests/" $OUT/kernels.log | head -20 ;;
+  tests) cuda_tests tests.log test_cuda_engine_greedy_matches_transformers \
+      test_cuda_mixed_graphs_replay_every_step_with_no_compile_after_start \
+      test_cuda_nan_logits_fail_the_step_and_the_engine_serves_on \
+      test_cuda_w8a8_compiled_and_graph_replayed_layer_equals_eager_with_one_compile_for_all_row_counts \
+      test_cuda_w8a8_engine_compiles_once_and_matches_transformers ;;
+  kernels) cuda_tests kernels.log test_triton_split_decode_matches_torch_reference \
+      test_cuda_row_max_kernel_equals_torch_max test_cuda_silu_mul_quantize_kernel_rounds_as_the_eager_ops \
+      test_cuda_w8a8_kernel_lies_within_the_derived_bound_of_the_float32_reference ;;
   one:*) for c in new base new base; do steps $c random:llama-1b 1 512 --profile-steps 0 --quantization $q; done ;;
   full:*) for c in new base new base; do steps $c random:llama-1b 256 128 --profile-steps 0 --quantization $q; done ;;
   8b:*) for c in new base; do
