@@ -19,8 +19,10 @@ def enabled(device: int | None = None) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+@functools.cache
 def launch() -> dict:
     """A Triton launch's keyword arguments for PDL on the current device: the kernel's USE_PDL (which makes it wait
-    for the kernel before, and let the next launch) and Triton's own launch_pdl."""
+    for the kernel before, and let the next launch) and Triton's own launch_pdl. Made once (every launch unpacks the
+    same dict; none changes it): an engine process drives one device."""
     on = enabled()
     return {"USE_PDL": on, "launch_pdl": on}
