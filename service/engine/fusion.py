@@ -5,9 +5,10 @@ transformers' Llama-family attention runs q_proj, k_proj and v_proj as three mul
 decode step the key and value ones are small (a 1B model's: 2 MB of weights each), and a small multiply does not
 reach the memory bandwidth: on an H100 at one row the three took 15.1 us and one multiply over the concatenated
 weights 5.3 us; at 256 rows 17.3 us and 8.2 us (tests/gpu/decode_kernels.py). `fuse_qkv` concatenates them into
-one `qkv_proj` and gives the attention module a forward pass that splits its output; everything after the
-projections (norms, rotary embedding, the attention function, o_proj) is the model's own code, as its own
-forward pass calls it. `fuse_gate_up` does the same for the MLP's gate_proj and up_proj (one `gate_up_proj`; the
+one `qkv_proj` and gives the attention module a forward pass that splits its output; what follows is the
+model's own code (Qwen3's norms, the attention function, o_proj) as its own forward pass calls it, but for the
+rotary embedding, which turns q's and k's heads together (the family's formula, with its rotate_half: compiled,
+one kernel instead of two a layer; Qwen3 keeps the model's own, after its per-head norms). `fuse_gate_up` does the same for the MLP's gate_proj and up_proj (one `gate_up_proj`; the
 forward pass splits it and runs down_proj(act(gate) * up), the family's own formula).
 
 Only the attention and MLP classes whose forward pass is known (below) are fused, and only plain floating-point
@@ -159,12 +160,18 @@ def _fused_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
     weights through `generate` with sdpa and a KV cache of transformers' own)."""
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    q, k, v = (t.view(hidden_shape) for t in self.qkv_proj(hidden_states).split(self.qkv_sizes, dim=-1))
-    if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over each head of q and k, before the rotary embedding
-        q, k = self.q_norm(q), self.k_norm(k)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    qkv = self.qkv_proj(hidden_states)
     cos, sin = position_embeddings
-    q, k = self.model_code.apply_rotary_pos_emb(q, k, cos, sin)
+    if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over each head of q and k, before the rotary embedding
+        q, k, v = (t.view(hidden_shape) for t in qkv.split(self.qkv_sizes, dim=-1))
+        q, k, v = self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), v.transpose(1, 2)
+        q, k = self.model_code.apply_rotary_pos_emb(q, k, cos, sin)
+    else:  # q's and k's heads turned together, as apply_rotary_pos_emb turns each: one kernel where compiled
+        q_size, k_size, v_size = self.qkv_sizes
+        qk, v = (t.view(hidden_shape).transpose(1, 2) for t in qkv.split([q_size + k_size, v_size], dim=-1))
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        qk = qk * cos + self.model_code.rotate_half(qk) * sin
+        q, k = qk.split([q_size // self.head_dim, k_size // self.head_dim], dim=1)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, self.layer_idx)
     # the engine's paged attention is registered there too (attention.py), as the model's own forward finds it
