@@ -33,11 +33,12 @@ class NonFiniteLogitsError(RuntimeError):
 class SampleResult:
     """One step's samples: `token_ids` on the device at once, on the host once `read` has waited."""
 
-    def __init__(self, token_ids: torch.Tensor, nan: torch.Tensor, logprob_rows: list[int], logprob_ks: list[int],
+    def __init__(self, token_ids: torch.Tensor, top: torch.Tensor, logprob_rows: list[int], logprob_ks: list[int],
                  logprob_tensors: list[torch.Tensor], copy_stream: torch.cuda.Stream | None):
         self.token_ids = token_ids  # [rows] int64 on the device
+        # top: each row's largest logit, NaN where the row holds a NaN (the host looks, once it has the copy)
         self.logprob_rows, self.logprob_ks = logprob_rows, logprob_ks
-        tensors = [token_ids, nan, *logprob_tensors]
+        tensors = [token_ids, top, *logprob_tensors]
         if copy_stream is None:  # CPU: the values are already there
             self._host, self._event = tensors, None
             return
@@ -55,7 +56,7 @@ class SampleResult:
         if self._event is not None:
             self._event.synchronize()
         tokens = self._host[0].tolist()
-        if self._host[1].item():  # a NaN makes the argmax meaningless: fail the step rather than emit garbage
+        if self._host[1].isnan().any():  # a NaN makes the argmax meaningless: fail the step rather than emit garbage
             raise NonFiniteLogitsError(f"the model produced NaN logits for {len(tokens)} sequences")
         logprobs = [None] * len(tokens)
         if self.logprob_rows:
@@ -83,8 +84,8 @@ class Sampler:
             # argmax is the same in the model's dtype: skip the float copy of [rows, vocab]. max propagates NaN, so
             # the row maxima tell whether any logit was NaN: one pass over the logits instead of two
             top, tokens = self.row_max(logits)
-            return SampleResult(tokens, top.isnan().any().reshape(1), [], [], [], self.copy_stream)
-        nan = torch.isnan(logits).any().reshape(1)  # read back with the tokens: no extra device sync
+            return SampleResult(tokens, top, [], [], [], self.copy_stream)
+        top = logits.amax(-1)  # NaN where a row holds one, read back with the tokens: no extra device sync
         logits = logits.float()
         if banned:
             rows, cols = zip(*banned)
@@ -98,7 +99,7 @@ class Sampler:
             top_v, top_i = lp.topk(max(max(ks), 1), -1)
             chosen = lp.gather(1, tokens.index_select(0, index).unsqueeze(1)).squeeze(1)
             extra = [chosen, top_v, top_i]
-        return SampleResult(tokens, nan, wanted, ks, extra, self.copy_stream)
+        return SampleResult(tokens, top, wanted, ks, extra, self.copy_stream)
 
     @staticmethod
     def _scan(seqs: list[Sequence]) -> tuple[list[tuple[int, int]], list[int], bool]:
