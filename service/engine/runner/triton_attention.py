@@ -9,8 +9,10 @@ masked, BLOCK_N at a time. The tiles come longest first (input_packing.build_til
 Decode steps split each sequence's context into up to SPLITS parts, one program each (a third grid dimension),
 as flash-decoding does: one program per (sequence, KV head) is too few programs to fill the GPU at small batches,
 and at large ones a mix of short and long contexts leaves the SMs that drew long ones working alone at the end.
-Each part writes its normalised output and log-sum-exp, and a second kernel combines a sequence's parts; a
-sequence short enough for one part writes its output directly and the second kernel skips it.
+Each part writes its normalised output and log-sum-exp and counts itself done (an atomic counter per sequence and
+KV head); the last of a sequence's parts to finish combines them all, as split-K GEMMs do, where a second kernel
+used to (2.3 us a layer for one sequence on an H100). A sequence short enough for one part writes its output
+directly.
 
 A step's new keys and values go into the cache first, one small kernel for both (two index_copy_ took 6.3 us a
 layer at 256 tokens on the H100, this 1.9).
@@ -71,7 +73,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_N: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr,
-    PART_O, PART_LSE, NUM_PARTS, SPLITS: tl.constexpr, MIN_TILES: tl.constexpr, USE_PDL: tl.constexpr,
+    PART_O, PART_LSE, NUM_PARTS, COUNTS, SPLITS: tl.constexpr, MIN_TILES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # the kernel before has finished and its writes are visible (engine/pdl.py)
         tl.extra.cuda.gdc_wait()
@@ -143,49 +145,41 @@ def _paged_attention_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     out_ok = row_ok[:, None] & d_ok[None, :]
-    if parts > 1:  # (decode: token = sequence) a part for _combine_parts_kernel, in float32
-        part = (seq * tl.num_programs(1) * GROUP + head) * SPLITS + split
-        tl.store(PART_O + part[:, None] * HEAD_DIM + d[None, :], out, mask=out_ok)
-        tl.store(PART_LSE + part, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_i)), mask=row_ok)
-    else:
+    last = parts == 1
+    if parts > 1:  # (decode: token = sequence) a part in float32; the last part to finish combines them all
+        base = (seq * tl.num_programs(1) * GROUP + head) * SPLITS
+        tl.store(PART_O + (base + split)[:, None] * HEAD_DIM + d[None, :], out, mask=out_ok)
+        tl.store(PART_LSE + base + split, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_i)), mask=row_ok)
+        tl.debug_barrier()  # every thread's share of the part is written before the count says it is
+        count = COUNTS + seq * tl.num_programs(1) + kv_head
+        last = tl.atomic_add(count, 1, sem="acq_rel") == parts - 1
+        if last:
+            tl.store(count, 0)  # zero again for the next call
+            out = _combine_parts(PART_O, PART_LSE, base, parts, row_ok, d, d_ok, HEAD_DIM, SPLITS, BLOCK_M, BLOCK_D)
+    if last:
         tl.store(O + (q_begin + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(O.dtype.element_ty), mask=out_ok)
 
 
 @triton.jit
-def _combine_parts_kernel(O, PART_O, PART_LSE, NUM_PARTS, stride_ot, stride_oh, num_heads,
-                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr,
-                          USE_PDL: tl.constexpr):
-    """One decode token's output from its parts, weighted by their log-sum-exps (log2 domain); a token whose
-    context was one part already has its output."""
-    if USE_PDL:  # the kernel before has finished and its writes are visible (engine/pdl.py)
-        tl.extra.cuda.gdc_wait()
-    seq = tl.program_id(0)
-    parts = tl.load(NUM_PARTS + seq)
-    if parts <= 1:
-        return
-    head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = head < num_heads
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    base = (seq * num_heads + head) * SPLITS
-    top = tl.full([BLOCK_H], float("-inf"), tl.float32)
+def _combine_parts(PART_O, PART_LSE, base, parts, row_ok, d, d_ok, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The rows' output from their parts, weighted by their log-sum-exps (log2 domain). The parts come from other
+    programs, through L2 (.cg: never a stale line of this SM's L1)."""
+    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
     for s in tl.static_range(SPLITS):
-        top = tl.maximum(top, tl.load(PART_LSE + base + s, mask=h_ok & (s < parts), other=float("-inf")))
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    total = tl.zeros([BLOCK_H], tl.float32)
+        top = tl.maximum(top, tl.load(PART_LSE + base + s, mask=row_ok & (s < parts), other=float("-inf"),
+                                      cache_modifier=".cg"))
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
     for s in tl.static_range(SPLITS):
-        ok = h_ok & (s < parts)
-        w = tl.exp2(tl.load(PART_LSE + base + s, mask=ok, other=float("-inf")) - top)
+        ok = row_ok & (s < parts)
+        w = tl.exp2(tl.load(PART_LSE + base + s, mask=ok, other=float("-inf"), cache_modifier=".cg") - top)
         w = tl.where(ok, w, 0.0)
         acc += w[:, None] * tl.load(PART_O + (base + s)[:, None] * HEAD_DIM + d[None, :],
-                                    mask=ok[:, None] & d_ok[None, :], other=0.0)
+                                    mask=ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
         total += w
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-    tl.store(O + seq * stride_ot + head[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty),
-             mask=h_ok[:, None] & d_ok[None, :])
+    return acc / tl.where(total == 0.0, 1.0, total)[:, None]
 
 
 @triton.jit
@@ -247,6 +241,22 @@ def launch_config(block_m: int, head_dim: int) -> tuple[int, int, int, int]:
 MAX_SPLITS, PROGRAMS_PER_SM, MIN_TILES = 8, 3, 2
 
 
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []
+
+
+def _part_counts(device: torch.device, n: int) -> torch.Tensor:
+    """At least n int32 counters, zero, on `device`: how many parts of each (sequence, KV head) have finished. The
+    last part sets its counter back to zero, so one buffer serves every call. A buffer outgrown stays allocated:
+    a CUDA graph captured with it keeps using it."""
+    counts = _COUNTS.get(device)
+    if counts is None or counts.numel() < n:
+        if counts is not None:
+            _OUTGROWN.append(counts)
+        counts = _COUNTS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return counts
+
+
 @functools.cache
 def _sm_count(device: int) -> int:
     """The device's streaming multiprocessors (asked once per device)."""
@@ -290,10 +300,11 @@ def triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: 
         part_o = torch.empty(num_seqs * num_heads * splits * head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_seqs * num_heads * splits, dtype=torch.float32, device=q.device)
         num_parts = torch.empty(num_seqs, dtype=torch.int32, device=q.device)
+        counts = _part_counts(q.device, num_seqs * kv_heads)
         if parts_out is not None:
             parts_out.append(num_parts)
     else:  # unused by the kernel without a split, but pointers all the same
-        part_o = part_lse = num_parts = out
+        part_o = part_lse = num_parts = counts = out
     grid = (meta.tile_seq.shape[0], kv_heads, splits)
     block_d = triton.next_power_of_2(head_dim)
     _paged_attention_kernel[grid](
@@ -307,12 +318,7 @@ def triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: 
         USE_WINDOW=bool(sliding_window), USE_SOFTCAP=bool(softcap),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP16_DOTS=k_cache.element_size() == 1 and q.dtype != torch.float32,
-        PART_O=part_o, PART_LSE=part_lse, NUM_PARTS=num_parts, SPLITS=splits, MIN_TILES=min_tiles,
+        PART_O=part_o, PART_LSE=part_lse, NUM_PARTS=num_parts, COUNTS=counts, SPLITS=splits, MIN_TILES=min_tiles,
         num_warps=warps, num_stages=stages, **pdl.launch(),
     )
-    if splits > 1:
-        block_h = min(triton.next_power_of_2(num_heads), 32)
-        _combine_parts_kernel[(num_seqs, triton.cdiv(num_heads, block_h))](
-            out, part_o, part_lse, num_parts, out.stride(0), out.stride(1), num_heads,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, SPLITS=splits, num_warps=4, **pdl.launch())
     return out
