@@ -27,20 +27,14 @@ from service.engine import pdl
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Ask the L2 cache for the 128-byte lines at ptrs (PTX prefetch.global.L2: nothing waits for it, no register
-    holds the bytes)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _int8_scaled_mm_kernel(
     A, B, C, scale_a, scale_b, M, N, K,
     stride_am, stride_bn, stride_cm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    WEIGHT_ONLY: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    WEIGHT_ONLY: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # the kernel before has finished and its writes are visible (engine/pdl.py)
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -57,13 +51,6 @@ def _int8_scaled_mm_kernel(
     b_ptr = B + rn[None, :].to(tl.int64) * stride_bn + rk[:, None]
     m_ok = rm[:, None] < M
     n_ok = rn[None, :] < N
-    if PREFETCH:  # no kernel writes the weights: while the kernel before finishes, bring this tile's into L2
-        line = 128 * 8 // B.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line holds
-        rows = B + tl.minimum(rn, N - 1)[:, None].to(tl.int64) * stride_bn
-        for k in range(0, K, 16 * line):
-            _prefetch_l2(rows + tl.minimum(k + tl.arange(0, 16)[None, :] * line, K - 1))
-    if USE_PDL:  # the kernel before has finished and its writes are visible (engine/pdl.py)
-        tl.extra.cuda.gdc_wait()
     if WEIGHT_ONLY:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:
@@ -91,9 +78,6 @@ def _int8_scaled_mm_kernel(
     tl.store(c_ptr, out.to(C.dtype.element_ty), mask=m_ok & n_ok)
 
 
-# Under PDL, a launch of one tile's rows (a decode step of a few sequences) asks the L2 cache for its weights before it
-# waits for the kernel before: reading them then overlaps that kernel's end (as CUTLASS's weight-prefetch example).
-PREFETCH_WEIGHTS = True  # (tests/gpu/prefetch_chain.py turns it off to compare)
 WAVE = 128  # output tiles that keep an H100's 132 SMs busy once
 FEW = 16  # the most rows that one tile's height holds: a decode step of a few sequences
 SMALL = 64  # the most rows that get a tile of their own height
@@ -134,13 +118,12 @@ def int8_scaled_mm(codes: torch.Tensor, scale: torch.Tensor | None, weight: torc
         return out
     block_m, block_n, block_k, warps, stages = tile or tile_for(rows, n, weight_only)
     grid = (triton.cdiv(rows, block_m) * triton.cdiv(n, block_n),)
-    launch = pdl.launch()
     _int8_scaled_mm_kernel[grid](
         codes, weight, out, weight_scale if scale is None else scale, weight_scale, rows, n, k,
         codes.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, WEIGHT_ONLY=weight_only,
         PRECISION="ieee" if codes.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
-        PREFETCH=launch["USE_PDL"] and rows <= block_m and PREFETCH_WEIGHTS, **launch)
+        **pdl.launch())
     return out
 
 
