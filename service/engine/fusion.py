@@ -8,8 +8,9 @@ weights 5.3 us; at 256 rows 17.3 us and 8.2 us (tests/gpu/decode_kernels.py). `f
 one `qkv_proj` and gives the attention module a forward pass that splits its output; what follows is the
 model's own code (Qwen3's norms, the attention function, o_proj) as its own forward pass calls it, but for the
 rotary embedding, which turns q's and k's heads together (the family's formula, with its rotate_half: compiled,
-one kernel instead of two a layer; Qwen3 keeps the model's own, after its per-head norms). `fuse_gate_up` does the same for the MLP's gate_proj and up_proj (one `gate_up_proj`; the
-forward pass splits it and runs down_proj(act(gate) * up), the family's own formula).
+one kernel instead of two a layer; Qwen3 keeps the model's own, after its per-head norms). `fuse_gate_up` does
+the same for the MLP's gate_proj and up_proj (one `gate_up_proj`; the forward pass splits it and runs
+down_proj(act(gate) * up), the family's own formula).
 
 Only the attention and MLP classes whose forward pass is known (below) are fused, and only plain floating-point
 weights or W8A8Linear layers of one mode (engine/quant/w8a8.py: the W8A8 modes, and weight-only int8 on CUDA;

@@ -11,6 +11,7 @@ equal lengths, cuDNN's dense SDPA on the same shape: the fastest kernel measured
 `bench kernel` counts them; one line per case, every timing in --json.
 
   python3 tests/gpu/attention_sweep.py --base .base/service/engine/runner/triton_attention.py --json out.json
+  python3 tests/gpu/attention_sweep.py --current-only --base ...   # only the configuration in use: an A/B
 """
 
 import argparse
@@ -73,6 +74,7 @@ def main():
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--phases", default="decode,prefill")
     ap.add_argument("--json", default="")
+    ap.add_argument("--current-only", action="store_true", help="only the configuration in use (with --base: A/B)")
     args = ap.parse_args()
     name = torch.cuda.get_device_name()
     peak_flops, peak_bw = roofline.device_peak(name, "bf16")
@@ -99,7 +101,7 @@ def main():
             default_m = block_m_for(HEADS // KV_HEADS, decode)
             current = (default_m, *triton_attention.launch_config(default_m, head_dim))
             # (BLOCK_M, BLOCK_N, WIDE_N, warps, stages)
-            configs = [current] + ([(16, bn, wn, w, st) for bn, wn, w, st in [
+            configs = [current] if args.current_only else [current] + ([(16, bn, wn, w, st) for bn, wn, w, st in [
                 (64, 64, 4, 2), (64, 128, 4, 2), (128, 128, 4, 2), (64, 128, 2, 2), (32, 128, 4, 2), (64, 128, 4, 3),
                 (64, 64, 2, 2), (32, 32, 2, 3)]] if decode else
                 [(bm, bn, bn, w, st) for bm, bn, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))])
