@@ -132,21 +132,22 @@ def kernel_table(path: str, steps: int, gap_us: float = 20.0) -> None:
     import collections
     import json
 
+    from service.bench.offline.steps import busy_union
+
     with open(path) as f:
         kernels = sorted((e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     if not kernels:
         print("no GPU kernels in the trace")
         return
     total, count = collections.defaultdict(float), collections.Counter()
-    busy, idle, end = 0.0, [], kernels[0]["ts"]
+    busy = busy_union([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+    idle, end = [], kernels[0]["ts"]
     for e in kernels:
         total[e["name"]] += e["dur"]
         count[e["name"]] += 1
-        start, stop = e["ts"], e["ts"] + e["dur"]
-        if start > end and start - end < gap_us:
-            idle.append(start - end)
-        busy += max(stop - max(start, end), 0.0)
-        end = max(end, stop)
+        if end < e["ts"] < end + gap_us:
+            idle.append(e["ts"] - end)
+        end = max(end, e["ts"] + e["dur"])
     span = end - kernels[0]["ts"]
     print(f"kernels a step {len(kernels) / steps:.1f}, busy {busy / steps:.1f} us (the kernels' own times "
           f"{sum(total.values()) / steps:.1f} us), first to last kernel {span / steps:.1f} us, idle between kernels "
