@@ -193,7 +193,9 @@ def _flashinfer(backend: str):
                          kv_data_type=q.dtype)
             wrapper.run(packed, cache)
         except Exception as exc:  # noqa: BLE001 - no kernel for this dtype or head dim, or its build failed
-            raise Unsupported(f"flashinfer {backend}: {str(exc).strip().splitlines()[0][:200]}") from None
+            lines = str(exc).strip().splitlines() or [type(exc).__name__]
+            why = next((line for line in lines if "error" in line.lower()), lines[0])  # a failed build's first error
+            raise Unsupported(f"flashinfer {backend}: {why.strip()[:300]}") from None
         return lambda: wrapper.run(packed, cache).view(b, qlen, shape.heads, -1).transpose(1, 2)
     return build
 
