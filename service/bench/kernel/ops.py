@@ -165,6 +165,41 @@ def _paged(shape: Shape, q, k, v) -> Callable:
     return lambda: kernel(packed, k_cache, v_cache, meta, scale).view(b, qlen, shape.heads, -1).transpose(1, 2)
 
 
+def _flashinfer(backend: str):
+    """FlashInfer's batch prefill over the same paged cache as `paged` (FlashInfer's "HND" layout is the engine's
+    CUDA cache, heads outside tokens), decode included (one query at the end of its context). `backend`: "auto"
+    (FlashAttention-3's kernels on Hopper) or "fa2". Runs where flashinfer-python is installed
+    (tests/gpu/flashinfer_wheels.sh); its kernels compile on first use, with the machine's nvcc."""
+    def build(shape: Shape, q, k, v) -> Callable:
+        if q.device.type != "cuda":
+            raise Unsupported("flashinfer: needs a CUDA GPU")
+        try:
+            import flashinfer
+        except ImportError:
+            raise Unsupported("flashinfer: not installed (tests/gpu/flashinfer_wheels.sh)") from None
+        packed, k_cache, v_cache, _, batch = paged_inputs(shape, q, k, v, "triton")
+        device, b, qlen = q.device, shape.batch, shape.queries
+        tables = [seq.block_table for seq in batch.seqs]
+        as_int = lambda values: torch.tensor(values, dtype=torch.int32, device=device)
+        kv_indptr = as_int([0] + [sum(len(t) for t in tables[:i + 1]) for i in range(b)])
+        last_page = as_int([(shape.context - 1) % BLOCK_SIZE + 1] * b)
+        qo_indptr = as_int([i * qlen for i in range(b + 1)])
+        workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND", backend=backend)
+        cache = (k_cache.transpose(1, 2), v_cache.transpose(1, 2))  # [pages, KV heads, page, head dim]
+        try:
+            wrapper.plan(qo_indptr, kv_indptr, as_int([p for t in tables for p in t]), last_page, shape.heads,
+                         shape.kv_heads, shape.head_dim, BLOCK_SIZE, causal=True, q_data_type=q.dtype,
+                         kv_data_type=q.dtype)
+            wrapper.run(packed, cache)
+        except Exception as exc:  # noqa: BLE001 - no kernel for this dtype or head dim, or its build failed
+            lines = str(exc).strip().splitlines() or [type(exc).__name__]
+            why = next((line for line in lines if "error" in line.lower()), lines[0])  # a failed build's first error
+            raise Unsupported(f"flashinfer {backend}: {why.strip()[:300]}") from None
+        return lambda: wrapper.run(packed, cache).view(b, qlen, shape.heads, -1).transpose(1, 2)
+    return build
+
+
 def _plain(shape: Shape, q, k, v) -> Callable:
     return lambda: reference(q, k, v, shape.phase == "prefill")
 
@@ -176,6 +211,8 @@ OPS: dict[str, Callable] = {
     "sdpa-cudnn": _sdpa("CUDNN_ATTENTION"),
     "sdpa-math": _sdpa("MATH"),
     "flex": _flex,
+    "flashinfer": _flashinfer("auto"),
+    "flashinfer-fa2": _flashinfer("fa2"),
     "reference": _plain,
 }
 
