@@ -5,6 +5,7 @@ one query per sequence over K cached tokens) and returns [B, H, Q, D]; its own l
 packed tokens) is built before the clock starts. An operation that cannot run a shape raises Unsupported.
 """
 
+import itertools
 import random
 from dataclasses import dataclass
 from typing import Callable
@@ -181,7 +182,7 @@ def _flashinfer(backend: str):
         device, b, qlen = q.device, shape.batch, shape.queries
         tables = [seq.block_table for seq in batch.seqs]
         as_int = lambda values: torch.tensor(values, dtype=torch.int32, device=device)
-        kv_indptr = as_int([0] + [sum(len(t) for t in tables[:i + 1]) for i in range(b)])
+        kv_indptr = as_int([0, *itertools.accumulate(len(t) for t in tables)])
         last_page = as_int([(shape.context - 1) % BLOCK_SIZE + 1] * b)
         qo_indptr = as_int([i * qlen for i in range(b + 1)])
         workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
