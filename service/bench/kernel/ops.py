@@ -167,9 +167,10 @@ def _paged(shape: Shape, q, k, v) -> Callable:
 
 
 def _flashinfer(backend: str):
-    """FlashInfer's batch prefill over the same paged cache as `paged` (FlashInfer's "HND" layout is the engine's
-    CUDA cache, heads outside tokens), decode included (one query at the end of its context). `backend`: "auto"
-    (FlashAttention-3's kernels on Hopper) or "fa2". Runs where flashinfer-python is installed
+    """FlashInfer's kernels over the same paged cache as `paged` (FlashInfer's "HND" layout is the engine's CUDA
+    cache, heads outside tokens). `backend` "auto": its batch prefill (FlashAttention-3's kernels on Hopper) and its
+    batch decode kernel; "fa2": its FlashAttention-2 prefill kernel in both phases (at decode, one query at the end
+    of each context: what its decode wrapper runs with tensor cores). Runs where flashinfer-python is installed
     (tests/gpu/flashinfer_wheels.sh); its kernels compile on first use, with the machine's nvcc."""
     def build(shape: Shape, q, k, v) -> Callable:
         if q.device.type != "cuda":
@@ -182,16 +183,19 @@ def _flashinfer(backend: str):
         device, b, qlen = q.device, shape.batch, shape.queries
         tables = [seq.block_table for seq in batch.seqs]
         as_int = lambda values: torch.tensor(values, dtype=torch.int32, device=device)
-        kv_indptr = as_int([0, *itertools.accumulate(len(t) for t in tables)])
-        last_page = as_int([(shape.context - 1) % BLOCK_SIZE + 1] * b)
-        qo_indptr = as_int([i * qlen for i in range(b + 1)])
+        pages = (as_int([0, *itertools.accumulate(len(t) for t in tables)]), as_int([p for t in tables for p in t]),
+                 as_int([(shape.context - 1) % BLOCK_SIZE + 1] * b))  # indptr, page indices, last page's length
+        heads = (shape.heads, shape.kv_heads, shape.head_dim, BLOCK_SIZE)
         workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
-        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND", backend=backend)
         cache = (k_cache.transpose(1, 2), v_cache.transpose(1, 2))  # [pages, KV heads, page, head dim]
         try:
-            wrapper.plan(qo_indptr, kv_indptr, as_int([p for t in tables for p in t]), last_page, shape.heads,
-                         shape.kv_heads, shape.head_dim, BLOCK_SIZE, causal=True, q_data_type=q.dtype,
-                         kv_data_type=q.dtype)
+            if shape.phase == "decode" and backend == "auto":
+                wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
+                wrapper.plan(*pages, *heads, q_data_type=q.dtype, kv_data_type=q.dtype)
+            else:
+                wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND", backend=backend)
+                wrapper.plan(as_int([i * qlen for i in range(b + 1)]), *pages, *heads, causal=True,
+                             q_data_type=q.dtype, kv_data_type=q.dtype)
             wrapper.run(packed, cache)
         except Exception as exc:  # noqa: BLE001 - no kernel for this dtype or head dim, or its build failed
             lines = str(exc).strip().splitlines() or [type(exc).__name__]
