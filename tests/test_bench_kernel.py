@@ -87,7 +87,7 @@ def test_every_cpu_operation_passes_the_gate_or_is_skipped_with_a_reason_and_the
     for phase in ("prefill", "decode"):
         for op in ("paged", "sdpa-flash", "sdpa-math", "reference"):
             assert status[(op, phase)] == "ok"
-        for op in ("sdpa-efficient", "sdpa-cudnn", "flex", "flashinfer", "flashinfer-fa2"):
+        for op in ("sdpa-efficient", "sdpa-cudnn", "flex", "cudnn-paged", "flashinfer", "flashinfer-fa2"):
             assert status[(op, phase)] == "skipped"
     assert (tmp_path / "k.png").stat().st_size > 10_000
     runs = _rows(db, schema.runs)

@@ -112,15 +112,15 @@ def _flex(shape: Shape, q, k, v) -> Callable:
     return lambda: _flex_compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa)
 
 
-def scattered_batch(shapes: list[tuple[int, int]], rng: random.Random):
-    """A scheduled batch of sequences, each (tokens already cached, new tokens), whose pages are drawn from a
-    shuffled cache, as a long-running cache has them; page 0 stays unused (the engine's scratch page). Returns the
-    batch and the number of pages its cache needs (page 0 included)."""
+def scattered_batch(shapes: list[tuple[int, int]], rng: random.Random, block_size: int = BLOCK_SIZE):
+    """A scheduled batch of sequences, each (tokens already cached, new tokens), whose pages of `block_size` tokens
+    are drawn from a shuffled cache, as a long-running cache has them; page 0 stays unused (the engine's scratch
+    page). Returns the batch and the number of pages its cache needs (page 0 included)."""
     from service.engine.sampling import SamplingParams
     from service.engine.scheduler import ScheduledBatch
     from service.engine.sequence import Sequence
 
-    pages = [-(-(context + new) // BLOCK_SIZE) for context, new in shapes]
+    pages = [-(-(context + new) // block_size) for context, new in shapes]
     free = list(range(1, sum(pages) + 1))
     rng.shuffle(free)
     seqs = []
@@ -164,6 +164,24 @@ def _paged(shape: Shape, q, k, v) -> Callable:
     packed, k_cache, v_cache, meta, _ = paged_inputs(shape, q, k, v, backend)
     b, qlen, scale = shape.batch, shape.queries, shape.head_dim ** -0.5
     return lambda: kernel(packed, k_cache, v_cache, meta, scale).view(b, qlen, shape.heads, -1).transpose(1, 2)
+
+
+def _cudnn_paged(shape: Shape, q, k, v) -> Callable:
+    """cuDNN's fused attention over the same paged cache as `paged` (kernel/cudnn_paged.py), prefill only: where
+    the cuDNN frontend is installed."""
+    from service.bench.kernel import cudnn_paged
+    if shape.phase != "prefill":
+        raise Unsupported("cudnn-paged: prefill only")
+    if why := cudnn_paged.unsupported(q, k):
+        raise Unsupported(why)
+    packed, k_cache, v_cache, meta, _ = paged_inputs(shape, q, k, v, "triton")
+    try:
+        run = cudnn_paged.paged_prefill(packed, k_cache, v_cache, meta, shape.head_dim ** -0.5)
+        run()
+    except Exception as exc:  # noqa: BLE001 - cuDNN has no engine for this shape here
+        raise Unsupported(f"cudnn-paged: {str(exc).strip().splitlines()[0][:300]}") from None
+    b, qlen = shape.batch, shape.queries
+    return lambda: run().view(b, qlen, shape.heads, -1).transpose(1, 2)
 
 
 def _flashinfer(backend: str):
@@ -216,6 +234,7 @@ OPS: dict[str, Callable] = {
     "sdpa-cudnn": _sdpa("CUDNN_ATTENTION"),
     "sdpa-math": _sdpa("MATH"),
     "flex": _flex,
+    "cudnn-paged": _cudnn_paged,
     "flashinfer": _flashinfer("auto"),
     "flashinfer-fa2": _flashinfer("fa2"),
     "reference": _plain,

@@ -1,0 +1,74 @@
+"""On the H100 (device tool): prefill attention over the paged cache at several page sizes, cuDNN's fused attention
+(bench kernel's cudnn-paged: kernel/cudnn_paged.py) and our Triton kernel, beside cuDNN's dense SDPA over contiguous [B, H, S, D]
+tensors (bench kernel's `sdpa-cudnn`); median of 64 calls, L2 flushed before each (bench kernel's clock). The two
+paged kernels' largest difference is printed (a wrong one shows as a large number).
+
+    source tests/gpu/env.sh; python3 tests/gpu/cudnn_pages.py [--pages 16,32,64,128]
+"""
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from service.bench.kernel.cudnn_paged import paged_prefill
+from service.bench.kernel.ops import scattered_batch
+from service.bench.kernel.timing import time_calls
+from service.engine.runner.input_packing import pack_inputs
+from service.engine.runner.kv_cache import cache_tensor
+from service.engine.runner.triton_attention import triton_paged_attention
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--pages", default="16,32,64,128")
+ap.add_argument("--batch", type=int, default=4)
+args = ap.parse_args()
+dev, dt, heads, kv_heads = torch.device("cuda"), torch.bfloat16, 32, 8
+
+
+def ms(fn):
+    return statistics.median(time_calls(fn, dev, warmup=8, repeats=64)) * 1e3
+
+
+for dim in (64, 128):
+    for n in (1024, 4096):
+        q, k, v = (torch.randn(args.batch, h, n, dim, device=dev, dtype=dt) for h in (heads, kv_heads, kv_heads))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            dense = ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+        packed = q.transpose(1, 2).reshape(-1, heads, dim).contiguous()
+        scale = dim ** -0.5
+        for page in (int(p) for p in args.pages.split(",")):
+            batch, pages = scattered_batch([(0, n)] * args.batch, random.Random(0), block_size=page)
+            kc, vc = (cache_tensor(pages, page, kv_heads, dim, dt, dev).normal_() for _ in "kv")
+            meta = pack_inputs(batch, False, block_size=page, backend_name="triton", group=heads // kv_heads,
+                               device=dev)[2]
+            start = time.perf_counter()
+            cudnn = paged_prefill(packed, kc, vc, meta, scale)
+            cudnn()
+            torch.cuda.synchronize()
+            build = time.perf_counter() - start
+            ours = ms(lambda: triton_paged_attention(packed, kc, vc, meta, scale))
+            cud = ms(cudnn)
+            diff = (triton_paged_attention(packed, kc, vc, meta, scale).float() - cudnn().float()).abs().max().item()
+            print(f"head {dim} tokens {n} page {page:3d}: dense cuDNN {dense:.3f} ms | cuDNN paged {cud:.3f} "
+                  f"({cud / dense:.2f}x) | ours {ours:.3f} ({ours / dense:.2f}x) | max diff {diff:.1e} | first call (graph "
+                  f"build) {build * 1e3:.0f} ms", flush=True)
+
+# a mixed step of the mixed workload: 7 prompts of 1,000 tokens and 138 decode tokens over 100-1,500 cached
+rng = random.Random(0)
+shapes = [(0, 1000)] * 7 + [(rng.randint(100, 1500), 1) for _ in range(138)]
+for dim in (64, 128):
+    batch, pages = scattered_batch(shapes, random.Random(1))
+    kc, vc = (cache_tensor(pages, 16, kv_heads, dim, dt, dev).normal_() for _ in "kv")
+    meta = pack_inputs(batch, False, block_size=16, backend_name="triton", group=heads // kv_heads, device=dev)[2]
+    packed = torch.randn(sum(n for _, n in shapes), heads, dim, device=dev, dtype=dt)
+    scale = dim ** -0.5
+    ours = ms(lambda: triton_paged_attention(packed, kc, vc, meta, scale))
+    cudnn = paged_prefill(packed, kc, vc, meta, scale)
+    cud = ms(cudnn)
+    diff = (triton_paged_attention(packed, kc, vc, meta, scale).float() - cudnn().float()).abs().max().item()
+    print(f"head {dim} mixed step (7 x 1,000 prompt tokens, 138 decodes): cuDNN paged {cud:.3f} ms | ours "
+          f"{ours:.3f} | max diff {diff:.1e}", flush=True)
