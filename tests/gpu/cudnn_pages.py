@@ -1,7 +1,8 @@
 """On the H100 (device tool): prefill attention over the paged cache at several page sizes, cuDNN's fused attention
-(bench kernel's cudnn-paged: kernel/cudnn_paged.py) and our Triton kernel, beside cuDNN's dense SDPA over contiguous [B, H, S, D]
-tensors (bench kernel's `sdpa-cudnn`); median of 64 calls, L2 flushed before each (bench kernel's clock). The two
-paged kernels' largest difference is printed (a wrong one shows as a large number).
+(bench kernel's `cudnn-paged`: kernel/cudnn_paged.py) and our Triton kernel, beside cuDNN's dense SDPA over
+contiguous [B, H, S, D] tensors (bench kernel's `sdpa-cudnn`); median of 64 calls, L2 flushed before each (bench
+kernel's clock), and the time of the first call, which builds cuDNN's graph. Then a step of prompts and decode
+tokens. The two paged kernels' largest difference is printed (a wrong one shows as a large number).
 
     source tests/gpu/env.sh; python3 tests/gpu/cudnn_pages.py [--pages 16,32,64,128]
 """
@@ -54,8 +55,8 @@ for dim in (64, 128):
             cud = ms(cudnn)
             diff = (triton_paged_attention(packed, kc, vc, meta, scale).float() - cudnn().float()).abs().max().item()
             print(f"head {dim} tokens {n} page {page:3d}: dense cuDNN {dense:.3f} ms | cuDNN paged {cud:.3f} "
-                  f"({cud / dense:.2f}x) | ours {ours:.3f} ({ours / dense:.2f}x) | max diff {diff:.1e} | first call (graph "
-                  f"build) {build * 1e3:.0f} ms", flush=True)
+                  f"({cud / dense:.2f}x) | ours {ours:.3f} ({ours / dense:.2f}x) | max diff {diff:.1e} | "
+                  f"first call (graph build) {build * 1e3:.0f} ms", flush=True)
 
 # a mixed step of the mixed workload: 7 prompts of 1,000 tokens and 138 decode tokens over 100-1,500 cached
 rng = random.Random(0)

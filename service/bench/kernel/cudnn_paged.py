@@ -9,7 +9,7 @@ them all.
 
 Not the engine's kernel (docs/benchmarks.md, H100): with 128-wide heads its prefill is 1.3-1.6x faster than ours,
 with 64-wide heads no faster, and over a step of prompts and decode tokens 2-3x slower; a graph is built for
-each shape (sequences, longest query, longest context), 50-60 ms, 0.5-0.9 s where a kernel compiles.
+each shape (sequences, longest query, longest context), 50-100 ms, 0.5-1.1 s where a kernel compiles.
 """
 
 import functools
@@ -51,7 +51,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     triton_paged_attention computes it, into a new [tokens, heads, head dim]. Check `unsupported` first."""
     cudnn = _cudnn()
     io, i32 = getattr(cudnn.data_type, _DTYPES[q.dtype]), cudnn.data_type.INT32
-    num_tokens, heads, head_dim = q.shape
+    heads, head_dim = q.shape[1:]
     container_k, container_v = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # [pages, KV heads, page, dim]
     starts, b = meta.query_start_loc, meta.query_start_loc.shape[0] - 1
     inputs = {"offsets": (starts * (heads * head_dim)).view(b + 1, 1, 1, 1),  # in elements
