@@ -16,6 +16,7 @@ import threading
 import httpx
 import pytest
 
+from tests import web
 from tests.conftest import wait_until
 from tests.ports import free_port
 
@@ -57,7 +58,7 @@ class Served:
 
     def ready(self) -> bool:
         try:
-            return httpx.get(self.url + "/ready", timeout=5).status_code == 200
+            return web.get(self.url + "/ready", timeout=5).status_code == 200
         except httpx.TransportError:
             return False
 
@@ -69,7 +70,7 @@ class Served:
             wait_until(lambda: not _alive(pid), 30, f"process {pid} to end with its supervisor")
 
     def metrics(self) -> str:
-        return httpx.get(self.url + "/metrics", timeout=30).text
+        return web.get(self.url + "/metrics", timeout=30).text
 
 
 def _alive(pid: int) -> bool:
@@ -163,8 +164,11 @@ def test_a_dead_front_end_has_its_requests_aborted_and_the_others_serve_on():
         assert int(re.search(gone, s.log()).group(1)) >= 1
         with httpx.Client(timeout=60) as c:
             assert all(c.post(s.url + "/v1/completions", json=body()).status_code == 200 for _ in range(5))
+        # the other front end is told, and its scrapes no longer wait for the dead one's metrics
+        wait_until(lambda: f"api-{s.frontend_pids.index(victim)} is gone" in s.log(), 60, "the survivor to be told")
         wait_until(lambda: sample(s.metrics(), "llm_kv_cache_blocks_used") == 0 and
                    sample(s.metrics(), "llm_requests_running") == 0, 60, "every KV block to be free again")
+        assert "did not answer" not in s.log()
         assert s.proc.poll() is None  # the service goes on
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(60) == 1  # it lost a front end: not a clean exit
@@ -192,7 +196,7 @@ def test_sigterm_drains_every_front_end_then_stops_the_engine_with_status_0():
         s.proc.send_signal(signal.SIGTERM)
         wait_until(lambda: s.log().count("draining (up to") == 2, 60, "both front ends to begin their drain")
         with pytest.raises(httpx.HTTPError):  # no longer admitting: refused, or 503
-            httpx.post(s.url + "/v1/completions", json=body(), timeout=30).raise_for_status()
+            web.post(s.url + "/v1/completions", json=body(), timeout=30).raise_for_status()
         for (_, lines) in streams:
             events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
             assert events[-1]["choices"][0]["finish_reason"] == "length"  # every admitted request finishes

@@ -22,7 +22,7 @@ import zmq.asyncio
 from service.api.errors import unavailable
 from service.engine import messages
 from service.engine.errors import EngineDeadError, InvalidRequestError, SlowReaderError
-from service.engine.messages import Abort, Add, Admitted, Dead, Hello, Step
+from service.engine.messages import Abort, Add, Admitted, Dead, FrontendGone, Hello, Step
 from service.engine.results import RequestOutput, Timings
 from service.engine.sampling import SamplingParams, check_request, tokenize
 
@@ -199,10 +199,11 @@ class EngineClient:
     """The front end's side of the engine process's sockets: submit, abort, and the receiving task."""
 
     def __init__(self, folder: str, frontend: int = 0, stream_backlog: int = 512, stream_interval: int = 1,
-                 recorder=None):
+                 recorder=None, frontend_gone=None):
         self.folder, self.frontend = folder, frontend
         self.stream_backlog, self.stream_interval = stream_backlog, max(1, stream_interval)
         self.recorder = recorder  # telemetry.recorder.RequestRecorder, or None
+        self.frontend_gone = frontend_gone  # called with another front end's index once it has died, or None
         self.info: Hello | None = None
         self.tokenizer = None
         self.error: BaseException | None = None  # why the engine is gone (then only a restart helps)
@@ -320,6 +321,9 @@ class EngineClient:
                     self.info = msg
                     self.loaded.set()
                     log.info("linked to the engine process %d: %s", msg.pid, msg.model_name)
+                elif isinstance(msg, FrontendGone):
+                    if self.frontend_gone is not None:
+                        self.frontend_gone(msg.frontend)
                 elif isinstance(msg, Dead):
                     self.fail(EngineDeadError(msg.reason))
                     self.loaded.set()

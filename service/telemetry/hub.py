@@ -8,6 +8,7 @@ its own metrics over OTLP (service.telemetry.otlp), described by `resource` (ser
 """
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -22,6 +23,7 @@ from service.telemetry.metrics import Metrics
 from service.telemetry.recorder import EngineRecorder, RequestRecorder
 from service.telemetry.tracing import Tracing, make_provider
 
+log = logging.getLogger(__name__)
 LAG_PERIOD = 0.5  # seconds between the event-loop lag checks
 
 
@@ -96,6 +98,12 @@ class Telemetry:
         self.tracing.shutdown()
         if self.meter_provider is not None:
             otlp.shutdown(self.meter_provider)
+
+    def forget(self, process: str) -> None:
+        """A process of the server has died: later scrapes no longer ask it (each would wait gather.ASK_TIMEOUT_MS
+        for it)."""
+        self.peers = tuple(p for p in self.peers if p != process)
+        log.info("%s is gone: its metrics are left out of /metrics from now on", process)
 
     async def render(self, accept: str | None) -> tuple[bytes, str]:
         """Every process's metrics, merged, in the format the scraper asks for."""
