@@ -5,9 +5,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import httpx
 import yaml
 
+from tests import web
 from tests.conftest import free_port, wait_until
 
 
@@ -32,7 +32,7 @@ class Prometheus:
         def ready() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"prometheus exited: {(self.dir / 'log').read_text()[-2000:]}")
-            return httpx.get(self.url + "/-/ready", timeout=1).status_code == 200
+            return web.get(self.url + "/-/ready", timeout=1).status_code == 200
 
         try:
             wait_until(ready, 30, "prometheus to be ready")
@@ -52,7 +52,7 @@ class Prometheus:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def query(self, expr: str) -> list[dict]:
-        r = httpx.get(self.url + "/api/v1/query", params={"query": expr}, timeout=10).json()
+        r = web.get(self.url + "/api/v1/query", params={"query": expr}, timeout=10).json()
         assert r["status"] == "success", (expr, r)
         return r["data"]["result"]
 

@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from tests import web
 from tests.conftest import LiveServer
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -95,13 +96,13 @@ def test_models_route(client, server):
 
 
 def test_native_generate_returns_timings(server):
-    r = httpx.post(server.url + "/generate", json={"prompt": "Hello", "max_tokens": 5, "temperature": 0}).json()
+    r = web.post(server.url + "/generate", json={"prompt": "Hello", "max_tokens": 5, "temperature": 0}).json()
     t = r["timings"]
     assert len(r["token_ids"]) == 5 and len(t["token_times"]) == 5 and len(t["inter_token"]) == 4
     assert 0 <= t["queue"] <= t["ttft"] == t["token_times"][0] <= t["total"]
     assert t["token_times"] == sorted(t["token_times"])
-    with httpx.stream("POST", server.url + "/generate",
-                      json={"token_ids": [1, 2, 3], "max_tokens": 4, "stream": True}) as resp:
+    with web.stream("POST", server.url + "/generate",
+                    json={"token_ids": [1, 2, 3], "max_tokens": 4, "stream": True}) as resp:
         events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
@@ -132,31 +133,32 @@ def test_native_generate_returns_timings(server):
     ("/generate", {"token_ids": [1, 10**9]}, 400, "prompt"),
 ])
 def test_invalid_requests_get_openai_errors(server, route, body, status, param):
-    r = httpx.post(server.url + route, json=body)
+    r = web.post(server.url + route, json=body)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["message"] and error["type"]
     if param:
         assert error["param"] == param or error["param"].startswith(param)
-    assert httpx.get(server.url + "/ready").status_code == 200
+    assert web.get(server.url + "/ready").status_code == 200
 
 
 def test_over_long_prompt_error_names_the_limit(server):
-    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hello " * 9000})
+    r = web.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hello " * 9000})
     assert "maximum context length is 8176 tokens" in r.json()["error"]["message"]
 
 
 def test_malformed_json_is_a_400_not_a_500(server):
     for raw in [b"{bad json", b"", b"[1, 2]", b'{"model": 3, "prompt": {}}']:
-        r = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+        r = web.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
         assert r.status_code == 400, (raw, r.text)
         assert r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_disconnect_frees_kv_blocks(server):
-    with httpx.stream("POST", server.url + "/v1/completions",
-                      json={"model": MODEL, "prompt": "Tell a long story", "max_tokens": 2000, "ignore_eos": True,
-                            "stream": True}) as resp:
+    with web.stream("POST", server.url + "/v1/completions",
+                    json={"model": MODEL, "prompt": "Tell a long story", "max_tokens": 2000, "ignore_eos": True,
+                          "stream": True}) as resp:
+        assert resp.status_code == 200, resp.read()
         for line in resp.iter_lines():
             if line.startswith("data: "):
                 break
@@ -220,10 +222,10 @@ def test_api_key_is_required_when_configured(default_model):
         bad = openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
-        assert httpx.post(s.url + "/generate", json={"prompt": "x"}).status_code == 401
+        assert web.post(s.url + "/generate", json={"prompt": "x"}).status_code == 401
         good = openai.OpenAI(base_url=s.url + "/v1", api_key="sekret")
         assert good.completions.create(model=MODEL, prompt="x", max_tokens=1).usage.completion_tokens == 1
-        assert httpx.get(s.url + "/health").status_code == 200  # probes need no key
+        assert web.get(s.url + "/health").status_code == 200  # probes need no key
         folder = s.app.state.server.folder
         assert os.path.exists(os.path.join(folder, "engine"))
     assert not os.path.exists(folder)  # the engine's socket folder goes with the server

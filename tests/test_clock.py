@@ -11,6 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import web
 from tests.conftest import LiveServer
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -28,7 +29,7 @@ def slowed(fn):
 
 def histograms(server) -> dict[str, float]:
     """`<name>_sum` and `<name>_count` of the latency histograms, from GET /metrics."""
-    text = httpx.get(server.url + "/metrics").text
+    text = web.get(server.url + "/metrics").text
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
             if s.name.removesuffix("_sum").removesuffix("_count") in HISTOGRAMS and not s.name.endswith("_bucket")}
 
@@ -43,7 +44,7 @@ def test_a_slow_tokenizer_is_inside_the_native_timings(server, monkeypatch):
     tokenizer = server.app.state.server.tokenizer
     monkeypatch.setattr(tokenizer, "encode", slowed(tokenizer.encode))
     sent = time.perf_counter()
-    t = httpx.post(server.url + "/generate", json={"prompt": "Hello", "max_tokens": 3}, timeout=60).json()["timings"]
+    t = web.post(server.url + "/generate", json={"prompt": "Hello", "max_tokens": 3}, timeout=60).json()["timings"]
     client_total = time.perf_counter() - sent
     assert DELAY <= t["frontend"] <= t["queue"] <= t["ttft"] == t["token_times"][0] <= t["total"]
     assert t["total"] <= client_total  # the server's clock runs inside the client's: it never starts earlier

@@ -27,6 +27,7 @@ import httpx
 import pytest
 import yaml
 
+from tests import web
 from tests.conftest import free_port, needs_tools, wait_until
 from tests.otlp import Receiver, latest
 from tests.test_deploy_config import COMPOSE, DEPLOY, compose_config, promql_expressions
@@ -217,10 +218,10 @@ def stack():
                    OTEL_METRIC_EXPORT_INTERVAL="1000", OTEL_BSP_SCHEDULE_DELAY="500", PYTHONPATH=str(DEPLOY.parent))
         s.start("service", dockerfile_command(), env=env)
 
-        wait_for("alert sink", lambda: httpx.get(f"http://127.0.0.1:{s.ports['sink']}/").status_code == 200, 30, s)
-        wait_for("alertmanager", lambda: httpx.get(s.alertmanager + "/-/ready").status_code == 200, 30, s)
-        wait_for("prometheus", lambda: httpx.get(s.prometheus + "/-/ready").status_code == 200, 30, s)
-        wait_for("service", lambda: httpx.get(s.service + "/ready").status_code == 200, 120, s)
+        wait_for("alert sink", lambda: web.get(f"http://127.0.0.1:{s.ports['sink']}/").status_code == 200, 30, s)
+        wait_for("alertmanager", lambda: web.get(s.alertmanager + "/-/ready").status_code == 200, 30, s)
+        wait_for("prometheus", lambda: web.get(s.prometheus + "/-/ready").status_code == 200, 30, s)
+        wait_for("service", lambda: web.get(s.service + "/ready").status_code == 200, 120, s)
         # Prometheus's first scrape comes seconds after it starts: load sent before it would show no increase
         wait_for("the first scrape", lambda: query(s, 'up{job="llm-service"} == 1')["result"], 30, s)
         s.statuses = send_load(s.service)
@@ -232,7 +233,7 @@ def stack():
 
 
 def query(stack: Stack, expr: str) -> dict:
-    r = httpx.post(stack.prometheus + "/api/v1/query", data={"query": expr}, timeout=30)
+    r = web.post(stack.prometheus + "/api/v1/query", data={"query": expr}, timeout=30)
     body = r.json()
     assert body["status"] == "success", (expr, body)
     return body["data"]
@@ -295,8 +296,8 @@ def test_latency_exemplars_carry_trace_ids_of_traces_the_service_exported(stack)
     assert len(targets) == 2  # time to first token, end-to-end duration
     now = time.time()
     for expr in targets:
-        r = httpx.get(stack.prometheus + "/api/v1/query_exemplars",
-                      params={"query": substitute(expr, ".*", ".*"), "start": now - 600, "end": now})
+        r = web.get(stack.prometheus + "/api/v1/query_exemplars",
+                    params={"query": substitute(expr, ".*", ".*"), "start": now - 600, "end": now})
         body = r.json()
         assert body["status"] == "success", body
         trace_ids = {e["labels"]["trace_id"] for series in body["data"] for e in series["exemplars"]}
@@ -322,7 +323,7 @@ def test_the_compose_environment_pushes_genai_metrics_that_count_what_prometheus
 
 def test_lowered_threshold_fires_the_real_alert_to_alertmanager_and_the_webhook(stack):
     def active_on_alertmanager():
-        alerts = httpx.get(stack.alertmanager + "/api/v2/alerts", params={"active": "true"}).json()
+        alerts = web.get(stack.alertmanager + "/api/v2/alerts", params={"active": "true"}).json()
         return [a for a in alerts if a["labels"]["alertname"] == LOWERED_ALERT]
 
     [alert] = wait_for(f"{LOWERED_ALERT} on Alertmanager", active_on_alertmanager, 90, stack)

@@ -31,6 +31,7 @@ from service.bench.loadgen.workload.datasets import RandomWorkload
 from service.bench.loadgen.send.dispatch import LoadSpec, Stop, run_load
 from service.bench.loadgen.results.summary import summarize
 
+from tests import web
 from tests.conftest import free_port, needs_tools, wait_until
 from tests.test_deploy_config import DEPLOY, dashboards, panels, promql_expressions
 from tests.test_deploy_live import (NO_DATA_EXPECTED, Stack, derived_alertmanager_template, finite, query,
@@ -95,7 +96,7 @@ class Fleet(Stack):
 
     def servers(self) -> dict[str, dict]:
         """HAProxy's stats per server of the backend: status, sessions (stot), responses."""
-        text = httpx.get(self.stats_url, timeout=5).text.lstrip("# ")
+        text = web.get(self.stats_url, timeout=5).text.lstrip("# ")
         return {r["svname"]: r for r in csv.DictReader(io.StringIO(text))
                 if r["pxname"] == "replicas" and r["svname"] not in ("BACKEND", "FRONTEND")}
 
@@ -122,7 +123,7 @@ class Fleet(Stack):
         return f"client: {failed}\nHAProxy:\n" + "\n".join(odd)
 
     def running(self, replica: int) -> float:
-        text = httpx.get(f"http://{self.instances[replica - 1]}/metrics", timeout=2).text
+        text = web.get(f"http://{self.instances[replica - 1]}/metrics", timeout=2).text
         return sum(float(v) for v in re.findall(r"^llm_requests_running\{[^}]*\} (\S+)$", text, re.M))
 
 
@@ -246,7 +247,7 @@ def fleet(tmp_path_factory):
             return len(found) == REPLICAS and found
         f.pids = {int(i): int(pid) for i, pid, _ in wait_for("replicas.sh", started, 30, f)}
         for instance in f.instances:
-            wait_for(instance, lambda: httpx.get(f"http://{instance}/ready").status_code == 200, 120, f)
+            wait_for(instance, lambda: web.get(f"http://{instance}/ready").status_code == 200, 120, f)
         wait_for("HAProxy to see every replica up",
                  lambda: [s["status"] for s in f.servers().values()] == ["UP"] * REPLICAS, 30, f)
         wait_for("Prometheus to scrape every replica",
@@ -284,8 +285,8 @@ def test_every_dashboard_and_rule_query_returns_data_over_three_replicas(fleet):
         # it sees no rise) left every rate at 0 and the ratio at 0/0; so one more request to each replica on each
         # try, straight to it (through HAProxy one might miss the replica whose panels are checked alone)
         for instance in fleet.instances:
-            httpx.post(f"http://{instance}/v1/completions", timeout=60,
-                       json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1})
+            web.post(f"http://{instance}/v1/completions", timeout=60,
+                     json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1})
         ratio = "instance_model:llm_slo_availability_errors:ratio_rate5m"
         return finite(query(fleet, ratio)) and finite(query(fleet, f'{ratio}{{instance=~"{one}"}}'))
     wait_for("recorded rates", recorded, 60, fleet)
@@ -373,7 +374,7 @@ def test_sigkill_under_load_fails_only_its_in_flight_requests_and_fires_the_down
     assert later and all(r.ok for r in later)  # new requests succeed on the others
 
     def down_alerts():
-        alerts = httpx.get(fleet.alertmanager + "/api/v2/alerts", params={"active": "true"}).json()
+        alerts = web.get(fleet.alertmanager + "/api/v2/alerts", params={"active": "true"}).json()
         return [a for a in alerts if a["labels"]["alertname"] == "LLMServiceDown"]
     fired = wait_for("LLMServiceDown on Alertmanager", lambda: down_alerts() and time.time(), 60, fleet)
     [alert] = down_alerts()  # for the killed replica alone: the drained one left the targets

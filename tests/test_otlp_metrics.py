@@ -16,6 +16,7 @@ from service.settings import parse
 from service.telemetry import otlp
 from service.telemetry.gpu import GPUSampler
 from service.telemetry.metrics import GENAI_DURATION_BUCKETS, GENAI_TPOT_BUCKETS, GENAI_TTFT_BUCKETS, OTLPMetrics
+from tests import web
 from tests.conftest import LiveServer, free_port, wait_until
 from tests.otlp import ErroringCollector, HangingCollector, Receiver, latest
 from tests.test_processes import Served, sample
@@ -140,7 +141,7 @@ def test_the_standard_variables_configure_grpc_delta_headers_and_resource(tiny_m
 
 
 def scrape(s: LiveServer) -> str:
-    return httpx.get(s.url + "/metrics", timeout=30).text
+    return web.get(s.url + "/metrics", timeout=30).text
 
 
 def test_an_outage_is_logged_once_and_cumulative_totals_survive_it(tiny_model, caplog):

@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 
-import httpx
 import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -18,6 +17,7 @@ from service.engine.models import _convert_gguf, default_gguf_path, load_model
 from service.engine.quant.quantization import CPU_INT4_GROUP, weight_bytes
 from service.engine.runner.attention import to_cache_dtype
 from service.settings import parse
+from tests import web
 from tests.conftest import LiveServer, make_engine, reference_greedy
 
 CPU = torch.device("cpu")
@@ -207,8 +207,8 @@ def test_prequantized_checkpoint_that_cannot_load_here_fails_with_its_method(tmp
 def test_quantization_is_visible_in_models_route_and_info_metric(mode, scheme, kv, kv_dtype):
     loaded = load_model("random:tiny", torch.float32, CPU, quantization=mode)
     with LiveServer(loaded, {"num_blocks": 64, "block_size": 16, "kv_cache_dtype": kv}) as s:
-        model = httpx.get(s.url + "/v1/models").json()["data"][0]
-        metrics = httpx.get(s.url + "/metrics").text
+        model = web.get(s.url + "/v1/models").json()["data"][0]
+        metrics = web.get(s.url + "/metrics").text
     assert model["quantization"] == mode
     assert model["quantization_scheme"] == scheme
     assert ('llm_model_info{dtype="float32",kv_block_size="16",kv_blocks="64",'

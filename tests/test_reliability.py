@@ -16,6 +16,7 @@ import torch
 
 from service.engine import InvalidRequestError, SamplingParams
 from service.engine.errors import SlowReaderError
+from tests import web
 from tests.conftest import Linked, LiveServer, make_engine, wait_until
 from tests.otlp import Receiver
 
@@ -30,12 +31,12 @@ def server(tiny_model):
 
 def completion(server, **fields) -> httpx.Response:
     body = {"model": server.engine.model_name, "prompt": [1, 2, 3], "max_tokens": 1, **fields}
-    return httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    return web.post(server.url + "/v1/completions", json=body, timeout=60)
 
 
 def metric(server, name: str, **labels) -> float:
     from prometheus_client.parser import text_string_to_metric_families
-    text = httpx.get(server.url + "/metrics").text
+    text = web.get(server.url + "/metrics").text
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
@@ -82,8 +83,8 @@ def test_min_tokens_beyond_the_context_left_is_refused(server):
 def test_non_finite_and_non_integer_numbers_are_400s(server, raw, param):
     body = json.loads(raw)  # Python's json reads NaN and Infinity, as the server's does
     body.update(model=server.engine.model_name, prompt=[1, 2])
-    r = httpx.post(server.url + "/v1/completions", content=json.dumps(body), timeout=60,
-                   headers={"content-type": "application/json"})
+    r = web.post(server.url + "/v1/completions", content=json.dumps(body), timeout=60,
+                 headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
 
@@ -151,18 +152,18 @@ def test_a_chunked_body_over_the_limit_gets_413_once_the_limit_is_passed(server)
     assert b"exceeds 65536 bytes" in answer
     # a body just under the limit is read and parsed as usual
     padded = json.dumps({"model": server.engine.model_name, "prompt": [1, 2], "max_tokens": 1, "user": "x" * 60000})
-    assert httpx.post(server.url + "/v1/completions", content=padded.encode(),
-                      headers={"content-type": "application/json"}).status_code == 200
+    assert web.post(server.url + "/v1/completions", content=padded.encode(),
+                    headers={"content-type": "application/json"}).status_code == 200
 
 
 def test_several_api_keys_from_a_list_and_a_file_each_compared_in_constant_time(tiny_model, tmp_path, monkeypatch):
     key_file = tmp_path / "keys"
     key_file.write_text("# rotated monthly\nkey-from-file\n\n")
     with LiveServer(tiny_model, api_key="key-one, key-two", api_key_file=str(key_file), metrics_token="scrape") as s:
-        models = lambda key: httpx.get(s.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code
+        models = lambda key: web.get(s.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code
         assert [models(k) for k in ["key-one", "key-two", "key-from-file"]] == [200, 200, 200]
         assert [models(k) for k in ["key-on", "key-one2", "key-one key-two", "rotated monthly", "scrape"]] == [401] * 5
-        assert httpx.get(s.url + "/v1/models", headers={"Authorization": "Basic key-one"}).status_code == 401
+        assert web.get(s.url + "/v1/models", headers={"Authorization": "Basic key-one"}).status_code == 401
 
         compared = []
         real = hmac.compare_digest
@@ -171,11 +172,11 @@ def test_several_api_keys_from_a_list_and_a_file_each_compared_in_constant_time(
         assert compared == [b"key-one", b"key-two", b"key-from-file"]  # every key, no early exit
         monkeypatch.undo()
 
-        assert httpx.get(s.url + "/metrics").status_code == 401
-        assert httpx.get(s.url + "/metrics", headers={"Authorization": "Bearer key-one"}).status_code == 401
-        scraped = httpx.get(s.url + "/metrics", headers={"Authorization": "Bearer scrape"})
+        assert web.get(s.url + "/metrics").status_code == 401
+        assert web.get(s.url + "/metrics", headers={"Authorization": "Bearer key-one"}).status_code == 401
+        scraped = web.get(s.url + "/metrics", headers={"Authorization": "Bearer scrape"})
         assert scraped.status_code == 200 and "llm_requests_total" in scraped.text
-        assert httpx.get(s.url + "/health").status_code == 200 and httpx.get(s.url + "/ready").status_code == 200
+        assert web.get(s.url + "/health").status_code == 200 and web.get(s.url + "/ready").status_code == 200
 
 
 def test_an_unreadable_key_file_stops_the_start_with_one_line(tiny_model, tmp_path):
@@ -214,11 +215,11 @@ def test_forward_faults_fail_their_requests_and_the_engine_serves_on(tiny_model,
             inject_faults(s.engine, monkeypatch, [torch.OutOfMemoryError("CUDA out of memory (injected)"), "nan",
                                                   RuntimeError("injected")])
             body = {"model": s.engine.model_name, "prompt": [1, 2, 3], "max_tokens": 8}
-            oom = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
-            nan = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
-            with httpx.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            oom = web.post(s.url + "/v1/completions", json=body, timeout=60)
+            nan = web.post(s.url + "/v1/completions", json=body, timeout=60)
+            with web.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
                 events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-            after = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+            after = web.post(s.url + "/v1/completions", json=body, timeout=60)
             assert s.wait_idle()  # every failed request's blocks are free again
             failures = {e: metric(s, "llm_engine_step_failures_total", error=e)
                         for e in ["OutOfMemoryError", "NonFiniteLogitsError", "RuntimeError"]}
@@ -240,15 +241,15 @@ def test_forward_faults_fail_their_requests_and_the_engine_serves_on(tiny_model,
 def test_a_dead_engine_loop_fails_health_and_readiness(tiny_model, monkeypatch):
     with LiveServer(tiny_model) as s:
         monkeypatch.setattr(s.engine.scheduler, "schedule", lambda: 1 / 0)  # a bug in the loop itself
-        r = httpx.post(s.url + "/v1/completions", json={"model": s.engine.model_name, "prompt": [1], "max_tokens": 2},
-                       timeout=60)
+        r = web.post(s.url + "/v1/completions", json={"model": s.engine.model_name, "prompt": [1], "max_tokens": 2},
+                     timeout=60)
         assert r.status_code == 503 and "engine loop died: ZeroDivisionError" in r.json()["error"]["message"]
-        health, ready = httpx.get(s.url + "/health"), httpx.get(s.url + "/ready")
+        health, ready = web.get(s.url + "/health"), web.get(s.url + "/ready")
         assert health.status_code == 503
         assert health.json()["status"] == "engine dead"
         assert "engine loop died: ZeroDivisionError('division by zero')" in health.json()["error"]
         assert ready.status_code == 503 and ready.json()["reason"].startswith("failed: EngineDeadError(")
-        later = httpx.post(s.url + "/v1/completions", json={"model": s.engine.model_name, "prompt": [1]})
+        later = web.post(s.url + "/v1/completions", json={"model": s.engine.model_name, "prompt": [1]})
         assert later.status_code == 503 and later.json()["error"]["type"] == "service_unavailable"
 
 

@@ -19,6 +19,7 @@ from service.engine import SamplingParams
 from service.telemetry.gpu import GPUSampler
 from service.telemetry.metrics import GPUMetrics, Metrics
 from service.telemetry.recorder import EngineRecorder, RequestRecorder, observe_many
+from tests import web
 from tests.conftest import Linked, LiveServer, free_port, make_engine, wait_until
 from tests.otlp import ErroringCollector, HangingCollector, Receiver
 from tests.prometheus import Prometheus
@@ -173,7 +174,7 @@ def test_grouped_observations_equal_single_ones():
 # -- /metrics over HTTP ----------------------------------------------------------------------------------
 def scrape(server, openmetrics: bool = False) -> dict[str, object]:
     accept = "application/openmetrics-text; version=1.0.0" if openmetrics else "text/plain"
-    r = httpx.get(server.url + "/metrics", headers={"Accept": accept})
+    r = web.get(server.url + "/metrics", headers={"Accept": accept})
     assert r.status_code == 200
     parse = parse_openmetrics if openmetrics else parse_prometheus
     return {f.name: f for f in parse(r.text)}
@@ -226,7 +227,7 @@ def test_metrics_route_matches_usage_and_counts_statuses(tiny_model):
 
 def test_client_disconnect_counts_as_abort(tiny_model):
     with LiveServer(tiny_model) as s:
-        with httpx.stream("POST", s.url + "/v1/completions", json={
+        with web.stream("POST", s.url + "/v1/completions", json={
                 "model": MODEL, "prompt": [1, 2, 3], "max_tokens": 900, "ignore_eos": True, "stream": True}) as r:
             next(line for line in r.iter_lines() if line.startswith("data: {"))
         assert s.wait_idle()
@@ -253,9 +254,9 @@ def test_request_span_joins_the_callers_trace_with_gen_ai_attributes_events_and_
     with Receiver(protocol) as receiver:
         use_collector(monkeypatch, receiver.endpoint, protocol)
         with LiveServer(tiny_model) as s:
-            r = httpx.post(s.url + "/v1/completions", headers={"traceparent": f"00-{trace_id}-{caller}-01"},
-                           json={"model": MODEL, "prompt": [4, 5, 6], "max_tokens": 6, "ignore_eos": True,
-                                 "temperature": 0.5, "seed": 7})
+            r = web.post(s.url + "/v1/completions", headers={"traceparent": f"00-{trace_id}-{caller}-01"},
+                         json={"model": MODEL, "prompt": [4, 5, 6], "max_tokens": 6, "ignore_eos": True,
+                               "temperature": 0.5, "seed": 7})
             assert r.status_code == 200
             families = scrape(s, openmetrics=True)
             expected = {f"text_completion {MODEL}", "POST /v1/completions", "engine.request"}
@@ -324,7 +325,7 @@ def test_prompt_and_output_text_are_traced_only_when_enabled(tiny_model, default
     with Receiver("http/protobuf") as receiver:
         use_collector(monkeypatch, receiver.endpoint)
         with LiveServer(default_model, telemetry={"trace_text": True, "trace_engine_steps": False}) as s:
-            text = httpx.post(s.url + "/v1/chat/completions", json={
+            text = web.post(s.url + "/v1/chat/completions", json={
                 "model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Say hi"}],
                 "max_tokens": 4}).json()["choices"][0]["message"]["content"]
             spans = receiver.wait_for(lambda spans: any(sp.name.startswith("chat ") for sp in spans))
