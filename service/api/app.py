@@ -11,6 +11,7 @@ from service.api.errors import install_handlers
 from service.api.guards import BodyLimit, ContainErrors
 from service.api.middleware import HTTPMetrics
 from service.api.state import ServerState
+from service.engine import messages
 from service.engine.config import display_name
 from service.settings import Settings
 from service.telemetry.hub import Telemetry
@@ -25,7 +26,7 @@ def create_app(settings: Settings | None = None, engine: "LLMEngine | None" = No
     """
     settings = settings or Settings()
     model = settings.server.served_model_name or (engine.model_name if engine else display_name(settings.engine.model))
-    process = f"api-{frontend}"
+    process = messages.frontend_name(frontend)
     resource = server_resource(settings, process, model) if settings.telemetry.otlp_metrics else None
     telemetry = Telemetry(settings.telemetry, model, process, folder, tuple(p for p in processes if p != process),
                           resource)

@@ -157,10 +157,11 @@ def _supervise(settings: Settings, folder: str, n: int) -> int:
     engine = ctx.Process(target=run_engine, args=(settings, folder, n, alive_w), name="engine")
     engine.start()
     alive_w.close()  # the engine holds the only write end: its death is end-of-file for every front end
-    names = ("engine", *(f"api-{i}" for i in range(n)))
+    names = ("engine", *map(messages.frontend_name, range(n)))
     fronts = {}
     for i in range(n):
-        fronts[i] = ctx.Process(target=run_frontend, args=(settings, folder, i, names, sock, alive_r), name=f"api-{i}")
+        fronts[i] = ctx.Process(target=run_frontend, args=(settings, folder, i, names, sock, alive_r),
+                                name=names[i + 1])
         fronts[i].start()
     alive_r.close()
     sock.close()

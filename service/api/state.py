@@ -71,7 +71,8 @@ class ServerState:
         """Link to the engine's sockets in `folder` (call on the event loop); `alive` is the engine's pipe."""
         s = self.settings.server
         self.client = EngineClient(folder, self.frontend, s.stream_backlog, s.stream_interval,
-                                   self.telemetry.requests, lambda i: self.telemetry.forget(f"api-{i}")).start()
+                                   self.telemetry.requests,
+                                   lambda i: self.telemetry.forget(messages.frontend_name(i))).start()
         if alive is not None:
             self.client.watch(alive)
 

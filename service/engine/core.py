@@ -108,9 +108,10 @@ class EngineCore:
                     del self.owner[rid]
                     engine.abort(rid)
                 log.error("front end %d is gone: aborted its %d request(s)", msg.frontend, len(gone))
-                for other in range(len(self.outboxes)):  # they stop asking it for its metrics
+                told = messages.encode(msg)  # the others stop asking it for its metrics
+                for other in range(len(self.outboxes)):
                     if other != msg.frontend:
-                        self._send(other, messages.encode(msg))
+                        self._send(other, told)
         for frontend, (accepted, rejected) in replies.items():
             self._send(frontend, messages.encode(Admitted(accepted, rejected)))
 

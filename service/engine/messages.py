@@ -3,7 +3,8 @@
 Front ends send `Add` and `Abort` to the engine's one inbox; the supervisor sends `FrontendGone` there too. The
 engine answers each front end on a socket of its own: `Hello` once loaded, `Admitted` after each read of its
 inbox, one `Step` per engine step (every request of that front end with new tokens or a finish, in one message),
-`FrontendGone` when another front end has died (its metrics are no longer gathered), and `Dead` if its loop fails. Sockets are `ipc://` files in a private folder (mode 0700), never TCP.
+`FrontendGone` when another front end has died (its metrics are no longer gathered), and `Dead` if its loop fails.
+Sockets are `ipc://` files in a private folder (mode 0700), never TCP.
 """
 
 import os
@@ -69,6 +70,11 @@ ToFrontend = Hello | Admitted | Step | FrontendGone | Dead
 encode = msgspec.msgpack.Encoder().encode
 engine_decoder = msgspec.msgpack.Decoder(ToEngine)
 frontend_decoder = msgspec.msgpack.Decoder(ToFrontend)
+
+
+def frontend_name(frontend: int) -> str:
+    """Front end i's process name, in logs and in its metrics' `process` label."""
+    return f"api-{frontend}"
 
 
 def private_dir() -> str:
