@@ -117,7 +117,7 @@ def run_frontend(settings: Settings, folder: str, index: int, processes: tuple[s
     """A front-end process: FastAPI under uvicorn (uvloop, httptools) on the shared socket."""
     _die_with_parent()
     logging.basicConfig(level=settings.server.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s api-{index} %(name)s: %(message)s")
+                        format=f"%(asctime)s %(levelname)s {messages.frontend_name(index)} %(name)s: %(message)s")
     from service.api.app import create_app
 
     app = create_app(settings, folder=folder, frontend=index, alive=alive, processes=processes)

@@ -87,4 +87,4 @@ def inbox(folder: str) -> str:
 
 
 def outbox(folder: str, frontend: int) -> str:
-    return f"ipc://{os.path.join(folder, f'api-{frontend}')}"
+    return f"ipc://{os.path.join(folder, frontend_name(frontend))}"
