@@ -17,7 +17,7 @@ def test_mixed_traffic_with_overload_bursts_leaves_nothing_behind(default_model)
     # 4 running slots and 4 waiting ones: the bursts of 16 must meet backpressure (503s)
     with LiveServer(default_model, {"max_num_seqs": 4, "num_blocks": 256}, max_waiting=4) as s:
         soak = Soak(s.url, api_key=None, metrics_token=None, seed=1)
-        rows = asyncio.run(soak.run(duration=8, concurrency=4, sample_every=1, burst_every=3, burst_size=16,
+        rows = asyncio.run(soak.run(duration=12, concurrency=4, sample_every=1, burst_every=4, burst_size=16,
                                     warmup=2))
     result = verdict(rows, soak.tally, rss_growth_mib=64)
     assert result["passed"], (result["checks"], result["unexpected"])
