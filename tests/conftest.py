@@ -27,6 +27,7 @@ def pytest_configure(config):
 
 
 def load_cpu(spec: str):
+    """A model as the tests load it: float32, on CPU."""
     import torch
 
     from service.engine.models import load_model

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from service.engine import SamplingParams
-from tests.conftest import make_engine, reference_greedy
+from tests.conftest import load_cpu, make_engine, reference_greedy
 
 MAX_TOKENS = 12
 
@@ -90,10 +90,9 @@ def test_compiled_layers_are_one_graph_each_shared_by_every_layer():
     import torch
     from torch._dynamo import lookup_backend
 
-    from service.engine.models import load_model
     from service.engine.runner.compilation import compile_layers
 
-    loaded = load_model("random:tiny", torch.float32, torch.device("cpu"))  # two layers: one graph, or one each
+    loaded = load_cpu("random:tiny")  # two layers: one graph, or one each
     prompts = mixed_prompts(loaded, 8, seed=3)
     references = [reference_greedy(loaded, p, 6) for p in prompts]
     engine = make_engine(loaded, max_num_seqs=4)

@@ -7,19 +7,17 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from service.engine import EngineConfig, LLMEngine, SamplingParams
 from service.engine.parallel import head_ranges
-from service.engine.models import load_model
 from tests import web
-from tests.conftest import free_port, make_engine, wait_until
+from tests.conftest import free_port, load_cpu, make_engine, wait_until
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
 def test_kv_heads_are_split_by_whole_groups():
-    config = load_model("random:tiny", torch.float32, torch.device("cpu")).model.config  # 4 heads, 2 KV heads
+    config = load_cpu("random:tiny").model.config  # 4 heads, 2 KV heads
     assert [head_ranges(config, 2, r) for r in (0, 1)] == [((0, 2), (0, 1)), ((2, 4), (1, 2))]
     config.num_attention_heads, config.num_key_value_heads = 9, 3  # the default model's shape: 2 + 1 KV heads
     assert [head_ranges(config, 2, r) for r in (0, 1)] == [((0, 6), (0, 2)), ((6, 9), (2, 3))]
@@ -70,7 +68,7 @@ def test_default_models_layers_over_two_ranks_with_uneven_heads_equal_one_rank(d
     folder = first_layers(default_model, 2, tmp_path / "two-layers")
     prompts = ["The capital of France is", "Once upon a time, in a small village,"]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    one = load_model(folder, torch.float32, torch.device("cpu"))
+    one = load_cpu(folder)
     expected, _ = _generate(make_engine(one, max_num_batched_tokens=8), prompts, params)
     engine = LLMEngine(EngineConfig(model=folder, device="cpu", num_blocks=512, tensor_parallel_size=2,
                                     max_num_batched_tokens=8))

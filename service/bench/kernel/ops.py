@@ -153,6 +153,11 @@ def paged_inputs(shape: Shape, q, k, v, backend: str):
     return packed, k_cache, v_cache, meta, batch
 
 
+def _dense(shape: Shape, out: torch.Tensor) -> torch.Tensor:
+    """A paged operation's packed output [tokens, heads, head dim] as the dense operations' [B, H, Q, D]."""
+    return out.view(shape.batch, shape.queries, shape.heads, -1).transpose(1, 2)
+
+
 def _paged(shape: Shape, q, k, v) -> Callable:
     """This project's paged attention: Triton on CUDA, the PyTorch reference backend on CPU."""
     if q.device.type == "cuda":
@@ -162,8 +167,8 @@ def _paged(shape: Shape, q, k, v) -> Callable:
         from service.engine.runner.attention import torch_paged_attention
         backend, kernel = "torch", torch_paged_attention
     packed, k_cache, v_cache, meta, _ = paged_inputs(shape, q, k, v, backend)
-    b, qlen, scale = shape.batch, shape.queries, shape.head_dim ** -0.5
-    return lambda: kernel(packed, k_cache, v_cache, meta, scale).view(b, qlen, shape.heads, -1).transpose(1, 2)
+    scale = shape.head_dim ** -0.5
+    return lambda: _dense(shape, kernel(packed, k_cache, v_cache, meta, scale))
 
 
 def _cudnn_paged(shape: Shape, q, k, v) -> Callable:
@@ -180,8 +185,7 @@ def _cudnn_paged(shape: Shape, q, k, v) -> Callable:
         run()
     except Exception as exc:  # noqa: BLE001 - cuDNN has no engine for this shape here
         raise Unsupported(f"cudnn-paged: {str(exc).strip().splitlines()[0][:300]}") from None
-    b, qlen = shape.batch, shape.queries
-    return lambda: run().view(b, qlen, shape.heads, -1).transpose(1, 2)
+    return lambda: _dense(shape, run())
 
 
 def _flashinfer(backend: str):
@@ -203,23 +207,23 @@ def _flashinfer(backend: str):
         as_int = lambda values: torch.tensor(values, dtype=torch.int32, device=device)
         pages = (as_int([0, *itertools.accumulate(len(t) for t in tables)]), as_int([p for t in tables for p in t]),
                  as_int([(shape.context - 1) % BLOCK_SIZE + 1] * b))  # indptr, page indices, last page's length
-        heads = (shape.heads, shape.kv_heads, shape.head_dim, BLOCK_SIZE)
+        layout = (shape.heads, shape.kv_heads, shape.head_dim, BLOCK_SIZE)
         workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
         cache = (k_cache.transpose(1, 2), v_cache.transpose(1, 2))  # [pages, KV heads, page, head dim]
         try:
             if shape.phase == "decode" and backend == "auto":
                 wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
-                wrapper.plan(*pages, *heads, q_data_type=q.dtype, kv_data_type=q.dtype)
+                wrapper.plan(*pages, *layout, q_data_type=q.dtype, kv_data_type=q.dtype)
             else:
                 wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND", backend=backend)
-                wrapper.plan(as_int([i * qlen for i in range(b + 1)]), *pages, *heads, causal=True,
+                wrapper.plan(as_int([i * qlen for i in range(b + 1)]), *pages, *layout, causal=True,
                              q_data_type=q.dtype, kv_data_type=q.dtype)
             wrapper.run(packed, cache)
         except Exception as exc:  # noqa: BLE001 - no kernel for this dtype or head dim, or its build failed
             lines = str(exc).strip().splitlines() or [type(exc).__name__]
             why = next((line for line in lines if "error" in line.lower()), lines[0])  # a failed build's first error
             raise Unsupported(f"flashinfer {backend}: {why.strip()[:300]}") from None
-        return lambda: wrapper.run(packed, cache).view(b, qlen, shape.heads, -1).transpose(1, 2)
+        return lambda: _dense(shape, wrapper.run(packed, cache))
     return build
 
 
