@@ -31,7 +31,8 @@ for section in ${@:-tests one}; do
     for code in new base; do
       [ $code = base ] && P=$PWD/.base:$PYTHONPATH || P=$PYTHONPATH
       echo "== 128/128 x 32, $code"
-      env PYTHONPATH=$P timeout 150 python3 -m service bench offline --quantization none,int8,int8-w8a8 \
+      # -P: plain `python3 -m` puts the working directory (this code) ahead of PYTHONPATH's .base
+      env PYTHONPATH=$P timeout 150 python3 -P -m service bench offline --quantization none,int8,int8-w8a8 \
         --num-requests 32 --repeats 3 --num-blocks 2000 --peers none 2>&1 | grep -E "^\|"
     done ;;
   esac

@@ -38,7 +38,8 @@ for phase in $phases; do
       i=$((i + 1)); run=$phase-$code-$i
       [ $code = base ] && P=$PWD/.base:$PYTHONPATH || P=$PYTHONPATH
       echo "== $run"
-      env PYTHONPATH=$P timeout 200 python3 -m service bench offline $W --telemetry --peers none --label $run \
+      # -P: plain `python3 -m` puts the working directory (this code) ahead of PYTHONPATH's .base
+      env PYTHONPATH=$P timeout 200 python3 -P -m service bench offline $W --telemetry --peers none --label $run \
         --json $OUT/$run.json > $OUT/$run.log 2>&1
       grep -E "^\| this|tok/s$" $OUT/$run.log | head -3 || true; grep -v -i warn $OUT/$run.log | tail -2
     done ;;
