@@ -64,6 +64,34 @@ def test_triton_kernel_matches_torch_reference(dtype, heads, kv_heads, head_dim,
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
 
 
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.bfloat16, None), (torch.float32, None),
+                                                (torch.bfloat16, torch.float8_e4m3fn)])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_triton_long_prefill_tiles_match_torch_reference(dtype, cache_dtype, softcap):
+    """A long prefill (input_packing.block_m_for: prompt chunks only, every sequence a whole tile of tokens and at
+    least 2,048 long, 128-wide heads) runs in tiles of 128 rows whose scores are pipelined
+    (triton_attention._attend_keys_pipelined): within the other tests' bounds of the float64 oracle, in bfloat16,
+    float32 and over an 8-bit cache."""
+    from service.engine.runner.input_packing import LONG_PREFILL_ROWS
+    from service.engine.runner.triton_attention import launch_config, triton_paged_attention
+    torch.manual_seed(3)
+    heads, kv_heads, head_dim = 32, 8, 128
+    batch, num_blocks = scattered_batch([(2000, 100), (0, 2100), (3000, 64), (2100, 32)], random.Random(3))
+    k_cache, v_cache = (_cache(num_blocks, kv_heads, head_dim, cache_dtype or dtype) for _ in "kv")
+    q = torch.randn(sum(batch.num_new_tokens), heads, head_dim, device="cuda", dtype=dtype)
+    meta = pack_inputs(batch, False, block_size=16, backend_name="triton", group=heads // kv_heads,
+                       device=torch.device("cuda"), head_dim=head_dim)[2]
+    assert meta.block_m == LONG_PREFILL_ROWS  # the launch pipelines its tiles' scores
+    assert launch_config(meta.block_m, head_dim, q.element_size())[:2] == ((64, 64) if dtype == torch.float32
+                                                                           else (128, 128))
+    scale = head_dim ** -0.5
+    ref = torch_paged_attention(q.double(), k_cache.double(), v_cache.double(),
+                                _metadata("torch", batch, heads // kv_heads, False), scale, None, softcap)
+    out = triton_paged_attention(q, k_cache, v_cache, meta, scale, None, softcap)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 64), (16, 16, 128), (8, 1, 80)])
 def test_cudnn_paged_prefill_matches_torch_reference(dtype, heads, kv_heads, head_dim):

@@ -122,3 +122,34 @@ def test_the_cuda_cache_layout_holds_the_same_slots_and_attention_as_the_contigu
     assert torch.equal(outs[0], outs[1])
     assert all(torch.equal(a, b) for a, b in zip(contiguous, heads_outside))
     assert torch.equal(contiguous[0][seqs[1].block_table[2], 33 % 16], new_kv[0][20])  # s1's token 33: row 20
+
+
+def test_long_prefill_steps_take_long_tiles_and_nothing_else_does():
+    """Tiles of LONG_PREFILL_ROWS rows (triton_attention pipelines their scores) only for a step whose every sequence
+    brings a whole tile of query tokens and ends at least LONG_PREFILL_CONTEXT tokens long, with heads as wide as
+    measured (128); pack_inputs chooses them from the step, and its tiles then hold that many tokens each."""
+    import random
+
+    import torch
+
+    from service.bench.kernel.ops import scattered_batch
+    from service.engine.runner.input_packing import (LONG_PREFILL_CONTEXT, LONG_PREFILL_HEAD_DIM, LONG_PREFILL_ROWS,
+                                                     pack_inputs)
+
+    dim, context, whole = LONG_PREFILL_HEAD_DIM, LONG_PREFILL_CONTEXT, LONG_PREFILL_ROWS // 4
+    assert block_m_for(4, False, dim, whole, context) == LONG_PREFILL_ROWS
+    assert block_m_for(4, False, dim, whole - 1, context) == 64  # a tile less than whole: a decode token, say
+    assert block_m_for(4, False, dim, whole, context - 1) == 64
+    assert block_m_for(4, False, 64, whole, context) == 64  # 64-wide heads: long tiles measured slower
+    assert block_m_for(4, False) == 64 and block_m_for(4, True, dim, 1, context) == 16
+    assert block_m_for(8, False, dim, LONG_PREFILL_ROWS // 8, context) == LONG_PREFILL_ROWS
+
+    def meta(shapes):
+        batch, _ = scattered_batch(shapes, random.Random(0))
+        return pack_inputs(batch, False, block_size=16, backend_name="triton", group=4, device=torch.device("cpu"),
+                           head_dim=dim)[2]
+
+    long = meta([(context - 100, 100), (0, context), (4000, whole)])
+    assert long.block_m == LONG_PREFILL_ROWS
+    assert long.tile_qstart.tolist().count(0) == 3 and len(long.tile_qstart) == 4 + context // whole + 1
+    assert meta([(context - 100, 100), (0, context), (4000, 1)]).block_m == 64  # a decode token among them

@@ -39,6 +39,7 @@ DECODE = [("mixed-start", 256, 100, 1100), ("mixed-middle", 128, 600, 1700), ("u
 rng0 = random.Random(0)
 PREFILL = [("4x1024", [(0, 1024)] * 4), ("4x4096", [(0, 4096)] * 4),
            ("14 of 188-991", [(0, rng0.randint(188, 991)) for _ in range(14)]),
+           ("4x2048", [(0, 2048)] * 4), ("8,192 after 8,192", [(8192, 8192)]),
            ("mixed step: 7,000 prompt tokens + 138 decodes",
             [(0, 1000)] * 7 + [(rng0.randint(100, 1500), 1) for _ in range(138)])]
 
@@ -90,7 +91,7 @@ def main():
             batch, k_cache, v_cache, q = case_inputs(shapes, head_dim, f"{case} {head_dim}")
             decode = phase == "decode"
             meta = pack_inputs(batch, decode, block_size=16, backend_name="triton", group=HEADS // KV_HEADS,
-                               device=torch.device("cuda"))[2]
+                               device=torch.device("cuda"), head_dim=head_dim)[2]
             ref_meta = pack_inputs(batch, decode, block_size=16, backend_name="torch", group=HEADS // KV_HEADS,
                                    device=torch.device("cuda"))[2]
             scale = head_dim ** -0.5
@@ -98,7 +99,7 @@ def main():
             kv_tokens = sum(c + n for c, n in shapes)
             nbytes = 2 * 2 * q.numel() + 2 * 2 * KV_HEADS * head_dim * kv_tokens
             flops = sum(4 * HEADS * head_dim * n * (c + (n + 1) / 2) for c, n in shapes)
-            default_m = block_m_for(HEADS // KV_HEADS, decode)
+            default_m = meta.block_m
             current = (default_m, *triton_attention.launch_config(default_m, head_dim))
             # (BLOCK_M, BLOCK_N, WIDE_N, warps, stages)
             configs = [current] if args.current_only else [current] + ([(16, bn, wn, w, st) for bn, wn, w, st in [
@@ -109,7 +110,8 @@ def main():
             for code, config, longest in itertools.product(codes, configs, (False, True)):
                 if code == "base" and config != current or (code, config, longest) in results:
                     continue
-                module, block_m = codes[code], config[0]
+                # the code before as the engine ran it: its own tile rows (no long prefill tiles) and launch
+                module, block_m = codes[code], config[0] if code == "new" else block_m_for(HEADS // KV_HEADS, decode)
                 launch = tuple(config[1:]) if code == "new" else module.launch_config(block_m, head_dim)
                 m = with_tiles(meta, batch, block_m, longest)
                 run = lambda: module.triton_paged_attention(q, k_cache, v_cache, m, scale,

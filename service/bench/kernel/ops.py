@@ -148,7 +148,7 @@ def paged_inputs(shape: Shape, q, k, v, backend: str):
         k_cache[pages, pos % BLOCK_SIZE] = k[i].transpose(0, 1)
         v_cache[pages, pos % BLOCK_SIZE] = v[i].transpose(0, 1)
     meta = pack_inputs(batch, shape.phase == "decode", block_size=BLOCK_SIZE, backend_name=backend,
-                       group=shape.heads // shape.kv_heads, device=device)[2]
+                       group=shape.heads // shape.kv_heads, device=device, head_dim=shape.head_dim)[2]
     packed = q.transpose(1, 2).reshape(b * qlen, shape.heads, shape.head_dim).contiguous()
     return packed, k_cache, v_cache, meta, batch
 

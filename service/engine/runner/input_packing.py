@@ -15,10 +15,23 @@ from service.engine.runner.sampler import to_device
 from service.engine.scheduler import ScheduledBatch
 
 
-def block_m_for(group: int, decode_only: bool) -> int:
+# Long prefill: a step of prompt chunks only, over long contexts, with 128-wide heads, whose tiles are 128 rows and
+# pipeline their scores (triton_attention._attend_keys_pipelined). H100, heads 32/8 (docs/benchmarks.md): 8-17% less
+# time from 2,048 tokens of context up (4 x 2,048, 1 x 8,192, 8,192 after 8,192, 32 tokens each after 4,064), but
+# 2-12% more at 1,024 and below, and more still with 64-wide heads or with decode tokens in the step.
+LONG_PREFILL_ROWS, LONG_PREFILL_HEAD_DIM, LONG_PREFILL_CONTEXT = 128, 128, 2048
+
+
+def block_m_for(group: int, decode_only: bool, head_dim: int = 0, shortest_query: int = 0,
+                shortest_context: int = 0) -> int:
     """Rows of (query token, head) pairs in one tile of the Triton attention kernel (engine/runner/triton_attention.py):
-    a power of two, at least the query heads per KV head."""
-    return max(16 if decode_only else 64, 1 << (group - 1).bit_length())
+    a power of two, at least the query heads per KV head; LONG_PREFILL_ROWS for a long prefill (every sequence of
+    the step brings a whole tile of query tokens and has at least LONG_PREFILL_CONTEXT tokens after the step)."""
+    rows = max(16 if decode_only else 64, 1 << (group - 1).bit_length())
+    if (head_dim == LONG_PREFILL_HEAD_DIM and rows < LONG_PREFILL_ROWS and shortest_query >= LONG_PREFILL_ROWS // group
+            and shortest_context >= LONG_PREFILL_CONTEXT):
+        return LONG_PREFILL_ROWS
+    return rows
 
 
 def build_tiles(query_lens: np.ndarray, tokens_per_tile: int,
@@ -80,10 +93,11 @@ def host_inputs(batch: ScheduledBatch, block_size: int) -> HostInputs:
 
 
 def pack_inputs(batch: ScheduledBatch, decode_only: bool, *, block_size: int, backend_name: str, group: int,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+                device: torch.device, head_dim: int = 0) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(token ids [1, tokens], positions [1, tokens], attention metadata) of a batch, on `device`.
 
-    `backend_name` is torch or triton, `group` the query heads per KV head.
+    `backend_name` is torch or triton, `group` the query heads per KV head, `head_dim` the heads' width (0: the
+    tiles any width takes).
     """
     host = host_inputs(batch, block_size)
     q_lens_arr, seq_lens_arr, starts = host.q_lens, host.seq_lens, host.starts
@@ -98,7 +112,7 @@ def pack_inputs(batch: ScheduledBatch, decode_only: bool, *, block_size: int, ba
         meta.query_valid = up(qr < q_lens_arr[:, None])
         meta.query_pos = up((seq_lens_arr - q_lens_arr)[:, None] + qr)
     else:
-        meta.block_m = block_m_for(group, decode_only)
+        meta.block_m = block_m_for(group, decode_only, head_dim, int(q_lens_arr.min()), int(seq_lens_arr.min()))
         tile_seq, tile_qstart = build_tiles(q_lens_arr, max(1, meta.block_m // group), seq_lens_arr - q_lens_arr)
         meta.tile_seq = up(tile_seq)
         meta.tile_qstart = up(tile_qstart)

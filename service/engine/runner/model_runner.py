@@ -138,7 +138,7 @@ class ModelRunner:
 
         Without a runner (the kernel benchmark), call input_packing.pack_inputs with the same layout."""
         return pack_inputs(batch, decode_only, block_size=self.block_size, backend_name=self.backend_name,
-                           group=self.group, device=self.device)
+                           group=self.group, device=self.device, head_dim=self.head_dim)
 
     def uncompile(self) -> None:
         """Give the model back as it was loaded (for others that run it, such as the benchmark's peers)."""

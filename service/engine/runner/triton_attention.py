@@ -26,6 +26,7 @@ import triton.language as tl
 
 from service.engine import pdl
 from service.engine.runner.attention import AttentionMetadata, cache_limit
+from service.engine.runner.input_packing import LONG_PREFILL_ROWS
 
 
 @triton.jit
@@ -66,6 +67,52 @@ def _attend_keys(acc, m_i, l_i, q, K, V, table, start, kv_end, q_pos, head_offse
 
 
 @triton.jit
+def _kv_offsets(table, start, head_offset, stride_kb, stride_ks, PAGE: tl.constexpr, N: tl.constexpr):
+    """Offsets into the caches of keys start .. start + N - 1 (all in the context), through the block table."""
+    n = start + tl.arange(0, N)
+    page = tl.load(table + n // PAGE).to(tl.int64)
+    return page * stride_kb + (n % PAGE) * stride_ks + head_offset
+
+
+@triton.jit
+def _softmax_step(acc, m_i, l_i, qk, v, scale, softcap, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    """_attend_keys' online softmax for raw scores qk of keys every row sees (no row's maximum stays -inf)."""
+    if USE_SOFTCAP:
+        qk = qk * scale / softcap
+        qk = softcap * (2.0 * tl.sigmoid(2.0 * qk) - 1.0) * 1.4426950408889634
+    else:
+        qk = qk * (scale * 1.4426950408889634)
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_keys_pipelined(acc, m_i, l_i, q, K, V, table, kv_start, kv_stop, head_offset, stride_kb, stride_ks, d,
+                           d_ok, scale, softcap, PAGE: tl.constexpr, N: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+                           PRECISION: tl.constexpr):
+    """The unmasked tiles of keys [kv_start, kv_stop), N at a time, as _attend_keys reads them, but each tile's scores
+    issued before the softmax of the tile before, so that the matrix units work while that softmax runs."""
+    if kv_start < kv_stop:
+        offs = _kv_offsets(table, kv_start, head_offset, stride_kb, stride_ks, PAGE, N)
+        k = tl.load(K + offs[:, None] + d[None, :], mask=d_ok[None, :], other=0.0).to(q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        for start in range(kv_start + N, kv_stop, N):
+            offs_next = _kv_offsets(table, start, head_offset, stride_kb, stride_ks, PAGE, N)
+            k = tl.load(K + offs_next[:, None] + d[None, :], mask=d_ok[None, :], other=0.0).to(q.dtype)
+            qk_next = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            v = tl.load(V + offs[:, None] + d[None, :], mask=d_ok[None, :], other=0.0).to(q.dtype)
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, scale, softcap, USE_SOFTCAP, PRECISION)
+            qk, offs = qk_next, offs_next
+        v = tl.load(V + offs[:, None] + d[None, :], mask=d_ok[None, :], other=0.0).to(q.dtype)
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, scale, softcap, USE_SOFTCAP, PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _paged_attention_kernel(
     Q, K, V, O, block_tables, seq_lens, query_start_loc, tile_seq, tile_qstart,
     scale, softcap, window,
@@ -74,6 +121,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_N: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr,
     PART_O, PART_LSE, NUM_PARTS, COUNTS, SPLITS: tl.constexpr, MIN_TILES: tl.constexpr, USE_PDL: tl.constexpr,
+    PIPELINE: tl.constexpr,
 ):
     if USE_PDL:  # the kernel before has finished and its writes are visible (engine/pdl.py)
         tl.extra.cuda.gdc_wait()
@@ -129,10 +177,15 @@ def _paged_attention_kernel(
         visible = tl.maximum(tl.minimum(context + q_first + 1, kv_end) - kv_start, 0)
     wide_end = kv_start + visible // WIDE_N * WIDE_N
     full_end = kv_start + visible // BLOCK_N * BLOCK_N
-    for start in range(kv_start, wide_end, WIDE_N):
-        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, K, V, table, start, kv_end, q_pos, head_offset, stride_kb,
-                                     stride_ks, d, d_ok, scale, softcap, window, PAGE, WIDE_N, False, USE_WINDOW,
-                                     USE_SOFTCAP, PRECISION)
+    if PIPELINE:
+        acc, m_i, l_i = _attend_keys_pipelined(acc, m_i, l_i, q, K, V, table, kv_start, wide_end, head_offset,
+                                               stride_kb, stride_ks, d, d_ok, scale, softcap, PAGE, WIDE_N,
+                                               USE_SOFTCAP, PRECISION)
+    else:
+        for start in range(kv_start, wide_end, WIDE_N):
+            acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, K, V, table, start, kv_end, q_pos, head_offset,
+                                         stride_kb, stride_ks, d, d_ok, scale, softcap, window, PAGE, WIDE_N, False,
+                                         USE_WINDOW, USE_SOFTCAP, PRECISION)
     for start in range(wide_end, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, K, V, table, start, kv_end, q_pos, head_offset, stride_kb,
                                      stride_ks, d, d_ok, scale, softcap, window, PAGE, BLOCK_N, False, USE_WINDOW,
@@ -221,7 +274,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         CLAMP=cache_limit(k_cache.dtype), num_warps=2, **pdl.launch())
 
 
-def launch_config(block_m: int, head_dim: int) -> tuple[int, int, int, int]:
+def launch_config(block_m: int, head_dim: int, itemsize: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_N, WIDE_N, warps, stages) for a tile of block_m rows: keys per iteration (WIDE_N where no key of the
     iteration needs a mask), and the launch's warps and pipeline stages.
 
@@ -230,7 +283,11 @@ def launch_config(block_m: int, head_dim: int) -> tuple[int, int, int, int]:
     more with 128; decode with 128 keys took 4-8% less over the mixed workload's contexts (64-wide heads) but 6%
     more over 128/128's short ones, whose masked last tile is then most of the work: so decode reads the unmasked
     keys 128 at a time and the rest 64 (against the code before: 5-7% less over the mixed contexts, 2% more at
-    128/128)."""
+    128/128). Long prefill tiles (input_packing.block_m_for) take 128 keys an iteration with 8 warps, and pipeline
+    their scores; of `itemsize`-byte queries: in float32, 64 keys and one stage (128 and two are over the shared
+    memory)."""
+    if block_m >= LONG_PREFILL_ROWS:
+        return (128, 128, 8, 2) if itemsize <= 2 else (64, 64, 8, 1)
     return (64, 128, 4, 2) if block_m <= 16 else (64, 64, 4, 2)
 
 
@@ -289,7 +346,7 @@ def triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: 
     group = num_heads // kv_heads
     num_seqs = meta.seq_lens.shape[0]
     out = torch.empty_like(q)
-    config = config or launch_config(meta.block_m, head_dim)
+    config = config or launch_config(meta.block_m, head_dim, q.element_size())
     block_n, wide_n, warps, stages = config[:4]
     # decode: one token a sequence, token i of sequence i (a mixed graph of one token also holds an empty sequence)
     decode = meta.max_query_len == 1 and num_tokens == num_seqs
@@ -319,6 +376,6 @@ def triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: 
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP16_DOTS=k_cache.element_size() == 1 and q.dtype != torch.float32,
         PART_O=part_o, PART_LSE=part_lse, NUM_PARTS=num_parts, COUNTS=counts, SPLITS=splits, MIN_TILES=min_tiles,
-        num_warps=warps, num_stages=stages, **pdl.launch(),
+        PIPELINE=meta.block_m >= LONG_PREFILL_ROWS, num_warps=warps, num_stages=stages, **pdl.launch(),
     )
     return out
