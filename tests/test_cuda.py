@@ -219,6 +219,32 @@ def test_cuda_engine_greedy_matches_transformers(tiny_cuda, overrides):
         assert engine.runner.mixed_graphs.replays > 0 and engine.runner.eager_steps == 0
 
 
+def test_cuda_engine_long_prefill_tiles_match_transformers():
+    """A step of long prompt chunks with 128-wide heads runs outside the graphs in long prefill tiles
+    (input_packing.block_m_for), compiled and overlapped as served: token for token as transformers in float32."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from service.engine.models import _finish
+    from service.engine.runner.input_packing import LONG_PREFILL_ROWS
+
+    config = LlamaConfig(hidden_size=512, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096, bos_token_id=None,
+                         eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        loaded = _finish(AutoModelForCausalLM.from_config(config, dtype=torch.float32), None, "wide-heads")
+    rng = random.Random(4)
+    prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (2100, 2300)]
+    refs = [reference_greedy(loaded, p, 12) for p in prompts]
+    engine = make_engine(loaded, device="cuda", max_num_seqs=8)
+    rows, backend = [], engine.runner.backend
+    engine.runner.backend = lambda q, k, v, meta, *a, **kw: rows.append(meta.block_m) or backend(q, k, v, meta, *a, **kw)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert [o["token_ids"] for o in outs] == refs
+    assert LONG_PREFILL_ROWS in rows and engine.runner.eager_steps > 0
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
+
+
 def test_cuda_mixed_graphs_replay_every_step_with_no_compile_after_start(tiny_cuda):
     """Steps with prefill chunks replay the mixed graphs at sizes across the ladder (padded tokens, padded
     sequences and empty attention tiles), beside decodes and after prefix hits, with nothing compiled after
