@@ -46,19 +46,35 @@ def _attend_keys(acc, m_i, l_i, q, K, V, table, start, kv_end, q_pos, head_offse
     offs = page * stride_kb + (n % PAGE) * stride_ks + head_offset
     k = tl.load(K + offs[:, None] + d[None, :], mask=kv_ok, other=0.0).to(q.dtype)
     v = tl.load(V + offs[:, None] + d[None, :], mask=kv_ok, other=0.0).to(q.dtype)
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    if USE_SOFTCAP:
-        qk = qk * scale / softcap
-        qk = softcap * (2.0 * tl.sigmoid(2.0 * qk) - 1.0) * 1.4426950408889634
-    else:
-        qk = qk * (scale * 1.4426950408889634)  # log2(e): exp2 instead of exp
+    qk = _log2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), scale, softcap, USE_SOFTCAP)
     if MASKED:
         ok = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
         if USE_WINDOW:
             ok = ok & (n[None, :] > q_pos[:, None] - window)
         qk = tl.where(ok, qk, float("-inf"))
+    return _online_softmax(acc, m_i, l_i, qk, v, PRECISION, True)
+
+
+@triton.jit
+def _log2_scores(qk, scale, softcap, USE_SOFTCAP: tl.constexpr):
+    """Raw scores scaled (and softcapped) into the log2 domain: exp2 instead of exp."""
+    if USE_SOFTCAP:
+        qk = qk * scale / softcap
+        qk = softcap * (2.0 * tl.sigmoid(2.0 * qk) - 1.0) * 1.4426950408889634
+    else:
+        qk = qk * (scale * 1.4426950408889634)
+    return qk
+
+
+@triton.jit
+def _online_softmax(acc, m_i, l_i, qk, v, PRECISION: tl.constexpr, EMPTY_ROWS: tl.constexpr):
+    """Scores qk (log2 domain) and their values into acc, the running maximum m_i and sum l_i. EMPTY_ROWS: a row may
+    have seen no key yet (its maximum -inf), whose exponentials are then taken against 0."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if EMPTY_ROWS:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_safe = m_new
     p = tl.exp2(qk - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -72,22 +88,6 @@ def _kv_offsets(table, start, head_offset, stride_kb, stride_ks, PAGE: tl.conste
     n = start + tl.arange(0, N)
     page = tl.load(table + n // PAGE).to(tl.int64)
     return page * stride_kb + (n % PAGE) * stride_ks + head_offset
-
-
-@triton.jit
-def _softmax_step(acc, m_i, l_i, qk, v, scale, softcap, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
-    """_attend_keys' online softmax for raw scores qk of keys every row sees (no row's maximum stays -inf)."""
-    if USE_SOFTCAP:
-        qk = qk * scale / softcap
-        qk = softcap * (2.0 * tl.sigmoid(2.0 * qk) - 1.0) * 1.4426950408889634
-    else:
-        qk = qk * (scale * 1.4426950408889634)
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.exp2(qk - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return acc, m_new, l_i
 
 
 @triton.jit
@@ -105,10 +105,12 @@ def _attend_keys_pipelined(acc, m_i, l_i, q, K, V, table, kv_start, kv_stop, hea
             k = tl.load(K + offs_next[:, None] + d[None, :], mask=d_ok[None, :], other=0.0).to(q.dtype)
             qk_next = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             v = tl.load(V + offs[:, None] + d[None, :], mask=d_ok[None, :], other=0.0).to(q.dtype)
-            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, scale, softcap, USE_SOFTCAP, PRECISION)
+            acc, m_i, l_i = _online_softmax(acc, m_i, l_i, _log2_scores(qk, scale, softcap, USE_SOFTCAP), v,
+                                            PRECISION, False)
             qk, offs = qk_next, offs_next
         v = tl.load(V + offs[:, None] + d[None, :], mask=d_ok[None, :], other=0.0).to(q.dtype)
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, scale, softcap, USE_SOFTCAP, PRECISION)
+        acc, m_i, l_i = _online_softmax(acc, m_i, l_i, _log2_scores(qk, scale, softcap, USE_SOFTCAP), v, PRECISION,
+                                        False)
     return acc, m_i, l_i
 
 
