@@ -243,6 +243,7 @@ def test_cuda_engine_long_prefill_tiles_match_transformers():
     assert [o["token_ids"] for o in outs] == refs
     assert LONG_PREFILL_ROWS in rows and engine.runner.eager_steps > 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
+    engine.close()
 
 
 def test_cuda_mixed_graphs_replay_every_step_with_no_compile_after_start(tiny_cuda):

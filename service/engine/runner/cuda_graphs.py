@@ -12,6 +12,7 @@ its size (the compiled layers' wrappers and guards, about 0.6 ms a layer): the w
 first token. Larger steps run outside the graphs, where the device's time exceeds the host's.
 """
 
+import gc
 import logging
 
 import numpy as np
@@ -38,8 +39,16 @@ def capture(runner, meta: AttentionMetadata, ids: torch.Tensor, positions: torch
             run()  # compile kernels and settle allocations outside the graph
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = run()
+            # no garbage collection mid-capture (torch.cuda.graph no longer collects first): freeing an unreachable
+            # engine's CUDA or pinned memory there can invalidate the capture
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                with torch.cuda.graph(graph, pool=pool):
+                    out = run()
+            finally:
+                if collecting:
+                    gc.enable()
     return graph, out
 
 
