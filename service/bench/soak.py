@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.bench import flags
+from service.bench import child, flags
 from service.bench.loadgen.send.dispatch import LoadSpec
 from service.bench.loadgen.send.request import RequestResult
 from service.bench.loadgen.send.workers import run_workers
@@ -194,15 +194,8 @@ def write(out: Path, rows: list[dict], result: dict) -> None:
 def spawn(server_args: list[str], port: int) -> tuple[subprocess.Popen, str]:
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--port", str(port), *server_args])
-    deadline = time.monotonic() + 600
-    with httpx.Client(timeout=2) as client:  # one client: each new one builds a TLS context (~50 ms of CPU)
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if client.get(url + "/ready").status_code == 200:
-                    return proc, url
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+    if child.answers(proc, url + "/ready", 600, 1):
+        return proc, url
     proc.kill()
     raise SystemExit(f"the server ({shlex.join(server_args)}) did not become ready")
 

@@ -231,22 +231,13 @@ def main(argv: list[str] | None = None) -> None:
 @contextmanager
 def running(port: int, *flags: str, timeout: float = 60.0):
     """A mock server in a child process on 127.0.0.1:port until the block ends; yields its base URL."""
-    import httpx
+    from service.bench import child
 
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "service", "bench", "mock-server", "--port", str(port), *flags])
     try:
-        deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=2) as client:  # one client: each new one builds a TLS context (~50 ms of CPU)
-            while True:
-                try:
-                    if client.get(url + "/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the mock server on port {port} did not start (exit {proc.poll()})")
-                time.sleep(0.05)
+        if not child.answers(proc, url + "/health", timeout, 0.05):
+            raise RuntimeError(f"the mock server on port {port} did not start (exit {proc.poll()})")
         yield url
     finally:
         proc.terminate()
