@@ -296,11 +296,24 @@ def test_a_reader_that_stops_reading_is_cut_off_with_bounded_memory(tiny_model):
 
 def test_a_stream_not_read_past_its_backlog_is_aborted_and_its_outputs_dropped(tiny_model):
     engine = make_engine(tiny_model)
+    # the engine holds after its first token until the reader has it (else a busy machine may let the engine run 9
+    # steps before the reader's first turn, and the cut comes first); then it runs free while the reader stops
+    step, produced, read = engine.step, threading.Event(), threading.Event()
+
+    def step_after_the_first_read():
+        if produced.is_set():
+            assert read.wait(60), "the reader never took its first output"
+        rows = step()
+        if any(row[1] for row in rows):
+            produced.set()
+        return rows
+    engine.step = step_after_the_first_read
 
     async def main():
         async with Linked(engine, stream_backlog=8) as link:
             stream = link.generate([1, 2, 3], SamplingParams(max_tokens=500, ignore_eos=True))
             first = await anext(stream)  # then stop reading, while the engine goes on
+            read.set()
             while engine.has_unfinished():
                 await asyncio.sleep(0.01)
             with pytest.raises(SlowReaderError, match="fell 8 chunks behind"):
