@@ -135,7 +135,7 @@ def test_triton_split_decode_matches_torch_reference(dtype, cache_dtype, splits,
                                                       softcap):
     """Decode with each context split into parts (flash-decoding) and the parts combined: the same output as the
     reference, and each sequence in the parts the split rule gives (one part: the output is written directly).
-    The kernel also reads an 8-bit cache (float16 products; tests/gpu/decode_split_sweep.py measures it): against
+    The kernel also reads an 8-bit cache (float16 products; tests/gpu/kernels/decode_split_sweep.py measures it): against
     the reference over the same 8-bit values."""
     from service.engine.runner.triton_attention import triton_paged_attention
     torch.manual_seed(1)
@@ -508,7 +508,7 @@ def test_cuda_int4_needs_bfloat16_and_fp8_needs_ada_or_hopper():
 # with fast accumulation (w8a8.FAST_ACCUM, as vLLM's fp8 kernels for Hopper) over the whole of K. No worst case is
 # published for that accumulator, so this tolerance is measured, not derived: over every 1B and 8B layer at 1 to
 # 4,096 rows (K up to 14,336) the largest error was 7.2e-4 of the sum of |terms| (1.3e-4 without fast
-# accumulation; `python3 tests/gpu/int8_gemm.py --fp8`, H100, 2026-11-26); 2^-9 is 2.7 times that
+# accumulation; `python3 tests/gpu/kernels/int8_gemm.py --fp8`, H100, 2026-11-26); 2^-9 is 2.7 times that
 FP8_SUM_ERROR = 2.0 ** -9
 
 

@@ -4,7 +4,7 @@ up projections of each MLP.
 transformers' Llama-family attention runs q_proj, k_proj and v_proj as three multiplies over the same input. In a
 decode step the key and value ones are small (a 1B model's: 2 MB of weights each), and a small multiply does not
 reach the memory bandwidth: on an H100 at one row the three took 15.1 us and one multiply over the concatenated
-weights 5.3 us; at 256 rows 17.3 us and 8.2 us (tests/gpu/decode_kernels.py). `fuse_qkv` concatenates them into
+weights 5.3 us; at 256 rows 17.3 us and 8.2 us (tests/gpu/kernels/decode_kernels.py). `fuse_qkv` concatenates them into
 one `qkv_proj` and gives the attention module a forward pass that splits its output; what follows is the
 model's own code (Qwen3's norms, the attention function, o_proj) as its own forward pass calls it, but for the
 rotary embedding, which turns q's and k's heads together (the family's formula, with its rotate_half: compiled,

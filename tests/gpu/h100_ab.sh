@@ -8,14 +8,14 @@
 #   full:Q    256 x 128/128, the same
 #   8b:Q      random:llama-8b, 256 x 128/128, this code then the code before
 #   trace:Q   one request's profiled decode steps and their kernels, this code (decode_steps.py --trace)
-#   rowmax    tests/gpu/row_max.py: the greedy sampler's row maximum and the 1B head's product, alone, this code
+#   rowmax    tests/gpu/kernels/row_max.py: the greedy sampler's row maximum and the 1B head's product, alone, this code
 source tests/gpu/env.sh
 nvidia-smi --query-gpu=uuid --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 steps() {  # code (new or base), model, requests, output length, then decode_steps.py's own arguments
   [ $1 = base ] && P=$PWD/.base:$PYTHONPATH || P=$PYTHONPATH
   echo "== $2 $3 x 128/$4 ${*:5}, $1"
-  env PYTHONPATH=$P timeout 240 python3 tests/gpu/decode_steps.py --model $2 --num-requests $3 --output-len $4 \
+  env PYTHONPATH=$P timeout 240 python3 tests/gpu/engine/decode_steps.py --model $2 --num-requests $3 --output-len $4 \
     "${@:5}" 2>&1 | grep -E "decode at batch|output tok/s|Error|error:"
 }
 cuda_tests() {  # log file, then test names of tests/test_cuda.py
@@ -38,8 +38,8 @@ for section in "$@"; do
   full:*) for c in new base new base; do steps $c random:llama-1b 256 128 --profile-steps 0 --quantization $q; done ;;
   8b:*) for c in new base; do
       steps $c random:llama-8b 256 128 --profile-steps 0 --quantization $q --gpu-memory-utilization 0.7; done ;;
-  rowmax) timeout 90 python3 tests/gpu/row_max.py 2>&1 | quiet ;;
-  trace:*) timeout 240 python3 tests/gpu/decode_steps.py --num-requests 1 --output-len 256 --profile-steps 20 \
+  rowmax) timeout 90 python3 tests/gpu/kernels/row_max.py 2>&1 | quiet ;;
+  trace:*) timeout 240 python3 tests/gpu/engine/decode_steps.py --num-requests 1 --output-len 256 --profile-steps 20 \
       --quantization $q --trace $OUT/trace-$q.json 2>&1 | quiet | tail -45 ;;
   esac
 done

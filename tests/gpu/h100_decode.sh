@@ -5,10 +5,10 @@
 source tests/gpu/env.sh
 nvidia-smi -L
 echo "== 1B, one request"
-timeout 240 python3 tests/gpu/decode_steps.py --model random:llama-1b --num-requests 1 --output-len 512 2>&1 | grep -v -i -E "warn|^\s*$|it/s\]"
+timeout 240 python3 tests/gpu/engine/decode_steps.py --model random:llama-1b --num-requests 1 --output-len 512 2>&1 | grep -v -i -E "warn|^\s*$|it/s\]"
 echo "== 1B, 256 x 128/128"
-timeout 180 python3 tests/gpu/decode_steps.py --model random:llama-1b --num-requests 256 --output-len 128 \
+timeout 180 python3 tests/gpu/engine/decode_steps.py --model random:llama-1b --num-requests 256 --output-len 128 \
   --profile-steps 0 2>&1 | grep -v -i -E "warn|^\s*$|it/s\]"
 echo "== 8B, 256 x 128/128"
-timeout 300 python3 tests/gpu/decode_steps.py --model random:llama-8b --num-requests 256 --output-len 128 \
+timeout 300 python3 tests/gpu/engine/decode_steps.py --model random:llama-8b --num-requests 256 --output-len 128 \
   --profile-steps 0 --gpu-memory-utilization 0.7 2>&1 | grep -v -i -E "warn|^\s*$|it/s\]"

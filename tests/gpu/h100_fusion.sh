@@ -9,9 +9,9 @@ timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda.py tests
   "tests/test_engine_equivalence.py" -k "not default" 2>&1 | tail -4
 for fuse in "--no-fuse-qkv" ""; do
   echo "== 1B, one request ${fuse:-fused}"
-  timeout 120 python3 tests/gpu/decode_steps.py --num-requests 1 --output-len 512 --profile-steps 0 $fuse 2>&1 | keep
+  timeout 120 python3 tests/gpu/engine/decode_steps.py --num-requests 1 --output-len 512 --profile-steps 0 $fuse 2>&1 | keep
   echo "== 8B, 256 x 128/128 ${fuse:-fused}"
-  timeout 200 python3 tests/gpu/decode_steps.py --model random:llama-8b --num-requests 256 --output-len 128 \
+  timeout 200 python3 tests/gpu/engine/decode_steps.py --model random:llama-8b --num-requests 256 --output-len 128 \
     --profile-steps 0 --gpu-memory-utilization 0.7 $fuse 2>&1 | keep
 done
 for fuse in off on; do

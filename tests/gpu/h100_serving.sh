@@ -4,7 +4,7 @@
 #              one front end: non-streaming and streaming at 256 concurrent, 1 stream, 8 streams
 #   scale:     HTTP with 2 and 4 front ends, streaming at intervals 1, 4 and 16
 #   latency:   HTTP with one front end: 1 stream and 8 streams (TTFT, ITL), then 1,024 x 256 streaming
-# The client is tests/gpu/http_load.py (aiohttp, 8 processes); each figure has the CPU share of every process
+# The client is tests/gpu/serving/http_load.py (aiohttp, 8 processes); each figure has the CPU share of every process
 # of the server (cpu_share: pid -> CPU seconds per second of the window). Usage (device tool, carry .whl):
 #   bash tests/gpu/h100_serving.sh reference|scale|latency
 set -u
@@ -30,7 +30,7 @@ start_server() {  # N [serve flags...]
   load --requests 256 --label warm > /dev/null
 }
 stop() { kill -TERM $SERVER; wait $SERVER; echo "server exit status $?"; }
-load() { python3 tests/gpu/http_load.py $URL --model $M --pids "$PIDS" "$@"; }
+load() { python3 tests/gpu/serving/http_load.py $URL --model $M --pids "$PIDS" "$@"; }
 heavy() {  # the 1,024 x 256 figures, non-streaming and streaming
   load --requests 1024 --concurrency 256 --label "N=$1 non-streaming"
   load --requests 1024 --concurrency 256 --stream --label "N=$1 streaming $2"
@@ -39,7 +39,7 @@ heavy() {  # the 1,024 x 256 figures, non-streaming and streaming
 nvidia-smi -L
 if [ "$phase" = reference ]; then
   python3 -m service bench offline --model $M --num-requests 1024 --max-num-seqs 256 --peers none 2>&1 | quiet | tail -15
-  python3 tests/gpu/ipc_alone.py --model $M --requests 1024 --max-num-seqs 256 --rounds 3 2>&1 | grep '^{'
+  python3 tests/gpu/serving/ipc_alone.py --model $M --requests 1024 --max-num-seqs 256 --rounds 3 2>&1 | grep '^{'
   start_server 1 || exit 1
   heavy 1 "interval 1"
   load --requests 32 --concurrency 1 --procs 1 --stream --label "1 stream"

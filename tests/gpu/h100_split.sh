@@ -2,8 +2,8 @@
 # Split decode attention on the H100 (device tool; carry .whl, and .base for the phases that compare: a copy of the
 # code before, `git archive <commit> service | tar -x -C .base`). Phases (default: tests sweep mixed):
 #   tests   tests/test_cuda.py (TESTS_K: a -k expression; TESTS_TIMEOUT, default 420 s);
-#   sweep   tests/gpu/decode_split_sweep.py (SWEEP_ARGS: its options), logged to $OUT/sweep.log;
-#   one     one request's decode step p50 (tests/gpu/decode_steps.py), this code then .base's;
+#   sweep   tests/gpu/kernels/decode_split_sweep.py (SWEEP_ARGS: its options), logged to $OUT/sweep.log;
+#   one     one request's decode step p50 (tests/gpu/engine/decode_steps.py), this code then .base's;
 #   mixed, 128   bench offline --telemetry (a median of 7 runs with telemetry off, 7 with it on) on mixed lengths
 #                or 128/128 x 256, this code and .base's alternating (CODES, default "new base new base").
 # (The step profile: tests/gpu/h100_steps.sh steps.)
@@ -25,12 +25,12 @@ for phase in $phases; do
     for code in new base; do
       [ $code = base ] && P=$PWD/.base:$PYTHONPATH || P=$PYTHONPATH
       echo "== one request, 128 in / 512 out, $code"
-      env PYTHONPATH=$P timeout 150 python3 tests/gpu/decode_steps.py --model random:llama-1b --num-requests 1 \
+      env PYTHONPATH=$P timeout 150 python3 tests/gpu/engine/decode_steps.py --model random:llama-1b --num-requests 1 \
         --output-len 512 --profile-steps 0 2>&1 | grep -E "steps |decode at batch|profiled" | head -6
     done ;;
   sweep)
     echo "== decode split sweep"
-    timeout 300 python3 tests/gpu/decode_split_sweep.py ${SWEEP_ARGS:-} 2>&1 | grep -v -i warn | tee $OUT/sweep.log ;;
+    timeout 300 python3 tests/gpu/kernels/decode_split_sweep.py ${SWEEP_ARGS:-} 2>&1 | grep -v -i warn | tee $OUT/sweep.log ;;
   mixed|128)
     [ $phase = mixed ] && W=$MIXED || W="--input-len 128 --output-len 128"
     i=0

@@ -7,7 +7,7 @@
 #              --telemetry);
 #   traces     the same with metrics + engine-step traces over OTLP/HTTP to a real receiver (tests/otlp.py).
 #   8b         the step profile of random:llama-8b, 128/128 x 256 (the decode step against its roofline);
-#   one        one request's decode step (tests/gpu/decode_steps.py), the 1.0 ms target.
+#   one        one request's decode step (tests/gpu/engine/decode_steps.py), the 1.0 ms target.
 # Usage: bash tests/gpu/h100_steps.sh [steps] [kernel] [metrics] [traces] [8b] [one]
 set -u
 cd "$(dirname "$0")/../.."
@@ -30,7 +30,7 @@ for phase in $phases; do
       --top-kernels 12 --json $OUT/steps-8b.json 2>&1 | quiet ;;
   one)
     echo "== one request, 128 in / 512 out: decode step p50 against 1.0 ms"
-    timeout 150 python3 tests/gpu/decode_steps.py --model random:llama-1b --num-requests 1 --output-len 512 2>&1 | quiet ;;
+    timeout 150 python3 tests/gpu/engine/decode_steps.py --model random:llama-1b --num-requests 1 --output-len 512 2>&1 | quiet ;;
   kernel)
     echo "== bench kernel --preset serving"
     timeout 150 python3 -m service bench kernel --preset serving --csv $OUT/kernel.csv 2>&1 | quiet ;;

@@ -32,11 +32,11 @@ for step in $steps; do
           --num-blocks 4400 --json $OUT/int8-${model#random:}.json > $OUT/int8-${model#random:}.log 2>&1
         echo "rc $?"; grep -E "^model|^\|" $OUT/int8-${model#random:}.log
       done ;;
-    gemm)  # the kernels alone (tests/gpu/int8_gemm.py), at the row counts of decode and prefill
-      timeout 150 python3 tests/gpu/int8_gemm.py --rows 1,64,256,4096 2>&1 | grep -v -i warn > $OUT/int8_gemm.log
+    gemm)  # the kernels alone (tests/gpu/kernels/int8_gemm.py), at the row counts of decode and prefill
+      timeout 150 python3 tests/gpu/kernels/int8_gemm.py --rows 1,64,256,4096 2>&1 | grep -v -i warn > $OUT/int8_gemm.log
       echo "rc $?"; grep "^|" $OUT/int8_gemm.log ;;
     fp8)  # fp8's matmul alone, sums carried in float32 or kept in the tensor cores' accumulator, and their error
-      timeout 150 python3 tests/gpu/int8_gemm.py --fp8 --rows 1,256,4096 2>&1 | grep -v -i warn > $OUT/fp8_gemm.log
+      timeout 150 python3 tests/gpu/kernels/int8_gemm.py --fp8 --rows 1,256,4096 2>&1 | grep -v -i warn > $OUT/fp8_gemm.log
       echo "rc $?"; grep "^|" $OUT/fp8_gemm.log ;;
     *) echo "unknown step $step: tests, 1b, 8b, int8, gemm, fp8"; exit 2 ;;
   esac

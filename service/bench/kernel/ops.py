@@ -193,14 +193,14 @@ def _flashinfer(backend: str):
     cache, heads outside tokens). `backend` "auto": its batch prefill (FlashAttention-3's kernels on Hopper) and its
     batch decode kernel; "fa2": its FlashAttention-2 prefill kernel in both phases (at decode, one query at the end
     of each context: what its decode wrapper runs with tensor cores). Runs where flashinfer-python is installed
-    (tests/gpu/flashinfer_wheels.sh); its kernels compile on first use, with the machine's nvcc."""
+    (tests/gpu/kernels/flashinfer_wheels.sh); its kernels compile on first use, with the machine's nvcc."""
     def build(shape: Shape, q, k, v) -> Callable:
         if q.device.type != "cuda":
             raise Unsupported("flashinfer: needs a CUDA GPU")
         try:
             import flashinfer
         except ImportError:
-            raise Unsupported("flashinfer: not installed (tests/gpu/flashinfer_wheels.sh)") from None
+            raise Unsupported("flashinfer: not installed (tests/gpu/kernels/flashinfer_wheels.sh)") from None
         packed, k_cache, v_cache, _, batch = paged_inputs(shape, q, k, v, "triton")
         device, b, qlen = q.device, shape.batch, shape.queries
         tables = [seq.block_table for seq in batch.seqs]

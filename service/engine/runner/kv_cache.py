@@ -32,7 +32,7 @@ def cache_tensor(num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
 
     On CUDA the heads lie outside the tokens in memory ([block, KV head, token, dim], transposed), so one head's
     page is one contiguous piece for the Triton kernel, which reads the cache through its strides: decode attention
-    with 64-wide heads took 1-8% less time so (tests/gpu/decode_split_sweep.py, H100). On CPU it is contiguous."""
+    with 64-wide heads took 1-8% less time so (tests/gpu/kernels/decode_split_sweep.py, H100). On CPU it is contiguous."""
     if device.type != "cuda":
         return torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
     return torch.zeros(num_blocks, kv_heads, block_size, head_dim, dtype=dtype, device=device).transpose(1, 2)

@@ -280,7 +280,7 @@ def launch_config(block_m: int, head_dim: int, itemsize: int = 2) -> tuple[int, 
     """(BLOCK_N, WIDE_N, warps, stages) for a tile of block_m rows: keys per iteration (WIDE_N where no key of the
     iteration needs a mask), and the launch's warps and pipeline stages.
 
-    tests/gpu/attention_sweep.py on the H100 (2026-11-27): prefill tiles took 2-6% less time with 64 keys an
+    tests/gpu/kernels/attention_sweep.py on the H100 (2026-11-27): prefill tiles took 2-6% less time with 64 keys an
     iteration than with 32 on six of eight packed-prompt shapes (1-3% more on 14 prompts of 188-991 tokens), and
     more with 128; decode with 128 keys took 4-8% less over the mixed workload's contexts (64-wide heads) but 6%
     more over 128/128's short ones, whose masked last tile is then most of the work: so decode reads the unmasked
@@ -293,7 +293,7 @@ def launch_config(block_m: int, head_dim: int, itemsize: int = 2) -> tuple[int, 
     return (64, 128, 4, 2) if block_m <= 16 else (64, 64, 4, 2)
 
 
-# Decode splits (tests/gpu/decode_split_sweep.py on the H100, 2026-11-27, bf16, heads 32/8, 64 wide): 16 sequences
+# Decode splits (tests/gpu/kernels/decode_split_sweep.py on the H100, 2026-11-27, bf16, heads 32/8, 64 wide): 16 sequences
 # over 1,500-2,040 tokens took 50.7 us unsplit and 29.9 us in 4 parts, one request over 600 tokens 11.6 and 7.4 us
 # in 8; 128 sequences over 600-1,700 tokens 124.7 and 119.3 us in 4 (noise-sized); from 64 sequences over
 # 900-2,000 tokens up no split was faster, and 256 over 100-1,100 tokens took 128.3 us unsplit, 137.2 us in 4

@@ -1,6 +1,6 @@
 """An independent HTTP client for serving figures: aiohttp in several processes, no code shared with the service.
 
-    python tests/gpu/http_load.py URL --requests 1024 --concurrency 256 --procs 8 [--stream] [--pids 1,2,3]
+    python tests/gpu/serving/http_load.py URL --requests 1024 --concurrency 256 --procs 8 [--stream] [--pids 1,2,3]
 
 Each process sends its share of the requests (closed loop, its share of the concurrency) to /v1/completions,
 128 random prompt ids in, --output-len tokens out with ignore_eos, and records each request's first-chunk

@@ -1,6 +1,6 @@
 """The engine process alone, driven over its ZeroMQ sockets by a bare client: no HTTP, no text.
 
-    python tests/gpu/ipc_alone.py --model random:llama-1b --requests 1024 --max-num-seqs 256 --rounds 3
+    python tests/gpu/serving/ipc_alone.py --model random:llama-1b --requests 1024 --max-num-seqs 256 --rounds 3
 
 Starts the engine process exactly as `serve` does (service.api.server.run_engine), sends every request at
 once (the engine runs --max-num-seqs of them at a time, as `bench offline` does), and counts output tokens

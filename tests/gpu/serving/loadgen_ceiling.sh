@@ -4,11 +4,11 @@
 #      streams, 16,384 requests of 128 tokens, for three splits of the cores between mock server and generator;
 #   2. on the H100, random:llama-1b bf16 behind API_SERVERS front ends (4), 256 concurrent, 128 in / 128 out,
 #      streaming: bench serve (8,192 requests, its cross-check against the server's histograms on) and the
-#      independent client tests/gpu/http_load.py (aiohttp, 8 processes, 8,192 requests), ROUNDS rounds (2) in ABBA
+#      independent client tests/gpu/serving/http_load.py (aiohttp, 8 processes, 8,192 requests), ROUNDS rounds (2) in ABBA
 #      order (ours, theirs, theirs, ours: use an even number).
-# Usage: [GEN_WORKERS=8] [API_SERVERS=4] [ROUNDS=2] bash tests/gpu/loadgen_ceiling.sh [mock|real|all]
+# Usage: [GEN_WORKERS=8] [API_SERVERS=4] [ROUNDS=2] bash tests/gpu/serving/loadgen_ceiling.sh [mock|real|all]
 set -u
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 source tests/gpu/env.sh
 phase=${1:-all}
 nproc; nvidia-smi -L
@@ -39,7 +39,7 @@ if [ "$phase" != mock ]; then
     sleep 1
   done
   PIDS=$(pgrep -P $SERVER | paste -sd,)
-  python3 tests/gpu/http_load.py http://127.0.0.1:8000 --model $M --requests 512 --concurrency 256 --stream \
+  python3 tests/gpu/serving/http_load.py http://127.0.0.1:8000 --model $M --requests 512 --concurrency 256 --stream \
     --label warm > /dev/null
   spread() {  # mid-run: established connections on the port by front-end process (the lean between clients)
     sleep 8
@@ -56,7 +56,7 @@ if [ "$phase" != mock ]; then
   theirs() {
     spread &
     echo "== independent client (aiohttp, 8 processes), run $1"
-    python3 tests/gpu/http_load.py http://127.0.0.1:8000 --model $M --requests 8192 --concurrency 256 \
+    python3 tests/gpu/serving/http_load.py http://127.0.0.1:8000 --model $M --requests 8192 --concurrency 256 \
       --procs 8 --stream --pids "$PIDS" --label "independent-$1"
   }
   # ABBA: ours, theirs, theirs, ours, ..., so that a server drifting over the call hits both clients alike

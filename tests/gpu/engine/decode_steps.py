@@ -6,7 +6,7 @@ read-back). The roofline of a decode step is max(FLOPs / the bf16 peak, (weight 
 memory bandwidth), data-sheet H100 SXM figures: 989 TFLOP/s dense bf16, 3.35 TB/s.
 
 Usage (device tool, after `source tests/gpu/env.sh`):
-  python3 tests/gpu/decode_steps.py --model random:llama-1b --num-requests 1 --input-len 128 --output-len 512
+  python3 tests/gpu/engine/decode_steps.py --model random:llama-1b --num-requests 1 --input-len 128 --output-len 512
 """
 
 import argparse

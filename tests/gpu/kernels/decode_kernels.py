@@ -6,7 +6,7 @@
 - the projections of one llama-1b / llama-8b layer at M rows: q, k, v apart vs one fused qkv, gate and up apart
   vs one fused gate_up, with the bandwidth each reaches.
 
-Usage (device tool, after `source tests/gpu/env.sh`): python3 tests/gpu/decode_kernels.py
+Usage (device tool, after `source tests/gpu/env.sh`): python3 tests/gpu/kernels/decode_kernels.py
 """
 
 import torch

@@ -3,9 +3,9 @@ int8 matmul plus its rescale (the path before), bf16 and fp8-w8a8's `torch._scal
 random:llama-1b and random:llama-8b, each timed inside a CUDA graph (triton.testing.do_bench_cudagraph); and the
 same kernel's weight-only int8 path (bf16 activations).
 
-  python3 tests/gpu/int8_gemm.py            # the kernel's tile table against the others, and exactness
-  python3 tests/gpu/int8_gemm.py --sweep    # also every candidate tile per row count: the table's source
-  python3 tests/gpu/int8_gemm.py --fp8      # fp8-w8a8's `torch._scaled_mm`, sums carried in float32 or kept in the
+  python3 tests/gpu/kernels/int8_gemm.py            # the kernel's tile table against the others, and exactness
+  python3 tests/gpu/kernels/int8_gemm.py --sweep    # also every candidate tile per row count: the table's source
+  python3 tests/gpu/kernels/int8_gemm.py --fp8      # fp8-w8a8's `torch._scaled_mm`, sums carried in float32 or kept in the
                                             # tensor cores' accumulator (use_fast_accum), and how far each lies
                                             # from the float64 sum of the same codes
 

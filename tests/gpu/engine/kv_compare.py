@@ -1,7 +1,7 @@
 """Offline throughput with the KV cache in the model's dtype and in 8 bits (--kv-cache-dtype), one engine each in
 one process, runs alternating so that drift hits both alike: the median of each and of the per-round ratios.
 
-    python3 tests/gpu/kv_compare.py --input-len uniform:100-1024 --output-len uniform:100-1024 --runs 5
+    python3 tests/gpu/engine/kv_compare.py --input-len uniform:100-1024 --output-len uniform:100-1024 --runs 5
 """
 
 import argparse

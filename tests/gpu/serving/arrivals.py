@@ -9,7 +9,7 @@ wall time, output tok/s and the steps by phase (count, duration, tokens a step):
   client with no latency).
 
 Usage (device tool, after `source tests/gpu/env.sh`):
-  python3 tests/gpu/arrivals.py --scenarios all,trickle:16,trickle:64,closed:256
+  python3 tests/gpu/serving/arrivals.py --scenarios all,trickle:16,trickle:64,closed:256
 """
 
 import argparse

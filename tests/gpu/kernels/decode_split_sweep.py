@@ -4,7 +4,7 @@ batches whose contexts vary as the serving workloads' do, against the policy's c
 (triton_attention.decode_splits) and the unsplit kernel. Bandwidth counts the KV read plus the queries and
 outputs, as `bench kernel` does. Each configuration's output is checked against the float32 PyTorch oracle.
 
-  python3 tests/gpu/decode_split_sweep.py
+  python3 tests/gpu/kernels/decode_split_sweep.py
 """
 
 import argparse

@@ -4,7 +4,7 @@ contiguous [B, H, S, D] tensors (bench kernel's `sdpa-cudnn`); median of 64 call
 kernel's clock), and the time of the first call, which builds cuDNN's graph. Then a step of prompts and decode
 tokens. The two paged kernels' largest difference is printed (a wrong one shows as a large number).
 
-    source tests/gpu/env.sh; python3 tests/gpu/cudnn_pages.py [--pages 16,32,64,128]
+    source tests/gpu/env.sh; python3 tests/gpu/kernels/cudnn_pages.py [--pages 16,32,64,128]
 """
 
 import argparse

@@ -10,8 +10,8 @@ Decode cases are batches whose contexts vary as the serving workloads' do, prefi
 equal lengths, cuDNN's dense SDPA on the same shape: the fastest kernel measured there). Bandwidth and FLOPs as
 `bench kernel` counts them; one line per case, every timing in --json.
 
-  python3 tests/gpu/attention_sweep.py --base .base/service/engine/runner/triton_attention.py --json out.json
-  python3 tests/gpu/attention_sweep.py --current-only --base ...   # only the configuration in use: an A/B
+  python3 tests/gpu/kernels/attention_sweep.py --base .base/service/engine/runner/triton_attention.py --json out.json
+  python3 tests/gpu/kernels/attention_sweep.py --current-only --base ...   # only the configuration in use: an A/B
 """
 
 import argparse

@@ -2,7 +2,7 @@
 alternating, and the tile rows each eager step's attention ran with (issue 26; docs/benchmarks.md, long prefill
 tiles). Off is LONG_PREFILL_CONTEXT out of reach, so every step takes the tiles it took before.
 
-  python3 tests/gpu/long_prefill.py --model random:llama-8b --num-requests 2 --input-len 32768
+  python3 tests/gpu/engine/long_prefill.py --model random:llama-8b --num-requests 2 --input-len 32768
 """
 
 import argparse

@@ -4,7 +4,7 @@ sampler set-up), the wait for the step's tokens, and the read-back's own work; p
 and the garbage collector's time per run.
 
 Usage (device tool, after `source tests/gpu/env.sh`; on the CPU it runs random:tiny):
-  python3 tests/gpu/host_steps.py [--model random:llama-1b] [--num-requests 256] [--input-len 128] [--output-len 128]
+  python3 tests/gpu/engine/host_steps.py [--model random:llama-1b] [--num-requests 256] [--input-len 128] [--output-len 128]
 """
 
 import argparse

@@ -3,7 +3,7 @@ Triton kernel (quant/triton_w8a8.py) in its weight-only int8 and int8-w8a8 paths
 layers of random:llama-1b and random:llama-8b. Each product is timed in a CUDA graph over 16 distinct weights (one
 per layer: the L2 cache holds none of them, as in the engine; `int8_gemm.py` times one weight, warm in L2).
 
-  source tests/gpu/env.sh; python3 tests/gpu/int8_rows.py [--sweep] [--rows 1,4,16,64] [--json rows.json]
+  source tests/gpu/env.sh; python3 tests/gpu/kernels/int8_rows.py [--sweep] [--rows 1,4,16,64] [--json rows.json]
 
 --sweep times every candidate tile per row count (the source of `tile_for`'s few-row entries).
 """

@@ -6,9 +6,9 @@
 # here leaves out data/csrc's subfolders, those top-level sources, and CUTLASS's examples and tools but for its util
 # headers, which the Hopper kernels include. It keeps batch prefill and decode, their headers and CUTLASS's and
 # CCCL's headers, which the JIT build compiles with the GPU machine's nvcc. Then, on the device:
-# bash tests/gpu/flashinfer.sh (carry [".whl-fi"]).
+# bash tests/gpu/kernels/flashinfer.sh (carry [".whl-fi"]).
 set -eu
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 VERSION=${FLASHINFER_VERSION:-0.7.2.post1}
 out=.whl-fi
 tmp=$(mktemp -d)

@@ -5,7 +5,7 @@ loop without the scales) at its best of a few tile configurations, for the 1B sh
 shape's 256. (Inductor's max-autotune tables favour Triton at these sizes, but they time each kernel alone with
 its launch and a warm L2.)
 
-    source tests/gpu/env.sh; python3 tests/gpu/matmul_graphs.py
+    source tests/gpu/env.sh; python3 tests/gpu/kernels/matmul_graphs.py
 """
 
 import functools
@@ -41,7 +41,7 @@ SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "
 
 
 def graph_us(fn, copies):
-    """Microseconds a call of fn(i), i over range(copies), takes inside one CUDA graph (also tests/gpu/int8_rows.py)."""
+    """Microseconds a call of fn(i), i over range(copies), takes inside one CUDA graph (also tests/gpu/kernels/int8_rows.py)."""
     fn(0)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()

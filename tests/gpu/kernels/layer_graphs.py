@@ -3,7 +3,7 @@ only records what dynamo traced, compiled as the engine compiles them (runner/co
 one custom op, so a layer is one graph, and the layers share their graphs: one for prefill shapes and one for a
 single token (dynamo specializes a size of 1). Each graph's operators are printed, one line a graph.
 
-Usage: python3 tests/gpu/layer_graphs.py [--quantization int8-w8a8] [--device cpu]
+Usage: python3 tests/gpu/kernels/layer_graphs.py [--quantization int8-w8a8] [--device cpu]
 """
 
 import argparse

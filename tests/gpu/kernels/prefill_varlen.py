@@ -3,7 +3,7 @@
 paged kernel, each checked against a float32 reference; then the KV cache writes, two index_copy_ against
 triton_attention.write_kv, inside CUDA graphs.
 
-    source tests/gpu/env.sh; python3 tests/gpu/prefill_varlen.py
+    source tests/gpu/env.sh; python3 tests/gpu/kernels/prefill_varlen.py
 """
 
 import inspect
