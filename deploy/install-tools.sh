@@ -13,7 +13,7 @@ command -v haproxy >/dev/null || need+=(haproxy)
 compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || need+=(postgresql)
 command -v stress-ng >/dev/null || need+=(stress-ng)
 # kubectl (with Kustomize v5, kubectl >= 1.27) has no current Debian package: Debian's kubernetes-client is 1.20
-command -v kubectl >/dev/null || echo "kubectl missing: tests/test_deploy_kubernetes.py needs kubectl >= 1.27;" \
+command -v kubectl >/dev/null || echo "kubectl missing: tests/deploy/test_deploy_kubernetes.py needs kubectl >= 1.27;" \
     "see https://kubernetes.io/docs/tasks/tools/" >&2
 [ ${#need[@]} -eq 0 ] && exit 0
 sudo=""

@@ -6,8 +6,8 @@ source tests/gpu/env.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee $OUT/gpu.txt
 echo "== 1. bench offline 256 x 128/128: engine (7 runs without and with telemetry) and peers"
 timeout 190 python3 -m service bench offline --telemetry --json $OUT/offline.json 2>&1 | tee $OUT/offline.log | quiet | tail -9
-echo "== 2. tests/test_cuda.py"
-timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py > $OUT/cuda_tests.log 2>&1
+echo "== 2. tests/cuda/test_cuda.py"
+timeout 170 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_cuda.py > $OUT/cuda_tests.log 2>&1
 echo "rc $?"; grep -E "passed|failed|^FAILED|^ERROR" $OUT/cuda_tests.log | tail -12
 echo "== 3. bench kernel"
 timeout 45 python3 -m service bench kernel --csv $OUT/kernel.csv --plot $OUT/kernel.png > $OUT/kernel.log 2>&1; echo "rc $?"

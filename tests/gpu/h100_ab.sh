@@ -18,9 +18,9 @@ steps() {  # code (new or base), model, requests, output length, then decode_ste
   env PYTHONPATH=$P timeout 240 python3 tests/gpu/engine/decode_steps.py --model $2 --num-requests $3 --output-len $4 \
     "${@:5}" 2>&1 | grep -E "decode at batch|output tok/s|Error|error:"
 }
-cuda_tests() {  # log file, then test names of tests/test_cuda.py
+cuda_tests() {  # log file, then test names of tests/cuda/test_cuda.py
   log=$1; shift
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -rf "${@/#/tests/test_cuda.py::}" > $OUT/$log 2>&1
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rf "${@/#/tests/cuda/test_cuda.py::}" > $OUT/$log 2>&1
   echo "pytest exit $?"; grep -E "passed|failed|FAILED|Fatal|Error|^tests/" $OUT/$log | head -20
 }
 for section in "$@"; do

@@ -5,8 +5,8 @@
 source tests/gpu/env.sh
 keep() { grep -v -i -E "warn|^\s*$|it/s\]|configuration class" ; }
 echo "== tests"
-timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda.py tests/test_fusion.py \
-  "tests/test_engine_equivalence.py" -k "not default" 2>&1 | tail -4
+timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/cuda/test_cuda.py tests/engine/test_fusion.py \
+  "tests/engine/test_engine_equivalence.py" -k "not default" 2>&1 | tail -4
 for fuse in "--no-fuse-qkv" ""; do
   echo "== 1B, one request ${fuse:-fused}"
   timeout 120 python3 tests/gpu/engine/decode_steps.py --num-requests 1 --output-len 512 --profile-steps 0 $fuse 2>&1 | keep

@@ -4,7 +4,7 @@
 # 128/128 figure); the mixed-length workload as a median of 7.
 source tests/gpu/env.sh
 echo "== the NaN-logits CUDA test"
-timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k nan_logits > $OUT/nan.log 2>&1; echo "rc $?"
+timeout 60 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_cuda.py -k nan_logits > $OUT/nan.log 2>&1; echo "rc $?"
 tail -1 $OUT/nan.log
 for mode in none int8 int4 fp8; do
   echo "== 128/128 x 256, quantization $mode, 7 runs without and with telemetry"

@@ -17,7 +17,7 @@ one() {  # model, quantization, output length, code
 for section in ${@:-tests one}; do
   case $section in
   tests)
-    t=tests/test_cuda.py::test_cuda_w8a8
+    t=tests/cuda/test_cuda.py::test_cuda_w8a8
     timeout 130 python3 -m pytest -q -p no:cacheprovider \
       ${t}_kernel_lies_within_the_derived_bound_of_the_float32_reference \
       ${t}_compiled_and_graph_replayed_layer_equals_eager_with_one_compile_for_all_row_counts \

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Split decode attention on the H100 (device tool; carry .whl, and .base for the phases that compare: a copy of the
 # code before, `git archive <commit> service | tar -x -C .base`). Phases (default: tests sweep mixed):
-#   tests   tests/test_cuda.py (TESTS_K: a -k expression; TESTS_TIMEOUT, default 420 s);
+#   tests   tests/cuda/test_cuda.py (TESTS_K: a -k expression; TESTS_TIMEOUT, default 420 s);
 #   sweep   tests/gpu/kernels/decode_split_sweep.py (SWEEP_ARGS: its options), logged to $OUT/sweep.log;
 #   one     one request's decode step p50 (tests/gpu/engine/decode_steps.py), this code then .base's;
 #   mixed, 128   bench offline --telemetry (a median of 7 runs with telemetry off, 7 with it on) on mixed lengths
@@ -18,7 +18,7 @@ for phase in $phases; do
   case $phase in
   tests)
     echo "== CUDA tests: ${TESTS_K:-all}"
-    timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py ${TESTS_K:+-k "$TESTS_K"} \
+    timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider tests/cuda/test_cuda.py ${TESTS_K:+-k "$TESTS_K"} \
       > $OUT/tests.log 2>&1
     grep -E "^(FAILED|ERROR)" $OUT/tests.log; tail -1 $OUT/tests.log ;;
   one)

@@ -20,8 +20,8 @@ compare() {  # $1: model, $2: time limit in seconds
 for step in $steps; do
   case $step in
     tests)
-      echo "== tests/test_cuda.py -k w8a8"
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "w8a8 or quant or silu" > $OUT/w8a8_tests.log 2>&1
+      echo "== tests/cuda/test_cuda.py -k w8a8"
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_cuda.py -k "w8a8 or quant or silu" > $OUT/w8a8_tests.log 2>&1
       echo "rc $?"; grep -E "passed|failed|^FAILED|^ERROR" $OUT/w8a8_tests.log | tail -12 ;;
     1b) compare random:llama-1b 280 ;;
     8b) compare random:llama-8b 560 ;;

@@ -5,8 +5,8 @@ source tests/gpu/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee $OUT/gpus.txt
 nvidia-smi topo -m >> $OUT/gpus.txt
-echo "== tests/test_cuda_tensor_parallel.py"
-timeout 170 python3 -m pytest -p no:cacheprovider -rA tests/test_cuda_tensor_parallel.py > $OUT/tp_tests.log 2>&1
+echo "== tests/cuda/test_cuda_tensor_parallel.py"
+timeout 170 python3 -m pytest -p no:cacheprovider -rA tests/cuda/test_cuda_tensor_parallel.py > $OUT/tp_tests.log 2>&1
 echo "rc $?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed|^E " $OUT/tp_tests.log | cut -c1-240 | head -20
 for model in llama-1b llama-8b; do
   for tp in 1 2; do

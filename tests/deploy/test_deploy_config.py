@@ -19,12 +19,12 @@ from service.telemetry.metrics import GPUMetrics, Metrics
 
 from tests.conftest import needs_tools
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 GRAFANA = DEPLOY / "grafana"
 COMPOSE = DEPLOY / "docker-compose.yml"
 GPU_OVERRIDE = DEPLOY / "docker-compose.gpu.yml"
-SECRETS = "/run/llm-secrets"  # where secrets-init's volume is mounted (tests/test_deploy_secrets.py)
+SECRETS = "/run/llm-secrets"  # where secrets-init's volume is mounted (tests/deploy/test_deploy_secrets.py)
 LOAD_COMMAND = ("python -m service bench serve --url http://lb:8000 --model SmolLM2-135M-Instruct "
                 "--request-rate 2 --burstiness 1.0 --max-concurrency 16 --duration 600 --dataset builtin "
                 "--progress off")
@@ -238,7 +238,7 @@ def test_grafana_provisioning_paths_match_the_mounted_volumes():
     assert bind[provider["options"]["path"]] == GRAFANA / "dashboards"
     home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert (bind[str(Path(home).parent)] / Path(home).name).is_file()
-    # anonymous viewers; the admin password comes from the secrets volume (tests/test_deploy_secrets.py)
+    # anonymous viewers; the admin password comes from the secrets volume (tests/deploy/test_deploy_secrets.py)
     env = grafana["environment"]
     assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
     assert "GF_SECURITY_ADMIN_PASSWORD" not in env
@@ -364,7 +364,7 @@ def test_datasources_link_exemplars_to_tempo_and_traces_back_to_prometheus():
 def test_dashboards_have_fixed_uids_instance_and_model_variables_and_exemplars_on_latency():
     dashes = dashboards()
     assert {d["uid"] for d in dashes.values()} == {"llm-overview", "llm-gpu", "llm-slo", "llm-bench-history"}
-    dashes.pop("llm-bench-history.json")  # SQL over the results store: tests/test_bench_dashboard.py
+    dashes.pop("llm-bench-history.json")  # SQL over the results store: tests/bench/test_bench_dashboard.py
     for name, dash in dashes.items():
         variables = {v["name"]: v for v in dash["templating"]["list"]}
         assert set(variables) == {"instance", "model"}, name

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import needs_tools
-from tests.test_deploy_config import COMPOSE, DEPLOY, SECRETS, compose_config, datasources, mounts
+from tests.deploy.test_deploy_config import COMPOSE, DEPLOY, SECRETS, compose_config, datasources, mounts
 
 SCRIPT = DEPLOY / "secrets_init.py"
 NAMES = ("POSTGRES_PASSWORD", "GRAFANA_ADMIN_PASSWORD")

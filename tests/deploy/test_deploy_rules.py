@@ -15,7 +15,7 @@ from service.telemetry.metrics import TTFT_BUCKETS
 
 from tests.conftest import needs_tools
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RULES = DEPLOY / "rules"
 RULE_FILES = sorted(RULES.glob("*.yml"))
 UNIT_TESTS = sorted((RULES / "tests").glob("*_test.yml"))

@@ -208,7 +208,7 @@ def inject_faults(engine, monkeypatch, faults: list):
 
 
 def test_forward_faults_fail_their_requests_and_the_engine_serves_on(tiny_model, monkeypatch):
-    from tests.test_telemetry import use_collector
+    from tests.telemetry.test_telemetry import use_collector
     with Receiver("http/protobuf") as receiver:
         use_collector(monkeypatch, receiver.endpoint)
         with LiveServer(tiny_model) as s:

@@ -11,7 +11,7 @@ import subprocess
 import yaml
 
 from tests.conftest import needs_tools
-from tests.test_deploy_config import COMPOSE, DEPLOY, compose_config, mounts
+from tests.deploy.test_deploy_config import COMPOSE, DEPLOY, compose_config, mounts
 
 HAPROXY = (DEPLOY / "haproxy.cfg").read_text()
 

@@ -8,8 +8,8 @@ import pytest
 
 from service.engine import SamplingParams
 from tests.conftest import make_engine, reference_greedy
-from tests.test_engine_behaviour import PROMPT
-from tests.test_engine_equivalence import mixed_prompts
+from tests.engine.test_engine_behaviour import PROMPT
+from tests.engine.test_engine_equivalence import mixed_prompts
 
 
 @pytest.fixture(scope="module")

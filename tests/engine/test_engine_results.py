@@ -9,7 +9,7 @@ import pytest
 from service.engine import SamplingParams
 from tests.conftest import make_engine
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("module", ["service.engine.results", "service.engine", "service.engine.sequence",

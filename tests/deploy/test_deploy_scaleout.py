@@ -33,8 +33,8 @@ from service.bench.loadgen.results.summary import summarize
 
 from tests import web
 from tests.conftest import free_port, needs_tools, wait_until
-from tests.test_deploy_config import DEPLOY, dashboards, panels, promql_expressions
-from tests.test_deploy_live import (NO_DATA_EXPECTED, Stack, derived_alertmanager_template, finite, query,
+from tests.deploy.test_deploy_config import DEPLOY, dashboards, panels, promql_expressions
+from tests.deploy.test_deploy_live import (NO_DATA_EXPECTED, Stack, derived_alertmanager_template, finite, query,
                                     substitute, wait_for)
 
 REPLICAS = 3

@@ -16,7 +16,7 @@ import yaml
 
 from service.settings import SECTIONS, parse
 from tests.conftest import needs_tools
-from tests.test_deploy_config import DEPLOY, metric_catalog
+from tests.deploy.test_deploy_config import DEPLOY, metric_catalog
 
 K8S = DEPLOY / "kubernetes"
 OVERLAYS = ["cpu", "gpu"]

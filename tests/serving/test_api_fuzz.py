@@ -19,7 +19,7 @@ def live(default_model):
 # the document is the app's own; building the app loads no model
 schema = schemathesis.openapi.from_dict(create_app().openapi())
 # bodies that fit the document (huge integers, odd floats, long strings) and bodies that break it (wrong
-# types, missing fields): each must get its 2xx or 4xx; tests/test_reliability.py adds every field's boundaries
+# types, missing fields): each must get its 2xx or 4xx; tests/serving/test_reliability.py adds every field's boundaries
 schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 
 

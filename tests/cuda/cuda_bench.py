@@ -1,4 +1,4 @@
-"""CUDA paths of `bench model` and `bench kernel` (imported by tests/test_cuda.py; skipped without a GPU)."""
+"""CUDA paths of `bench model` and `bench kernel` (imported by tests/cuda/test_cuda.py; skipped without a GPU)."""
 
 import json
 import pickle

@@ -12,7 +12,7 @@ from service.bench.regress.directions import direction
 from service.bench.bootstrap import median_ratio_ci
 from service.bench.regress.verdicts import find_steps, judge, judge_runs
 from service.bench.store import open_store, schema
-from tests.test_bench_store import rows
+from tests.bench.test_bench_store import rows
 
 LOWER, HIGHER = -1, 1
 

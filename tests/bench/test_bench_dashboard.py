@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from service.bench.offline import run
 from service.bench.regress import cli
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "deploy/grafana/dashboards/llm-bench-history.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy/grafana/dashboards/llm-bench-history.json"
 PICK = {"metric": "wall_seconds", "sample": "cpu_percent"}  # single-value variables: the value a user picks
 
 

@@ -30,13 +30,13 @@ import yaml
 from tests import web
 from tests.conftest import free_port, needs_tools, wait_until
 from tests.otlp import Receiver, latest
-from tests.test_deploy_config import COMPOSE, DEPLOY, compose_config, promql_expressions
+from tests.deploy.test_deploy_config import COMPOSE, DEPLOY, compose_config, promql_expressions
 
 LOWERED_ALERT = "LLMHighTimeToFirstToken"  # its threshold goes down to 1 µs: any request breaks it
 # $__rate_interval as wide as the recorded 5 m rates: on a busy machine the last queries run minutes after the load
 GRAFANA_BUILTINS = {"$__rate_interval": "5m", "$__range_s": "600", "$__range": "10m", "$__interval": "15s"}
 # no data here, and why: no NVIDIA GPU on this machine; ALERTS has series only while alerts are active; the
-# pushed GenAI series need an OTLP receiver, which Debian's Prometheus 2.42 lacks (tests/test_otlp_metrics.py
+# pushed GenAI series need an OTLP receiver, which Debian's Prometheus 2.42 lacks (tests/telemetry/test_otlp_metrics.py
 # receives them with a real OTLP receiver instead)
 NO_DATA_EXPECTED = ("llm_gpu_", "ALERTS", "gen_ai_")
 
@@ -289,7 +289,7 @@ def test_gpu_queries_are_valid_and_empty_on_a_machine_without_gpus(stack):
 
 
 def test_latency_exemplars_carry_trace_ids_of_traces_the_service_exported(stack):
-    from tests.test_deploy_config import dashboards, panels
+    from tests.deploy.test_deploy_config import dashboards, panels
 
     targets = [t["expr"] for d in dashboards().values() for p in panels(d) for t in p.get("targets", [])
                if t.get("exemplar")]

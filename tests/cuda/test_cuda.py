@@ -309,7 +309,7 @@ def test_cuda_sampling_is_seeded(tiny_cuda):
 @pytest.mark.parametrize("overrides", [{}, {"cuda_graphs": False}], ids=["graphs", "no-graphs"])
 def test_cuda_overlap_streams_exactly_what_no_overlap_streams(tiny_cuda, overrides):
     """Stop tokens, min_tokens, logprobs, seeded sampling, a prefix hit and an abort mid-stream, in one batch."""
-    from tests.test_engine_overlap import stream_all
+    from tests.engine.test_engine_overlap import stream_all
     rng = random.Random(5)
     prompt = [rng.randrange(5, 500) for _ in range(40)]
     plain = make_engine(tiny_cuda, device="cuda", overlap=False).generate([prompt], SamplingParams(max_tokens=20, temperature=0))
@@ -358,7 +358,7 @@ def test_bench_run_on_cuda_records_gpu_samples_and_cuda_peak_memory(tmp_path):
     assert len(peaks) == 6 and all(0 < p < torch.cuda.get_device_properties(0).total_memory for p in peaks)
 
 
-from tests.cuda_bench import *  # noqa: E402,F401,F403  (bench model / bench kernel on CUDA)
+from tests.cuda.cuda_bench import *  # noqa: E402,F401,F403  (bench model / bench kernel on CUDA)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
