@@ -114,14 +114,16 @@ def test_two_front_ends_one_metrics_truth_and_one_waiting_limit():
         with httpx.Client(timeout=60) as c:
             answers = [c.post(s.url + "/v1/completions", json=body()) for _ in range(12)]
         assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4 for r in answers)
-        # overload: one running, two waiting; the rest are 503s with Retry-After, never errors or hangs
+        # overload: at most two waiting (one more running once a step has taken the first); the rest are 503s with
+        # Retry-After, never errors or hangs. At least two are served: arrivals that reach the engine in one batch
+        # are all still waiting when the third is turned away, so "3" would depend on the scheduler's timing
         async def burst():
             async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=40)) as ac:
                 return await asyncio.gather(*[ac.post(s.url + "/v1/completions", json=body(max_tokens=40))
                                               for _ in range(40)])
         answers = asyncio.run(burst())
         statuses = [r.status_code for r in answers]
-        assert set(statuses) <= {200, 503} and statuses.count(503) > 0 and statuses.count(200) >= 3
+        assert set(statuses) <= {200, 503} and statuses.count(503) > 0 and statuses.count(200) >= 2
         assert all(r.headers["retry-after"] and "waiting" in r.json()["error"]["message"]
                    for r in answers if r.status_code == 503)
         ok = 12 + statuses.count(200)
