@@ -184,7 +184,7 @@ class Linked:
     async def __aexit__(self, *exc) -> None:
         import asyncio
 
-        self.core.stopping = True
+        self.core.stop()
         await asyncio.to_thread(self.thread.join, 60)
         await self.client.close()
         shutil.rmtree(self.folder, ignore_errors=True)

@@ -111,7 +111,7 @@ class ServerState:
     async def stop(self) -> None:
         if self.engine_thread is not None:
             if self.core is not None:
-                self.core.stopping = True
+                self.core.stop()
             await asyncio.to_thread(self.engine_thread.join, 30)
             if self.engine is not None:
                 self.engine.close()

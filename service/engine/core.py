@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class EngineCore:
+    IDLE_LOOK_MS = 1000  # how often a loop blocked idle looks at `failure` (a stop wakes it at once)
+
     def __init__(self, engine, folder: str, num_frontends: int, max_waiting: int, tracing=None):
         self.engine = engine
         engine.rows = True  # bare rows out, no RequestOutput objects
@@ -30,7 +32,8 @@ class EngineCore:
         self.tracing = tracing  # telemetry.tracing.Tracing, for the engine-side request spans
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
-        self.inbox.bind(messages.inbox(folder))
+        self.address = messages.inbox(folder)
+        self.inbox.bind(self.address)
         self.outboxes = []
         for i in range(num_frontends):
             sock = self.ctx.socket(zmq.PUSH)
@@ -41,6 +44,22 @@ class EngineCore:
         self.owner: dict[str, int] = {}  # request id -> the front end that sent it
         self.stopping = False
         self.failure: str | None = None  # set from another thread (a lost tensor-parallel rank)
+
+    def stop(self) -> None:
+        """Stop once no request is left. Safe from any thread and from a signal handler: an empty Abort through the
+        inbox wakes a loop that is blocked idle, so that it ends now rather than at its next look a second later."""
+        self.stopping = True
+        try:
+            sock = self.ctx.socket(zmq.PUSH)
+        except zmq.ZMQError:  # the loop has ended and closed its context
+            return
+        try:
+            sock.connect(self.address)
+            sock.send(messages.encode(Abort([])), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        finally:
+            sock.close(linger=1000)  # sent even after this close; a context closing meanwhile waits a second at most
 
     def hello(self) -> Hello:
         # here: the supervisor imports this module, without torch
@@ -62,8 +81,8 @@ class EngineCore:
                 for i in list(unhelloed):  # a front end not yet connected gets it on a later turn
                     if self._send(i, hello):
                         unhelloed.discard(i)
-                if not engine.has_unfinished() and not self.inbox.poll(100 if unhelloed else 1000):
-                    continue  # idle: blocked in poll; wakes each second to look at stopping and failure
+                if not engine.has_unfinished() and not self._idle(100 if unhelloed else self.IDLE_LOOK_MS):
+                    continue
                 self._drain()
                 if engine.has_unfinished():
                     self._publish(engine.step())
@@ -75,6 +94,10 @@ class EngineCore:
             raise
         finally:
             self.close()
+
+    def _idle(self, timeout_ms: int) -> bool:
+        """Blocks until a message comes (a stop sends one) or it is time to look again; True if one came."""
+        return bool(self.inbox.poll(timeout_ms))
 
     def close(self) -> None:
         self.engine.rows, self.engine.detokenizer = False, Detokenizer(self.engine.tokenizer)  # usable offline again
