@@ -72,6 +72,25 @@ def reference_greedy(loaded, prompt: list[int], max_new_tokens: int) -> list[int
     return out[0, len(prompt):].tolist()
 
 
+@pytest.fixture
+def idle_engine_core(monkeypatch):
+    """Engine cores whose loop, blocked idle, would look again only after ten minutes; returns an event set once one
+    blocks so. What ends such a wait sooner is a wake (EngineCore.stop, EngineCore.fail)."""
+    import threading
+
+    from service.engine.core import EngineCore
+
+    idle, blocking = threading.Event(), EngineCore._idle
+    monkeypatch.setattr(EngineCore, "IDLE_LOOK_MS", 600_000)
+
+    def noting_idle(core, timeout_ms):
+        if timeout_ms == EngineCore.IDLE_LOOK_MS:
+            idle.set()
+        return blocking(core, timeout_ms)
+    monkeypatch.setattr(EngineCore, "_idle", noting_idle)
+    return idle
+
+
 def wait_until(check, timeout: float, what: str, interval: float = 0.1):
     """Poll `check` until it returns something true and return that; connection errors and unparsable answers
     count as 'not yet'. After `timeout` seconds, fail saying what never happened."""

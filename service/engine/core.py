@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 class EngineCore:
-    IDLE_LOOK_MS = 1000  # how often a loop blocked idle looks at `failure` (a stop wakes it at once)
+    IDLE_LOOK_MS = 1000  # how often a loop blocked idle looks again (stop and fail wake it at once)
 
     def __init__(self, engine, folder: str, num_frontends: int, max_waiting: int, tracing=None):
         self.engine = engine
@@ -46,9 +46,18 @@ class EngineCore:
         self.failure: str | None = None  # set from another thread (a lost tensor-parallel rank)
 
     def stop(self) -> None:
-        """Stop once no request is left. Safe from any thread and from a signal handler: an empty Abort through the
-        inbox wakes a loop that is blocked idle, so that it ends now rather than at its next look a second later."""
+        """Stop once no request is left (from any thread, or a signal handler)."""
         self.stopping = True
+        self._wake()
+
+    def fail(self, reason: str) -> None:
+        """End the loop as dead with `reason` (a lost tensor-parallel rank), from any thread."""
+        self.failure = reason
+        self._wake()
+
+    def _wake(self) -> None:
+        """An empty Abort through the inbox: a loop blocked idle looks at `stopping` and `failure` now, not at its next
+        look a second later. Safe from any thread and from a signal handler."""
         try:
             sock = self.ctx.socket(zmq.PUSH)
         except zmq.ZMQError:  # the loop has ended and closed its context

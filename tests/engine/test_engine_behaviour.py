@@ -1,7 +1,6 @@
 """Sampling, stop conditions, aborts, bad input and the async facade of the engine."""
 
 import asyncio
-import threading
 
 import pytest
 import torch
@@ -156,26 +155,12 @@ def test_logprobs_are_returned_for_the_sampled_token(engine):
         assert len(top) == 2 and top[0][1] >= top[1][1]
 
 
-def test_a_stop_wakes_an_idle_engine_core_and_is_harmless_once_it_has_ended(tiny_model, monkeypatch):
-    from service.engine.core import EngineCore
-
-    monkeypatch.setattr(EngineCore, "IDLE_LOOK_MS", 600_000)  # idle, the loop would look again in ten minutes
-    idle, blocking = threading.Event(), EngineCore._idle
-
-    def noting_idle(core, timeout_ms):
-        if timeout_ms == EngineCore.IDLE_LOOK_MS:
-            idle.set()
-        return blocking(core, timeout_ms)
-    monkeypatch.setattr(EngineCore, "_idle", noting_idle)
-    engine = make_engine(tiny_model)
-
+def test_a_stop_wakes_an_idle_engine_core_and_is_harmless_once_it_has_ended(tiny_model, idle_engine_core):
     async def main():
-        async with Linked(engine) as link:  # its exit calls stop() and waits up to 60 s for the loop to end
-            outs = [o async for o in link.generate([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))]
-            assert await asyncio.to_thread(idle.wait, 60)  # the loop is (about to be) blocked idle
-        return link, outs
-    link, outs = asyncio.run(main())
-    assert outs[-1].num_output_tokens == 2
+        async with Linked(make_engine(tiny_model)) as link:  # its exit calls stop(), then waits up to 60 s
+            assert await asyncio.to_thread(idle_engine_core.wait, 60)  # the loop is (about to be) blocked idle
+        return link
+    link = asyncio.run(main())
     assert not link.thread.is_alive()  # woken by the stop, not by the poll's time limit
     link.core.stop()  # its context is closed: nothing to wake, no error
 

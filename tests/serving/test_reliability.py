@@ -238,6 +238,17 @@ def test_forward_faults_fail_their_requests_and_the_engine_serves_on(tiny_model,
     assert [sp.status_code for sp in generations] == [2, 2, 2, 0]  # ERROR, then UNSET
 
 
+def test_a_failure_reported_to_an_idle_engine_ends_its_loop_at_once(tiny_model, idle_engine_core):
+    with LiveServer(tiny_model) as s:
+        assert idle_engine_core.wait(60)
+        s.app.state.server.core.fail("tensor-parallel rank 1 exited with code -9")  # as the rank watcher reports it
+        wait_until(lambda: web.get(s.url + "/health").status_code == 503, 60,
+                   "the engine loop to end")  # unwoken, it would look again in ten minutes
+        assert "tensor-parallel rank 1 exited with code -9" in web.get(s.url + "/health").json()["error"]
+        r = web.post(s.url + "/v1/completions", json={"model": s.engine.model_name, "prompt": [1]})
+        assert r.status_code == 503
+
+
 def test_a_dead_engine_loop_fails_health_and_readiness(tiny_model, monkeypatch):
     with LiveServer(tiny_model) as s:
         monkeypatch.setattr(s.engine.scheduler, "schedule", lambda: 1 / 0)  # a bug in the loop itself
