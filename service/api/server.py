@@ -98,8 +98,6 @@ def run_engine(settings: Settings, folder: str, num_frontends: int, alive) -> No
     telemetry.engine_loaded(engine)
     core = EngineCore(engine, folder, num_frontends, settings.server.max_waiting, telemetry.tracing)
     signal.signal(signal.SIGTERM, lambda *_: core.stop())
-    if engine.parallel is not None:
-        engine.parallel.on_failure = core.fail
     log.info("model %s ready on %s; serving %d front end(s)", engine.model_name, engine.device, num_frontends)
     start = time.monotonic()
     try:

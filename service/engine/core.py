@@ -44,6 +44,8 @@ class EngineCore:
         self.owner: dict[str, int] = {}  # request id -> the front end that sent it
         self.stopping = False
         self.failure: str | None = None  # set from another thread (a lost tensor-parallel rank)
+        if engine.parallel is not None:
+            engine.parallel.on_failure = self.fail  # called from its watching thread
 
     def stop(self) -> None:
         """Stop once no request is left (from any thread, or a signal handler)."""
