@@ -43,7 +43,7 @@ class EngineCore:
             self.outboxes.append(sock)
         self.owner: dict[str, int] = {}  # request id -> the front end that sent it
         self.stopping = False
-        self.failure: str | None = None  # set from another thread (a lost tensor-parallel rank)
+        self.failure: str | None = None  # set by fail(), from another thread
         if engine.parallel is not None:
             engine.parallel.on_failure = self.fail  # called from its watching thread
 
