@@ -120,23 +120,50 @@ def unused_port():
     return free_port()
 
 
-def test_a_version_1_database_is_upgraded_in_place_and_keeps_its_runs(store_url):
+def _old_database(store_url, version: int, dropped: set[str]) -> sa.Engine:
+    """A database as `version` of the schema made it (bench_runs without the `dropped` columns), with one run."""
     engine = sa.create_engine(store_url.replace("postgresql://", "postgresql+psycopg://"))
-    # the schema as version 1 made it: no verdicts table, no client_saturated column (version 3)
-    runs_v1 = sa.Table(schema.runs.name, sa.MetaData(),
-                       *[c._copy() for c in schema.runs.columns if c.name != "client_saturated"])
+    old_runs = sa.Table(schema.runs.name, sa.MetaData(), *[c._copy() for c in schema.runs.columns if c.name not in dropped])
     with engine.begin() as conn:
-        for table in (schema.meta, runs_v1, schema.measurements, schema.samples):
+        for table in (schema.meta, old_runs, schema.measurements, schema.samples):
             table.create(conn)
-        conn.execute(schema.meta.insert().values(key="schema_version", value="1"))
-        conn.execute(schema.runs.insert().values(kind="run", name="old", config={}, config_hash="0" * 16,
-                                                 status="ok", started_at=sa.func.now()))
+        if version >= 2:
+            schema.verdicts.create(conn)
+        conn.execute(schema.meta.insert().values(key="schema_version", value=str(version)))
+        conn.execute(old_runs.insert().values(kind="run", name="old", config={}, config_hash="0" * 16,
+                                              status="ok", started_at=sa.func.now()))
+    return engine
+
+
+def test_a_version_1_database_is_upgraded_in_place_and_keeps_its_runs(store_url):
+    # version 1: no verdicts table, no client_saturated column (version 3), no invocation column (version 4)
+    engine = _old_database(store_url, 1, {"client_saturated", "invocation"})
     open_store(store_url)
     with engine.connect() as conn:
-        assert conn.execute(sa.select(schema.meta.c.value)).scalar() == str(schema.SCHEMA_VERSION) == "3"
+        assert conn.execute(sa.select(schema.meta.c.value)).scalar() == str(schema.SCHEMA_VERSION) == "4"
         assert "bench_verdicts" in sa.inspect(conn).get_table_names()
-        assert "client_saturated" in {c["name"] for c in sa.inspect(conn).get_columns("bench_runs")}
-    assert [(r["name"], r["client_saturated"]) for r in rows(store_url, schema.runs)] == [("old", None)]
+        assert {"client_saturated", "invocation"} <= {c["name"] for c in sa.inspect(conn).get_columns("bench_runs")}
+    assert [(r["name"], r["client_saturated"], r["invocation"]) for r in rows(store_url, schema.runs)] == [
+        ("old", None, None)]
+
+
+def test_a_version_3_database_is_upgraded_to_4_and_its_old_runs_have_no_invocation(store_url):
+    engine = _old_database(store_url, 3, {"invocation"})
+    with open_store(store_url).run(kind="run", config={}):
+        pass
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(schema.meta.c.value)).scalar() == "4"
+    old, new = rows(store_url, schema.runs)
+    assert (old["name"], old["invocation"]) == ("old", None) and len(new["invocation"]) == 16
+
+
+def test_the_runs_one_store_records_share_its_invocation_and_another_store_has_its_own(store_url):
+    first, second = open_store(store_url), open_store(store_url)  # as two `bench run` processes open theirs
+    for store in (first, first, second):
+        with store.run(kind="run", config={}):
+            pass
+    assert [r["invocation"] for r in rows(store_url, schema.runs)] == [first.invocation] * 2 + [second.invocation]
+    assert first.invocation != second.invocation
 
 
 def test_a_run_whose_last_write_fails_is_closed_as_failed_not_left_running(store_url):

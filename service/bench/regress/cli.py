@@ -1,9 +1,11 @@
 """`bench regress`: did the candidate get worse than the baseline, per configuration and metric, beyond noise?
 
 REF is a run id, a commit (or a prefix of one) or a label; configurations are matched by their hash (two run
-ids are compared even when their configurations differ). The repeated runs of a configuration under a REF
-(`bench run --repeats`) give the noise between runs; with one run on each side none is known and the verdicts
-say so (a change is then at most "maybe regressed"). Exit 1 on a regression, 0 otherwise, 2 on unusable input.
+ids are compared even when their configurations differ). The noise is the drift between invocations (separate
+`bench run` processes) that the store knows for the configuration on this machine: the spread of invocation
+means under one label at one commit (e.g. the baseline run twice: `bench run --label L --force` the second
+time). With no such drift known, the verdicts say so and a change is at most "maybe regressed". Every verdict
+names the noise it used. Exit 1 on a regression, 0 otherwise, 2 on unusable input.
 `--history N` instead walks each configuration's last N commits and names the commits where a metric stepped.
 """
 
@@ -67,12 +69,20 @@ def compare(store, args, threshold: float, only) -> list[dict]:
     values = queries.values(store, [r["id"] for pair in pairs for group in pair for r in group])
     rows = []
     for b, c in pairs:
+        same = b[0]["config_hash"] == c[0]["config_hash"]  # else no group measures the drift of both
+        known = [g for g in (queries.drift_groups(store, b + c) if same else []) if len(_invocations(g)) > 1]
+        known_values = queries.values(store, [r["id"] for g in known for r in g])
         vb, vc = [values[r["id"]] for r in b], [values[r["id"]] for r in c]
         for metric in _judged(set.intersection(*(set(v) for v in vb + vc)), only):
             xb, xc = [v[metric][1] for v in vb], [v[metric][1] for v in vc]
-            judged_b, judged_c, machine = _per_machine_speed(vb, vc, metric) if args.machine_speed else (xb, xc, None)
-            verdict = judge_runs(judged_b, judged_c, direction(metric), threshold, args.min_iterations)
-            if machine is not None:
+            per_machine = bool(args.machine_speed and normalizable(metric)
+                               and all(_series(v, metric, True) for v in vb + vc))
+            sides = [[[_series(values[r["id"]], metric, per_machine) for r in inv] for inv in _invocations(side)]
+                     for side in (b, c)]
+            verdict = judge_runs(*sides, direction(metric), threshold, args.min_iterations,
+                                 _drift_groups(known, known_values, metric, per_machine))
+            if per_machine:
+                machine = _typical([v[REFERENCE][1] for v in vc]) / _typical([v[REFERENCE][1] for v in vb])
                 verdict = dataclasses.replace(verdict, why=f"{verdict.why}; per unit of the machine's speed "
                                               f"(its reference {machine:.3f}x)")
             rows.append({"configuration": c[0]["name"], "config_hash": c[0]["config_hash"],
@@ -84,17 +94,49 @@ def compare(store, args, threshold: float, only) -> list[dict]:
     return rows
 
 
-def _per_machine_speed(vb: list[dict], vc: list[dict], metric: str):
-    """Both sides' runs of a time or rate metric in units of the machine's reference at each iteration, and the
-    reference's ratio candidate/baseline; unchanged (and None) where a run lacks the reference or the metric
-    does not scale with the machine's speed."""
-    xb, xc = [v[metric][1] for v in vb], [v[metric][1] for v in vc]
-    power = normalizable(metric)
-    if not power or not all(REFERENCE in v and len(v[REFERENCE][1]) == len(v[metric][1]) for v in vb + vc):
-        return xb, xc, None
-    rb, rc = [v[REFERENCE][1] for v in vb], [v[REFERENCE][1] for v in vc]
-    return ([per_machine_speed(x, r, power) for x, r in zip(xb, rb)],
-            [per_machine_speed(x, r, power) for x, r in zip(xc, rc)], _typical(rc) / _typical(rb))
+def _drift_groups(known: list[list[dict]], values: dict, metric: str, per_machine: bool) -> list[tuple]:
+    """The groups of unchanged code as judge_runs takes them: (name, invocations of runs' iterations), each with
+    two or more invocations that measured the metric (per unit of the machine's speed, if the sides are)."""
+    groups = []
+    for g in known:
+        invocations = []
+        for inv in _invocations(g):
+            series = [_series(values[r["id"]], metric, per_machine) for r in inv]
+            if (runs := [x for x in series if x and np.median(x) > 0]):
+                invocations.append(runs)
+        if len(invocations) > 1:
+            groups.append((_name(g), invocations))
+    return groups
+
+
+def _invocations(runs: list[dict]) -> list[list[dict]]:
+    """Runs by the process that recorded them, in order of first appearance; a run older than the invocation
+    column is its own."""
+    by: dict = {}
+    for run in runs:
+        by.setdefault(run["invocation"] or ("run", run["id"]), []).append(run)
+    return list(by.values())
+
+
+def _name(runs: list[dict]) -> str:
+    """A group of runs as a reader knows it: its label, or its commit."""
+    labels = {r["label"] for r in runs}
+    if len(labels) == 1 and None not in labels:
+        return labels.pop()
+    commits = {(r["git_commit"] or "?")[:10] for r in runs}
+    return "commit " + ", ".join(sorted(commits))
+
+
+def _series(v: dict, metric: str, per_machine: bool) -> list[float] | None:
+    """A run's iterations of a metric, per unit of the machine's speed at each when asked (None where the run
+    lacks the metric, or the reference for every iteration)."""
+    if metric not in v:
+        return None
+    if not per_machine:
+        return v[metric][1]
+    if REFERENCE not in v or len(v[REFERENCE][1]) != len(v[metric][1]):
+        return None
+    return per_machine_speed(v[metric][1], v[REFERENCE][1], normalizable(metric))
 
 
 def _typical(runs: list) -> float:
@@ -171,8 +213,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     counts = {v: sum(r["verdict"] == v for r in rows) for v in COLOURS}
     summary = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
     (print if args.markdown else console.print)(
-        f"\n{summary} (threshold {threshold:.0%}; 95% interval of the ratio: Student's t over the runs' medians, "
-        "or with one run on each side the bootstrap of its iterations)")
+        f"\n{summary} (threshold {threshold:.0%}; 95% interval of the ratio: Student's t on the drift between "
+        "invocations, or where none is known on the repeats or the iterations' bootstrap, at most \"maybe\")")
     if counts["regressed"]:
         sys.exit(1)
     return rows

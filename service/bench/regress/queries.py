@@ -1,8 +1,9 @@
 """Reading the results store: runs picked by a REF (run id, commit or label), their measurements, the history.
 
 Only successful runs are compared. Within a REF a configuration's runs are its newest run and every other run of
-it there at the same commit on the same machine (`bench run --repeats`, or several invocations under one label):
-their spread is the noise between runs. A run id names that one run.
+it there at the same commit on the same machine (`bench run --repeats`, or several invocations under one label).
+A run id names that one run. The drift between invocations comes from drift_groups: runs where the code did not
+change.
 """
 
 import datetime
@@ -50,6 +51,25 @@ def resolve_groups(store, ref: str, kind: str | None = None) -> list[list[dict]]
                 return list(groups.values())
     raise StoreError(f"no successful run matches {ref!r} (a run id, a commit or a label)"
                      + (f" of kind {kind!r}" if kind else ""))
+
+
+def drift_groups(store, sides: list[dict]) -> list[list[dict]]:
+    """The runs of the sides' configuration and kind on their machines, by label, commit and machine: groups in which
+    the code did not change, whose invocations measure the drift between invocations. A commit alone is no such
+    group (a slowdown injected without a commit, e.g. on PYTHONPATH, shares it), so unlabelled runs count only from
+    a tree not known to be dirty; within a label, only one commit on one machine. Each group holds the runs' id, label, git_commit,
+    machine_id and invocation (None before schema version 4: each such run is its own invocation)."""
+    first = sides[0]
+    query = (sa.select(r.id, r.label, r.git_commit, r.machine_id, r.invocation)
+             .where(r.status == "ok", r.kind == first["kind"], r.config_hash == first["config_hash"],
+                    r.machine_id.in_({s["machine_id"] for s in sides}),
+                    sa.or_(r.label.is_not(None), r.git_dirty.is_(None), r.git_dirty == sa.false()))
+             .order_by(r.id))
+    groups: dict[tuple, list[dict]] = {}
+    with store.begin() as conn:
+        for row in conn.execute(query):
+            groups.setdefault((row.label, row.git_commit, row.machine_id), []).append(row._asdict())
+    return list(groups.values())
 
 
 def values(store, run_ids: list[int]) -> dict[int, dict[str, tuple[str | None, list[float]]]]:

@@ -1,16 +1,21 @@
-"""Verdicts from measured runs: the ratio candidate/baseline with a 95% interval that holds the noise between runs.
+"""Verdicts from measured runs: the ratio candidate/baseline with a 95% interval that holds the drift between invocations.
 
-Each side is one or more runs of a configuration (`bench run --repeats`, or runs pooled under one label). A run's
-median is its value; the runs' spread around their side's mean (in logs, pooled over both sides) is the noise
-between runs, and the ratio's interval is Student's t on it (at least the noise inside a run, from a bootstrap
-of each run's median, so a few runs that agree by chance cannot make it narrower than that).
+The unit of noise is the invocation: one process that recorded runs (a `bench run` and all its repeats). Repeats
+of one invocation share its process and a moment of the machine, so their spread understates how far a separate
+invocation of the same code lands. A side is one or more invocations of a configuration, each one or more runs;
+a run's value is its median, an invocation's the mean of its runs' log medians, a side's the mean of its
+invocations'. The drift is the spread of invocation means within groups where the code did not change (one
+label at one commit on one machine, found in the store), pooled with its degrees of freedom; the ratio's
+interval is Student's t on those degrees of freedom, on a noise that is at least what the repeats of one
+invocation and the iterations inside a run imply (so a few invocations that agree by chance cannot make it
+narrower than that).
 
 regressed: the interval lies wholly on the worse side of 1 and the ratio moved by more than the threshold;
 improved: the same on the better side; unchanged: the whole interval lies within +-threshold; inconclusive:
 too few iterations, or an interval too wide to tell (it reaches past the threshold but not clearly).
-With one run on each side no between-run noise is known: the interval is the bootstrap of the iterations (the
-noise inside a run only), every verdict says so, and a change beyond it is "maybe regressed" / "maybe improved",
-never "regressed" (which alone makes `bench regress` exit 1).
+With no drift known (no group holds two invocations) the interval knows only the repeats of one invocation, or
+with one run on each side the bootstrap of the iterations; every verdict says so, and a change beyond it is
+"maybe regressed" / "maybe improved", never "regressed" (which alone makes `bench regress` exit 1).
 """
 
 import math
@@ -26,13 +31,13 @@ T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8:
        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
        20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
        29: 2.045, 30: 2.042}
-NO_NOISE = "no between-run noise known (one run on each side; bench run --repeats measures it)"
+NO_DRIFT = "no drift between invocations known (run the baseline twice: bench run --label L --force)"
 
 
 @dataclass(frozen=True)
 class Verdict:
-    verdict: str  # improved, regressed, unchanged, inconclusive; maybe improved, maybe regressed (one run each)
-    ratio: float | None  # candidate / baseline: of the medians (one run each), else of the runs' geometric means
+    verdict: str  # improved, regressed, unchanged, inconclusive; maybe improved, maybe regressed (no drift known)
+    ratio: float | None  # candidate / baseline: of the medians (one run each), else of the sides' geometric means
     low: float | None  # the 95% interval of the ratio
     high: float | None
     n_baseline: int  # iterations, over all runs of the side
@@ -40,7 +45,7 @@ class Verdict:
     why: str
     runs_baseline: int = 1
     runs_candidate: int = 1
-    noise: float | None = None  # the standard deviation of log(run median) used; None: no between-run noise known
+    noise: float | None = None  # the standard deviation of an invocation's mean log median used; None: bootstrap
 
 
 def _classify(ratio: float, low: float, high: float, better: int, threshold: float) -> tuple[str, str]:
@@ -75,29 +80,66 @@ def judge(baseline, candidate, better: int, threshold: float = 0.05, min_iterati
     return Verdict(verdict, ratio, low, high, nb, nc, why)
 
 
+def drift(groups) -> tuple[float, int, int, list[str]] | None:
+    """The spread of invocation means within groups where the code did not change, pooled: (standard deviation in
+    logs, degrees of freedom, invocations, the names of the groups that hold two or more); None when none does.
+    `groups`: (name, invocations), each invocation a list of runs (iteration values)."""
+    squares, df, count, names = 0.0, 0, 0, []
+    for name, invocations in groups:
+        if len(invocations) > 1:
+            means = np.array([np.mean(np.log([np.median(r) for r in inv])) for inv in invocations])
+            squares += float(((means - means.mean()) ** 2).sum())
+            df, count, names = df + len(means) - 1, count + len(means), names + [name]
+    return (math.sqrt(squares / df), df, count, names) if df else None
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def judge_runs(baseline: list, candidate: list, better: int, threshold: float = 0.05,
-               min_iterations: int = MIN_ITERATIONS) -> Verdict:
-    """Runs against runs (each a list of iteration values); the interval holds the noise between runs."""
-    k, j = len(baseline), len(candidate)
-    nb, nc = sum(map(len, baseline)), sum(map(len, candidate))
-    if (why := _unusable(baseline, candidate, min_iterations)):
+               min_iterations: int = MIN_ITERATIONS, groups=None, names=("baseline", "candidate")) -> Verdict:
+    """Invocations against invocations: each side a list of invocations, each a list of runs (iteration values).
+    `groups`: where to measure the drift between invocations, as `drift` takes them (default: the two sides,
+    named by `names`)."""
+    runs_b, runs_c = [r for inv in baseline for r in inv], [r for inv in candidate for r in inv]
+    k, j, ib, ic = len(runs_b), len(runs_c), len(baseline), len(candidate)
+    nb, nc = sum(map(len, runs_b)), sum(map(len, runs_c))
+    if (why := _unusable(runs_b, runs_c, min_iterations)):
         return Verdict("inconclusive", None, None, None, nb, nc, why, k, j)
-    if k + j < 3:
-        v = judge(baseline[0], candidate[0], better, threshold, min_iterations)
+    known = drift(list(zip(names, (baseline, candidate))) if groups is None else groups)
+    if known is None and k + j < 3:
+        v = judge(runs_b[0], runs_c[0], better, threshold, min_iterations)
         verdict = {"regressed": "maybe regressed", "improved": "maybe improved"}.get(v.verdict, v.verdict)
-        return Verdict(verdict, v.ratio, v.low, v.high, nb, nc, f"{v.why}; {NO_NOISE}", k, j)
-    logs_b = np.log([np.median(r) for r in baseline])
-    logs_c = np.log([np.median(r) for r in candidate])
-    df = k + j - 2
-    between = math.sqrt((((logs_b - logs_b.mean()) ** 2).sum() + ((logs_c - logs_c.mean()) ** 2).sum()) / df)
-    within = math.sqrt(np.mean([log_median_sd(r) ** 2 for r in (*baseline, *candidate)]))
-    noise = max(between, within)
-    half = T95.get(df, T95[30]) * noise * math.sqrt(1 / k + 1 / j)
-    shift = logs_c.mean() - logs_b.mean()
+        return Verdict(verdict, v.ratio, v.low, v.high, nb, nc,
+                       f"{v.why}; noise inside runs only (one run on each side); {NO_DRIFT}", k, j)
+    inside = math.sqrt(np.mean([log_median_sd(r) ** 2 for r in (*runs_b, *runs_c)]))
+    if known is None:  # the runs' spread around their side's mean, as if invocations did not drift
+        logs = [np.log([np.median(r) for r in runs]) for runs in (runs_b, runs_c)]
+        df = k + j - 2
+        spread = math.sqrt(sum(((x - x.mean()) ** 2).sum() for x in logs) / df)
+        noise, scale, shift = max(spread, inside), math.sqrt(1 / k + 1 / j), logs[1].mean() - logs[0].mean()
+        what = ("of the repeats of one invocation" if ib == ic == 1 else "between runs") if spread >= inside \
+            else "inside runs"
+        source = f"{noise:.1%} {what}; {NO_DRIFT}"
+    else:
+        logs = [np.log([np.median(r) for r in inv]) for inv in (*baseline, *candidate)]
+        repeat_df = sum(len(x) - 1 for x in logs)
+        repeats = math.sqrt(sum(((x - x.mean()) ** 2).sum() for x in logs) / repeat_df) if repeat_df else 0.0
+        # at least what the repeats and the iterations alone imply for an invocation's mean (of its fewest runs)
+        floor = max(repeats, inside) / math.sqrt(min(len(x) for x in logs))
+        means = [x.mean() for x in logs]
+        sd, df, count, groups_named = known
+        noise, scale, shift = max(sd, floor), math.sqrt(1 / ib + 1 / ic), np.mean(means[ib:]) - np.mean(means[:ib])
+        between = f"between invocations ({_names(groups_named)}: {count} invocations, df {df})"
+        what = "of the repeats of one invocation" if repeats >= inside else "inside runs"
+        source = f"{noise:.1%} {between}" if sd >= floor else f"{noise:.1%} {what}, more than the {sd:.1%} {between}"
+    half = T95.get(df, T95[30]) * noise * scale
     ratio, low, high = math.exp(shift), math.exp(shift - half), math.exp(shift + half)
     verdict, why = _classify(ratio, low, high, better, threshold)
-    source = "between" if between >= within else "inside"
-    why += f"; runs {k} and {j}, noise {noise:.1%} ({source} runs)"
+    if known is None:
+        verdict = {"regressed": "maybe regressed", "improved": "maybe improved"}.get(verdict, verdict)
+    why += f"; invocations {ib} and {ic} (runs {k} and {j}), noise {source}"
     return Verdict(verdict, ratio, low, high, nb, nc, why, k, j, noise)
 
 

@@ -8,7 +8,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
 # Raise it with every schema change and add the step that brings the previous version up to it to UPGRADES.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # JSONB on PostgreSQL, so that Grafana can filter on config->>'model'; plain JSON text on SQLite
 Json = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
@@ -44,6 +44,9 @@ runs = sa.Table(
     # since version 3: a load run whose generator fell behind (its latencies include the client's own queueing);
     # null for runs that send no load
     sa.Column("client_saturated", sa.Boolean),
+    # since version 4: one id per process that recorded (a `bench run` and all its repeats share it), the unit of
+    # the drift between invocations that `bench regress` judges against; null for older runs (each its own)
+    sa.Column("invocation", sa.String(32)),
     sa.Index("ix_bench_runs_config", "config_hash", "git_commit"),
     sa.Index("ix_bench_runs_started", "started_at"),
 )
@@ -93,6 +96,7 @@ verdicts = sa.Table(  # since version 2: what `bench regress` concluded, for the
 UPGRADES = {
     1: lambda conn: verdicts.create(conn),
     2: lambda conn: conn.execute(sa.text("ALTER TABLE bench_runs ADD COLUMN client_saturated BOOLEAN")),
+    3: lambda conn: conn.execute(sa.text("ALTER TABLE bench_runs ADD COLUMN invocation VARCHAR(32)")),
 }
 
 

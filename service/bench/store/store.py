@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -131,6 +132,8 @@ class Run:
 class Store:
     def __init__(self, engine: sa.Engine, shown_url: str, git: dict | None = None):
         self.engine, self.url, self.git = engine, shown_url, git
+        # every run this store records carries it: a command opens one store, so its runs share one invocation
+        self.invocation = uuid.uuid4().hex[:16]
 
     @contextlib.contextmanager
     def begin(self):
@@ -151,7 +154,7 @@ class Store:
                "config_hash": config_hash, "label": label, "status": "running", "started_at": _now(),
                "git_commit": git["commit"], "git_branch": git["branch"], "git_subject": git["subject"],
                "git_dirty": git["dirty"], "host": machine["host"], "machine_id": provenance.machine_id(machine),
-               "machine": machine, "versions": provenance.versions()}
+               "machine": machine, "versions": provenance.versions(), "invocation": self.invocation}
         try:
             with self.engine.begin() as conn:
                 run_id = conn.execute(schema.runs.insert().values(**row)).inserted_primary_key[0]
