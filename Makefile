@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 TOOLS := $(VENV)/.tools
 
-.PHONY: run test install
+.PHONY: run test install test-gpu
 
 install: $(STAMP)
 
@@ -34,3 +34,10 @@ run: $(STAMP)
 TEST_WORKERS ?= 4
 test: $(STAMP) $(TOOLS)
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# The CUDA tests (tests/cuda) on a GPU machine, after `make install TORCH=torch`: all of them, or one part of N, each
+# part a few minutes on one H200 (make test-gpu SHARD=2/3). It is tests/gpu/run.sh's cuda suite (run.sh lists the
+# other GPU suites); the log goes to its results folder (RESULTS=dir, default gpu-results/cuda-DATE)
+SHARD ?=
+test-gpu: $(STAMP)
+	PYTHON=$(PY) bash tests/gpu/run.sh cuda $(SHARD)

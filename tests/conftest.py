@@ -26,6 +26,35 @@ def pytest_configure(config):
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+def _shard(text: str) -> tuple[int, int]:
+    """'K/N' as (K, N), 1 <= K <= N; anything else is a usage error."""
+    import argparse
+
+    k, _, n = text.partition("/")
+    if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not K/N with 1 <= K <= N (for example 2/3)")
+    return int(k), int(n)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shard", type=_shard, metavar="K/N",
+                     help="run the K-th of N parts of the collected tests: every N-th test in node-id order, from "
+                          "the K-th, so that each parametrized family spreads over the parts (the CUDA tests on a "
+                          "GPU in parts: `make test-gpu SHARD=2/3`). The parts are taken before -k and -m select, "
+                          "so a test's part does not depend on them")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -k and -m deselect (their hook runs after the conftests')
+def pytest_collection_modifyitems(config, items):
+    if (shard := config.getoption("shard")) is None:
+        return
+    k, n = shard
+    order = sorted(range(len(items)), key=lambda i: items[i].nodeid)
+    mine = {i for position, i in enumerate(order) if position % n == k - 1}
+    config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i not in mine])
+    items[:] = [item for i, item in enumerate(items) if i in mine]  # in collection order: fixtures as before
+
+
 def load_cpu(spec: str):
     """A model as the tests load it: float32, on CPU."""
     import torch

@@ -1,11 +1,11 @@
-"""Where a decode step's time goes on the GPU (issue 26): the engine's own step durations by phase, the decode
+"""Where a decode step's time goes on the GPU: the engine's own step durations by phase, the decode
 step against its roofline, and a profile of decode steps (host time per op, GPU busy time per step).
 
 The step duration is what `llm_engine_step_seconds` observes (StepStats.duration: with overlap, read-back to
 read-back). The roofline of a decode step is max(FLOPs / the bf16 peak, (weight bytes + KV bytes read) / the
 memory bandwidth), data-sheet H100 SXM figures: 989 TFLOP/s dense bf16, 3.35 TB/s.
 
-Usage (device tool, after `source tests/gpu/env.sh`):
+Usage (on a CUDA machine; `bash tests/gpu/run.sh decode` runs it):
   python3 tests/gpu/engine/decode_steps.py --model random:llama-1b --num-requests 1 --input-len 128 --output-len 512
 """
 

@@ -1,9 +1,9 @@
-"""Where the host's time goes in each engine step (issue 26): the workload all at once, overlap as served, each
+"""Where the host's time goes in each engine step: the workload all at once, overlap as served, each
 engine call timed with perf_counter (no profiler): scheduling, the launch (input preparation, graph replay,
 sampler set-up), the wait for the step's tokens, and the read-back's own work; per decode step of the timed runs;
 and the garbage collector's time per run.
 
-Usage (device tool, after `source tests/gpu/env.sh`; on the CPU it runs random:tiny):
+Usage (on a CUDA machine; on the CPU it runs random:tiny):
   python3 tests/gpu/engine/host_steps.py [--model random:llama-1b] [--num-requests 256] [--input-len 128] [--output-len 128]
 """
 

@@ -1,4 +1,4 @@
-"""The Triton paged-attention kernel on the engine's shapes (issue 26), three questions at once, each launch timed
+"""The Triton paged-attention kernel on the engine's shapes, three questions at once, each launch timed
 inside a CUDA graph after its output is checked against the float32 PyTorch oracle:
   - launch configurations (BLOCK_M for prefill, BLOCK_N, WIDE_N, warps, stages) around
     triton_attention.launch_config's;

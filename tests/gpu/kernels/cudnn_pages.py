@@ -1,10 +1,10 @@
-"""On the H100 (device tool): prefill attention over the paged cache at several page sizes, cuDNN's fused attention
+"""Prefill attention over the paged cache at several page sizes, cuDNN's fused attention
 (bench kernel's `cudnn-paged`: kernel/cudnn_paged.py) and our Triton kernel, beside cuDNN's dense SDPA over
 contiguous [B, H, S, D] tensors (bench kernel's `sdpa-cudnn`); median of 64 calls, L2 flushed before each (bench
 kernel's clock), and the time of the first call, which builds cuDNN's graph. Then a step of prompts and decode
 tokens. The two paged kernels' largest difference is printed (a wrong one shows as a large number).
 
-    source tests/gpu/env.sh; python3 tests/gpu/kernels/cudnn_pages.py [--pages 16,32,64,128]
+    python3 tests/gpu/kernels/cudnn_pages.py [--pages 16,32,64,128]
 """
 
 import argparse

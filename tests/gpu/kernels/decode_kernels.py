@@ -1,4 +1,4 @@
-"""Candidate cuts of a batch-1 decode step on the GPU (issue 26), each timed inside a CUDA graph of 100 repeats
+"""Candidate cuts of a batch-1 decode step on the GPU, each timed inside a CUDA graph of 100 repeats
 (launch costs out, as in the engine's captured decode steps):
 
 - the greedy read of the logits: argmax + isnan().any() (before), max (values and indices, NaN from the values),
@@ -6,7 +6,7 @@
 - the projections of one llama-1b / llama-8b layer at M rows: q, k, v apart vs one fused qkv, gate and up apart
   vs one fused gate_up, with the bandwidth each reaches.
 
-Usage (device tool, after `source tests/gpu/env.sh`): python3 tests/gpu/kernels/decode_kernels.py
+Usage (on a CUDA machine): python3 tests/gpu/kernels/decode_kernels.py
 """
 
 import torch

@@ -1,12 +1,13 @@
 #!/bin/bash
-# FlashInfer's wheels for the device tool (issue 26's prefill target), in the ignored .whl-fi/: flashinfer-python and
-# what `import flashinfer` and `bench kernel` need that the GPU machine lacks (apache-tvm-ffi, ninja, einops, psutil,
-# tabulate, sqlalchemy). The device tool carries at most 64 MiB a call and flashinfer's wheel is 62 MB, most of it the
-# CUDA sources of other operations (MoE, MLA, FP4, GEMMs, Blackwell kernels, other models' fused layers). The copy
-# here leaves out data/csrc's subfolders, those top-level sources, and CUTLASS's examples and tools but for its util
-# headers, which the Hopper kernels include. It keeps batch prefill and decode, their headers and CUTLASS's and
-# CCCL's headers, which the JIT build compiles with the GPU machine's nvcc. Then, on the device:
-# bash tests/gpu/kernels/flashinfer.sh (carry [".whl-fi"]).
+# FlashInfer's wheels for a CUDA machine without a network (the device tool's), in the ignored .whl-fi/:
+# flashinfer-python and what `import flashinfer` and `bench kernel` need that the GPU machine lacks (apache-tvm-ffi,
+# ninja, einops, psutil, tabulate, sqlalchemy). The device tool carries at most 64 MiB a call and flashinfer's wheel is
+# 62 MB, most of it the CUDA sources of other operations (MoE, MLA, FP4, GEMMs, Blackwell kernels, other models' fused
+# layers). The copy here leaves out data/csrc's subfolders, those top-level sources, and CUTLASS's examples and tools
+# but for its util headers, which the Hopper kernels include. It keeps batch prefill and decode, their headers and
+# CUTLASS's and CCCL's headers, which the JIT build compiles with the GPU machine's nvcc. Then, on the GPU machine:
+# bash tests/gpu/run.sh kernels flashinfer (tests/gpu/env.sh installs .whl-fi where it exists; device tool: carry
+# [".whl-fi"], with ".whl" beside it if the machine lacks tests/gpu/wheels.sh's set too).
 set -eu
 cd "$(dirname "$0")/../../.."
 VERSION=${FLASHINFER_VERSION:-0.7.2.post1}

@@ -1,4 +1,4 @@
-"""int8-w8a8's matmul on the GPU (issue 27): the Triton kernel (service/engine/quant/triton_w8a8.py) against cuBLAS's
+"""int8-w8a8's matmul on the GPU: the Triton kernel (service/engine/quant/triton_w8a8.py) against cuBLAS's
 int8 matmul plus its rescale (the path before), bf16 and fp8-w8a8's `torch._scaled_mm`, on the linear layers of
 random:llama-1b and random:llama-8b, each timed inside a CUDA graph (triton.testing.do_bench_cudagraph); and the
 same kernel's weight-only int8 path (bf16 activations).

@@ -1,9 +1,9 @@
-"""The 8-bit kernel at few rows on the H100 (issue 26: one request's and small batches' decode steps): the tiled
+"""The 8-bit kernel at few rows on the GPU (one request's and small batches' decode steps): the tiled
 Triton kernel (quant/triton_w8a8.py) in its weight-only int8 and int8-w8a8 paths against cuBLAS bf16, on the linear
 layers of random:llama-1b and random:llama-8b. Each product is timed in a CUDA graph over 16 distinct weights (one
 per layer: the L2 cache holds none of them, as in the engine; `int8_gemm.py` times one weight, warm in L2).
 
-  source tests/gpu/env.sh; python3 tests/gpu/kernels/int8_rows.py [--sweep] [--rows 1,4,16,64] [--json rows.json]
+  python3 tests/gpu/kernels/int8_rows.py [--sweep] [--rows 1,4,16,64] [--json rows.json]
 
 --sweep times every candidate tile per row count (the source of `tile_for`'s few-row entries).
 """

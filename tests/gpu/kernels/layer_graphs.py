@@ -1,4 +1,4 @@
-"""The graphs torch.compile makes of the decoder layers (issue 26): runs on the CPU or the GPU, with a backend that
+"""The graphs torch.compile makes of the decoder layers: runs on the CPU or the GPU, with a backend that
 only records what dynamo traced, compiled as the engine compiles them (runner/compilation.py). Paged attention is
 one custom op, so a layer is one graph, and the layers share their graphs: one for prefill shapes and one for a
 single token (dynamo specializes a size of 1). Each graph's operators are printed, one line a graph.

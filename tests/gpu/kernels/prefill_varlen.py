@@ -1,9 +1,9 @@
-"""On the H100 (device tool): what PyTorch offers for prefill attention over packed sequences of different lengths
+"""What PyTorch offers for prefill attention over packed sequences of different lengths
 (flash and cuDNN through their varlen entry points, cuDNN's dense SDPA where the lengths are equal) against our
 paged kernel, each checked against a float32 reference; then the KV cache writes, two index_copy_ against
 triton_attention.write_kv, inside CUDA graphs.
 
-    source tests/gpu/env.sh; python3 tests/gpu/kernels/prefill_varlen.py
+    python3 tests/gpu/kernels/prefill_varlen.py
 """
 
 import inspect

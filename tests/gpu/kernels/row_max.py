@@ -1,4 +1,4 @@
-"""The greedy sampler's row maximum on the H100: PyTorch's reduction against triton_sampling.row_max, for a
+"""The greedy sampler's row maximum on the GPU: PyTorch's reduction against triton_sampling.row_max, for a
 128,256-token vocabulary in bf16, inside CUDA graphs (the GPU's time, not the host's launches; do_bench_cudagraph
 does not flush the L2 cache, so the logits of a few rows stay in it); and the output projection of a 1B Llama
 (128,256 x 2,048, weights larger than the L2) in bf16 (cuBLAS) against int8 weights (our kernel, weight-only and

@@ -1,4 +1,4 @@
-"""How the engine's throughput depends on how requests arrive (issue 24: the engine process alone over IPC reached
+"""How the engine's throughput depends on how requests arrive (the engine process alone over IPC once reached
 0.63x of `bench offline` on the same 1,024 requests). The engine in this process, no IPC, no HTTP; per scenario the
 wall time, output tok/s and the steps by phase (count, duration, tokens a step):
 
@@ -8,7 +8,7 @@ wall time, output tok/s and the steps by phase (count, duration, tokens a step):
 - `closed:C`: C requests in flight, a new one added for each that finished, before the next step (a closed-loop
   client with no latency).
 
-Usage (device tool, after `source tests/gpu/env.sh`):
+Usage (on a CUDA machine):
   python3 tests/gpu/serving/arrivals.py --scenarios all,trickle:16,trickle:64,closed:256
 """
 

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# suite: HTTP figures: the engine process alone and over HTTP, 1 to 4 front ends, streaming, TTFT and ITL
+# Usage: bash tests/gpu/run.sh serving [PHASE...]   (default: reference)
+# random:llama-1b (MODEL) in bf16, 128 in / 128 out, ignore_eos, /v1/completions; the client is
+# tests/gpu/serving/http_load.py (aiohttp in 8 processes, no code shared with the service), and each figure comes
+# with the CPU share of each of the server's processes (cpu_share: pid -> CPU seconds per second of the window).
+#   reference  bench offline on the same 1,024 requests, 256 at a time; the engine process alone over its IPC
+#              (tests/gpu/serving/ipc_alone.py); then one front end: 1,024 x 256 concurrent non-streaming and
+#              streaming, 1 stream, 8 streams
+#   latency    one front end: 1 stream and 8 streams (TTFT, ITL) first, then 1,024 x 256
+#   scale      2 and 4 front ends, 1,024 x 256 non-streaming and streaming; 4 with --stream-interval 4 and 16
+#   SERVING_TIMEOUT  seconds for each client run (default 300); SERVE_TIMEOUT for a server's start (default 900)
+source "$(dirname "$0")/env.sh"
+T=${SERVING_TIMEOUT:-300}
+load() {  # NAME [http_load.py's arguments...]: one client run against the server, its JSON line printed
+  local name=$1
+  shift
+  step "$name" "$T" "$PYTHON" tests/gpu/serving/http_load.py "$URL" --model "$MODEL" --pids "$PIDS" --label "$name" "$@"
+}
+heavy() {  # N: the 1,024 x 256 figures, non-streaming and streaming
+  load "n$1-non-streaming" --requests 1024 --concurrency 256
+  load "n$1-streaming" --requests 1024 --concurrency 256 --stream
+}
+streams() {
+  load one-stream --requests 32 --concurrency 1 --procs 1 --stream
+  load eight-streams --requests 128 --concurrency 8 --procs 8 --stream
+  curl -s "$URL/metrics" | grep -E '^llm_(time_to_first_token_seconds|engine_step_seconds)_(sum|count)' | head -8
+}
+warm() { STEP_LINES=0 load "warm-$1" --requests 256; }  # compiles and fills what the first load would
+phases reference "reference latency scale" "$@"
+for phase in "${PHASES[@]}"; do
+  case $phase in
+    reference)
+      step offline "$T" "$PYTHON" -m service bench offline --model "$MODEL" --num-requests 1024 --max-num-seqs 256 \
+        --peers none --label serving-offline --json "$RESULTS/offline.json"
+      step ipc-alone "$T" "$PYTHON" tests/gpu/serving/ipc_alone.py --model "$MODEL" --requests 1024 --max-num-seqs 256 \
+        --rounds 3
+      serve 1 || continue
+      warm 1; heavy 1; streams
+      unserve ;;
+    latency)
+      serve 1 || continue
+      warm 1; streams; heavy 1
+      unserve ;;
+    scale)
+      for n in 2 4; do
+        serve "$n" || continue
+        warm "$n"; heavy "$n"
+        unserve
+      done
+      for interval in 4 16; do
+        serve 4 --stream-interval "$interval" || continue
+        warm 4; load "n4-streaming-interval-$interval" --requests 1024 --concurrency 256 --stream
+        unserve
+      done ;;
+  esac
+done
+finish
