@@ -5,6 +5,8 @@ import importlib
 import logging
 import sys
 
+from service.notices import quiet_known_notices
+
 # bench subcommands: name -> (module with a main(argv), what it does)
 BENCHES = {"offline": ("service.bench.offline.offline", "offline throughput against transformers on the same weights"),
            "serve": ("service.bench.loadgen.serve", "load generator against any OpenAI-compatible server"),
@@ -20,17 +22,40 @@ BENCHES = {"offline": ("service.bench.offline.offline", "offline throughput agai
            "soak": ("service.bench.soak", "hours of mixed traffic; fails if memory, fds, threads, tasks or blocks grow")}
 
 
+def _usage() -> str:
+    return ("usage: python -m service COMMAND [options]   (the installed script: llm-service COMMAND)\n\ncommands:\n"
+            + "".join(f"  {name:9} {what}\n" for name, (_, what) in COMMANDS.items()) + "\n" + _bench_commands())
+
+
+def _bench_commands() -> str:
+    return "bench commands:\n" + "".join(f"  {name:12} {what}\n" for name, (_, what) in BENCHES.items())
+
+
+def _bench_usage() -> str:
+    return "usage: python -m service bench COMMAND [options]   (bench COMMAND --help: its options)\n\n" + \
+        _bench_commands()
+
+
+def generate_parser() -> argparse.ArgumentParser:
+    from service.engine.config import DEFAULT_MODEL, choice, choices_metavar, help_for
+
+    ap = argparse.ArgumentParser(prog="service generate", description="Generate text offline with the engine: "
+                                 "each prompt's continuation, printed in order.")
+    ap.add_argument("prompt", nargs="+", help="the prompts, each generated on its own")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help=help_for("model") + " (default %(default)s)")
+    ap.add_argument("--device", default="auto", type=choice("device"), metavar=choices_metavar("device"),
+                    help=help_for("device") + " (default %(default)s)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per prompt (default %(default)s)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature; 0 is greedy (default %(default)s)")
+    ap.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    return ap
+
+
 def _generate(argv: list[str]) -> None:
+    args = generate_parser().parse_args(argv)  # before the engine's imports: --help answers at once
     from service.engine import EngineConfig, LLMEngine, SamplingParams
 
-    ap = argparse.ArgumentParser(prog="service generate", description="Generate text offline with the engine.")
-    ap.add_argument("prompt", nargs="+")
-    ap.add_argument("--model", default=EngineConfig.model)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    args = ap.parse_args(argv)
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device))
     prompts = args.prompt
     if args.chat:
@@ -42,27 +67,38 @@ def _generate(argv: list[str]) -> None:
 
 def _serve(argv: list[str]) -> None:
     from service import settings
+
+    parsed = settings.parse(argv)  # before the server's imports: --help and usage errors answer at once
     from service.api.server import serve
 
-    serve(settings.parse(argv))
+    serve(parsed)
 
 
 def _bench(argv: list[str]) -> None:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(_bench_usage(), end="")
+        return
     if not argv or argv[0] not in BENCHES:
-        print("usage: python -m service bench {%s} [options]\n%s" % (
-            ",".join(BENCHES), "\n".join(f"  {k:8} {what}" for k, (_, what) in BENCHES.items())), file=sys.stderr)
+        print(_bench_usage(), end="", file=sys.stderr)
         sys.exit(2)
     importlib.import_module(BENCHES[argv[0]][0]).main(argv[1:])
 
 
+# commands: name -> (what runs it with the arguments after the name, what it does)
+COMMANDS = {"serve": (_serve, "the HTTP server, OpenAI-compatible (serve --help: every option, its variable and "
+                              "default)"),
+            "generate": (_generate, "generate text offline with the engine"),
+            "bench": (_bench, "benchmarks and load generation (bench COMMAND --help)")}
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    quiet_known_notices()  # before any command imports torch or transformers
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    commands = {"serve": _serve, "generate": _generate, "bench": _bench}
-    if not argv or argv[0] not in commands:
-        print("usage: python -m service {serve,generate,bench} ...\n"
-              "  serve [--model M --port P ...]   the HTTP server (see serve --help)\n"
-              "  generate PROMPT...               generate text offline\n"
-              "  bench {%s}   benchmarks and load generation" % ",".join(BENCHES), file=sys.stderr)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(_usage(), end="")
+        return
+    if not argv or argv[0] not in COMMANDS:
+        print(_usage(), end="", file=sys.stderr)
         sys.exit(2)
-    commands[argv[0]](argv[1:])
+    COMMANDS[argv[0]][0](argv[1:])

@@ -1,38 +1,53 @@
 """The one settings object: every server and engine option, as a CLI flag and an environment variable.
 
 Each field `foo_bar` is the flag `--foo-bar` and the variable `LLM_FOO_BAR`; a flag beats the variable,
-the variable beats the default.
+the variable beats the default. Each field's one-line description and choices live beside it (`option`);
+`serve --help` and the docs' option tables (`python -m service.settings --markdown`) are made from them.
 """
 
 import argparse
 import dataclasses
 import os
+import re
+import sys
 import typing
+from pathlib import Path
 
-from service.engine.config import EngineConfig
+from service.engine.config import EngineConfig, chosen, option
+
+# OTLP metrics options: a flag's value, else its standard OTEL_* variable (telemetry/otlp.py reads them here)
+OTLP_PROTOCOLS = ("http/protobuf", "grpc")
+OTLP_TEMPORALITIES = ("cumulative", "delta", "lowmemory")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 @dataclasses.dataclass
 class ServerSettings:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None  # when set, every /v1 and /generate request needs `Authorization: Bearer <key>`;
-    # several keys: separate them with commas
-    api_key_file: str | None = None  # a file of API keys, one per line (# comments), on top of api_key
-    metrics_token: str | None = None  # when set, /metrics needs `Authorization: Bearer <token>` (Prometheus:
-    # `authorization: {credentials: ...}` in its scrape config); off by default, as scrapers expect
-    max_request_bytes: int = 8 * 1024 * 1024  # larger bodies get 413 unread; 8 MiB holds a 128k-token prompt
-    # even as JSON-escaped text (~24 bytes a token) or as token ids (~8 bytes a token)
-    api_servers: int = 1  # front-end processes (HTTP, JSON, text) on the one port, all feeding one engine
-    # process; docs/serving.md says how to choose it (about one per 15,000-20,000 streamed tokens/s, cores allowing)
-    stream_interval: int = 1  # streamed deltas go out every this many tokens (the first and the last at once)
-    stream_backlog: int = 512  # a streaming client that falls this many tokens behind is cut off (its request
-    # aborted, blocks freed): a reader that stopped reading must not make the server buffer without bound
-    served_model_name: str | None = None  # the name clients send; None: the model's own name
-    max_waiting: int = 256  # requests waiting for a slot beyond this get 503 + Retry-After (one limit, counted
-    # by the engine across every front end)
-    drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests before exiting
-    log_level: str = "info"
+    host: str = option("127.0.0.1", "the address to listen on (0.0.0.0: every interface)")
+    port: int = option(8000, "the port to listen on")
+    api_key: str | None = option(None, "when set, every /v1 and /generate request needs the header Authorization: "
+                                 "Bearer KEY; several keys: separate them with commas", shown="none (no key asked)")
+    api_key_file: str | None = option(None, "a file of API keys, one a line (# starts a comment), taken with "
+                                      "--api-key", shown="none")
+    # off by default, as scrapers expect; Prometheus sends it with `authorization: {credentials: ...}`
+    metrics_token: str | None = option(None, "when set, /metrics needs the header Authorization: Bearer TOKEN",
+                                       shown="none (/metrics is open)")
+    # 8 MiB holds a 128k-token prompt even as JSON-escaped text (~24 bytes a token) or as token ids (~8 bytes)
+    max_request_bytes: int = option(8 * 1024 * 1024, "request bodies larger than this get 413, unread",
+                                    shown="8388608 (8 MiB)")
+    # about one per 15,000-20,000 streamed tokens/s, cores allowing (docs/serving.md)
+    api_servers: int = option(1, "front-end processes (HTTP, JSON, text) on the one port, all feeding one engine "
+                              "process")
+    stream_interval: int = option(1, "streamed deltas go out every this many tokens (the first and the last at once)")
+    # a reader that stopped reading must not make the server buffer without bound
+    stream_backlog: int = option(512, "a streaming client that falls this many tokens behind is cut off (its "
+                                 "request aborted, its KV cache blocks freed)")
+    served_model_name: str | None = option(None, "the model name clients send and /v1/models lists",
+                                           shown="the model's own name")
+    max_waiting: int = option(256, "requests waiting for a slot beyond this get 503 with Retry-After (one limit, "
+                              "counted by the engine across every front end)")
+    drain_timeout: float = option(30.0, "seconds SIGTERM waits for in-flight requests before the server exits")
+    log_level: str = option("info", "the least severe log records printed", LOG_LEVELS)
 
 
 @dataclasses.dataclass
@@ -40,30 +55,34 @@ class TelemetrySettings:
     """Metrics are always served at /metrics, and pushed over OTLP with --otlp-metrics; traces go out over OTLP
     when OTEL_EXPORTER_OTLP_ENDPOINT is set."""
 
-    metrics: bool = True  # record request and engine metrics (off: /metrics has process metrics only)
-    trace_sample_ratio: float = 1.0  # share of new traces kept; a sampled incoming traceparent is always kept
-    trace_engine_steps: bool = True  # a span for each step that changes the batch, linked to those requests
-    trace_text: bool = False  # put prompt and output text in request spans
-    gpu_sample_interval: float = 5.0  # seconds between NVML readings; 0: no GPU metrics
-    otlp_metrics: bool = False  # also push metrics over OTLP from every process: the GenAI server instruments
-    # and the engine's state (docs/telemetry.md); each option below left unset reads its standard OTEL_* variable
-    otlp_metrics_endpoint: str | None = None  # OTEL_EXPORTER_OTLP_METRICS_ENDPOINT (over HTTP the full URL, e.g.
-    # http://prometheus:9090/api/v1/otlp/v1/metrics); else OTEL_EXPORTER_OTLP_ENDPOINT (+ /v1/metrics over HTTP)
-    otlp_metrics_protocol: str | None = None  # http/protobuf or grpc; OTEL_EXPORTER_OTLP_METRICS_PROTOCOL, else
-    # OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf
-    otlp_metrics_headers: str | None = None  # "key=value,..." sent with each export (a backend's API key);
-    # OTEL_EXPORTER_OTLP_METRICS_HEADERS, else OTEL_EXPORTER_OTLP_HEADERS
-    otlp_metrics_interval: float | None = None  # seconds between exports; OTEL_METRIC_EXPORT_INTERVAL (in ms),
-    # else 60
-    otlp_metrics_timeout: float | None = None  # seconds one export may take; OTEL_EXPORTER_OTLP_METRICS_TIMEOUT
-    # (seconds, as the Python SDK reads it), else OTEL_EXPORTER_OTLP_TIMEOUT, else 10
-    otlp_metrics_temporality: str | None = None  # cumulative (what Prometheus takes), delta or lowmemory;
-    # OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE, else cumulative
-
-
-# OTLP metrics options: a flag's value, else its standard OTEL_* variable (telemetry/otlp.py reads them here)
-OTLP_PROTOCOLS = ("http/protobuf", "grpc")
-OTLP_TEMPORALITIES = ("cumulative", "delta", "lowmemory")
+    metrics: bool = option(True, "record request and engine metrics (off: /metrics has process metrics only, and "
+                           "nothing is pushed)")
+    trace_sample_ratio: float = option(1.0, "share of new traces kept; a sampled incoming traceparent is always kept")
+    trace_engine_steps: bool = option(True, "a span for each engine step that changes the batch, linked to its "
+                                      "requests")
+    trace_text: bool = option(False, "put prompt and output text in request spans")
+    gpu_sample_interval: float = option(5.0, "seconds between NVML readings of the GPUs; 0: no GPU metrics")
+    # the GenAI server instruments and the engine's state (docs/telemetry.md); each option below left unset reads
+    # its standard OTEL_* variable
+    otlp_metrics: bool = option(False, "also push metrics over OTLP, from every process")
+    otlp_metrics_endpoint: str | None = option(
+        None, "where OTLP metrics go; over HTTP the full URL, e.g. http://prometheus:9090/api/v1/otlp/v1/metrics",
+        shown="$OTEL_EXPORTER_OTLP_METRICS_ENDPOINT, else $OTEL_EXPORTER_OTLP_ENDPOINT (+ /v1/metrics over HTTP)")
+    otlp_metrics_protocol: str | None = option(
+        None, "the OTLP metrics transport", OTLP_PROTOCOLS,
+        shown="$OTEL_EXPORTER_OTLP_METRICS_PROTOCOL, else $OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf")
+    otlp_metrics_headers: str | None = option(
+        None, "headers sent with each export, key=value,... (a backend's API key)",
+        shown="$OTEL_EXPORTER_OTLP_METRICS_HEADERS, else $OTEL_EXPORTER_OTLP_HEADERS")
+    otlp_metrics_interval: float | None = option(None, "seconds between exports",
+                                                 shown="$OTEL_METRIC_EXPORT_INTERVAL (in ms), else 60")
+    # the OTEL_* variable in seconds, as the Python SDK reads it
+    otlp_metrics_timeout: float | None = option(
+        None, "seconds one export may take",
+        shown="$OTEL_EXPORTER_OTLP_METRICS_TIMEOUT, else $OTEL_EXPORTER_OTLP_TIMEOUT, else 10")
+    otlp_metrics_temporality: str | None = option(
+        None, "how pushed sums count: cumulative (what Prometheus takes), delta or lowmemory", OTLP_TEMPORALITIES,
+        shown="$OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE, else cumulative")
 
 
 def otlp_option(value, *variables: str):
@@ -103,34 +122,123 @@ class Settings:
 
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Settings)}  # name -> its dataclass
 ENV_PREFIX = "LLM_"
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def _parse_bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
+# ---------------------------------------------------------------- one option: its flag, variable, value and help
+
+def env_name(f: dataclasses.Field) -> str:
+    return ENV_PREFIX + f.name.upper()
+
+
+def flag(f: dataclasses.Field) -> str:
+    return "--" + f.name.replace("_", "-")
+
+
+def _kind(f: dataclasses.Field, hints: dict) -> type:
+    """bool, int, float or str: the field's type without its None."""
+    return next(a for a in typing.get_args(hints[f.name]) or [hints[f.name]] if a is not type(None))
+
+
+def _tristate(f: dataclasses.Field, hints: dict) -> bool:
+    """A bool that may be None (the device decides): its variable also takes auto."""
+    return type(None) in typing.get_args(hints[f.name])
+
+
+def converter(f: dataclasses.Field, kind: type):
+    """The text -> value function of a flag or variable (a bool's variable: `_parse_bool`); a bad value raises
+    ArgumentTypeError, which argparse reports as a usage error."""
+    if f.metadata.get("choices"):
+        return lambda text: chosen(text, f.metadata["choices"], f.metadata.get("aliases", ()))
+
+    def convert(text: str):
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+    return convert
+
+
+def _parse_bool(text: str, tristate: bool = False) -> bool | None:
+    if text.strip().lower() in TRUE:
         return True
-    if text.lower() in ("0", "false", "no", "off"):
+    if text.strip().lower() in FALSE:
         return False
-    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
+    if tristate and text.strip().lower() == "auto":
+        return None
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r} (use {'/'.join(TRUE)} or {'/'.join(FALSE)}"
+                                     f"{' or auto' if tristate else ''})")
 
 
-def _converter(annotation):
-    hints = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
-    kind = hints[0]
-    if kind is bool:
-        return _parse_bool
-    return {int: int, float: float}.get(kind, str)
+def shown_default(f: dataclasses.Field) -> str:
+    """The default as help and the docs show it."""
+    if f.metadata.get("shown"):
+        return f.metadata["shown"]
+    if isinstance(f.default, bool):
+        return "on" if f.default else "off"
+    if f.default is None:
+        return "none"
+    return str(f.default)
+
+
+def describe(f: dataclasses.Field) -> str:
+    """The option's description with its choices (what --help and the tables show beside the flag)."""
+    text = f.metadata["help"]
+    if f.metadata.get("aliases"):
+        text += f" (also {', '.join(f.metadata['aliases'])})"
+    return text
+
+
+def fields() -> list[tuple[str, dataclasses.Field, dict]]:
+    """Every option in order: (section name, field, the section's type hints)."""
+    out = []
+    for name, section in SECTIONS.items():
+        hints = typing.get_type_hints(section)
+        out += [(name, f, hints) for f in dataclasses.fields(section)]
+    return out
+
+
+# ---------------------------------------------------------------- the parser
+
+EPILOG = ("Every option is also an environment variable: LLM_ and its name in capitals, dashes as underscores "
+          "(--max-num-seqs: LLM_MAX_NUM_SEQS). A flag beats its variable, a variable beats the default. "
+          "On/off options are flags with a negation (--compile, --no-compile); their variables take "
+          f"{'/'.join(TRUE)} or {'/'.join(FALSE)}. An option with choices takes only those, from its flag or its "
+          "variable alike.")
+GROUPS = {"server": "the HTTP server",
+          "telemetry": "metrics (always at /metrics; also pushed over OTLP with --otlp-metrics) and traces (over "
+                       "OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set)",
+          "engine": "the engine and the model"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    for section in SECTIONS.values():
-        group = parser.add_argument_group(section.__name__)
-        hints = typing.get_type_hints(section)
-        for f in dataclasses.fields(section):
-            convert = _converter(hints[f.name])
-            env = ENV_PREFIX + f.name.upper()
-            default = convert(os.environ[env]) if env in os.environ else f.default
-            group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=convert, default=default,
-                               metavar=f.name.upper(), help=f"(env {env}; default {f.default!r})")
+    """Every option, its default taken from its LLM_* variable where that is set (a bad value: a usage error)."""
+    groups = {name: parser.add_argument_group(name, GROUPS[name]) for name in SECTIONS}
+    for section, f, hints in fields():
+        kind, env = _kind(f, hints), env_name(f)
+        default = f.default
+        if env in os.environ:
+            try:
+                default = (_parse_bool(os.environ[env], _tristate(f, hints)) if kind is bool
+                           else converter(f, kind)(os.environ[env]))
+            except argparse.ArgumentTypeError as exc:
+                parser.error(f"{env}: {exc}")
+        help = f"{describe(f)} (env {env}; default: {shown_default(f)})".replace("%", "%%")
+        if kind is bool:
+            action = groups[section].add_argument(flag(f), dest=f.name, default=default,
+                                                  action=argparse.BooleanOptionalAction)
+            action.help = help  # set after: BooleanOptionalAction would append its own "(default: ...)"
+        else:
+            choices = f.metadata.get("choices")
+            groups[section].add_argument(flag(f), dest=f.name, type=converter(f, kind), default=default, help=help,
+                                         metavar="{%s}" % ",".join(choices) if choices else f.name.upper())
+
+
+def build_parser(prog: str = "service serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, usage="%(prog)s [options]   (--help: every option)",
+                                     description="Serve a model over HTTP (OpenAI-compatible).", epilog=EPILOG)
+    add_arguments(parser)
+    return parser
 
 
 def from_namespace(args: argparse.Namespace) -> Settings:
@@ -139,8 +247,7 @@ def from_namespace(args: argparse.Namespace) -> Settings:
 
 
 def parse(argv: list[str] | None = None, prog: str = "service serve") -> Settings:
-    parser = argparse.ArgumentParser(prog=prog, description="Serve a model over HTTP (OpenAI-compatible).")
-    add_arguments(parser)
+    parser = build_parser(prog)
     settings = from_namespace(parser.parse_args(argv))
     from service.engine.quant.quantization import check_config
     try:
@@ -149,3 +256,73 @@ def parse(argv: list[str] | None = None, prog: str = "service serve") -> Setting
     except ValueError as exc:  # refused at start, in one line, before the model loads
         parser.exit(2, f"{prog}: error: {exc}\n")
     return settings
+
+
+# ---------------------------------------------------------------- option tables for the docs
+
+ROOT = Path(__file__).resolve().parent.parent
+# <!-- options: model device port --> (or `all`), then the table, then <!-- /options -->
+BLOCK = re.compile(r"<!-- options: *(.*?) *-->(.*?)<!-- /options -->", re.DOTALL)
+
+
+def markdown(names: list[str] | None = None) -> str:
+    """A Markdown table of the serve options named (flags without their dashes, e.g. max-num-seqs), in that order;
+    all of them when `names` is empty or ["all"]. An unknown name raises ValueError."""
+    by_name = {f.name.replace("_", "-"): (f, hints) for _, f, hints in fields()}
+    if not names or names == ["all"]:
+        names = list(by_name)
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise ValueError(f"no serve option named {', '.join(unknown)}")
+    cell = lambda text: text.replace("|", "\\|")
+    rows = ["| Option | Variable | Default | Description |", "|---|---|---|---|"]
+    for name in names:
+        f, hints = by_name[name]
+        shown = f"`--{name}`, `--no-{name}`" if _kind(f, hints) is bool else f"`--{name}`"
+        default = f.metadata.get("shown") or f"`{shown_default(f)}`"
+        choices, aliases = f.metadata.get("choices"), f.metadata.get("aliases")
+        text = f.metadata["help"] + (f"; one of {', '.join(f'`{c}`' for c in choices)}" if choices else "")
+        text += f" (or {', '.join(f'`{a}`' for a in aliases)})" if aliases else ""
+        rows.append(f"| {shown} | `{env_name(f)}` | {cell(default)} | {cell(text[0].upper() + text[1:])} |")
+    return "\n".join(rows)
+
+
+def fill_blocks(text: str) -> str:
+    """The text with every options block holding the table its marker names (ValueError for an unknown name)."""
+    return BLOCK.sub(lambda m: f"<!-- options: {m.group(1)} -->\n{markdown(m.group(1).split())}\n<!-- /options -->",
+                     text)
+
+
+def doc_pages() -> list[Path]:
+    """The pages whose option blocks are kept current: README.md and docs/*.md."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m service.settings",
+                                 description="Markdown tables of the serve options, made from their descriptions.")
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--markdown", nargs="*", metavar="NAME",
+                      help="print the table of the options named (e.g. model device port), or of all of them")
+    what.add_argument("--write", nargs="*", type=Path, metavar="PAGE", help="rewrite every options block of "
+                      "README.md and docs/*.md (or of the pages named) with the table its marker names")
+    what.add_argument("--check", nargs="*", type=Path, metavar="PAGE",
+                      help="as --write, but change nothing: exit 1, naming the pages, where a block is not current")
+    args = ap.parse_args(argv)
+    try:
+        if args.markdown is not None:
+            print(markdown(args.markdown))
+            return 0
+        stale = [page for page in (args.write or args.check or doc_pages())
+                 if fill_blocks(page.read_text()) != page.read_text()]
+    except ValueError as exc:
+        ap.error(str(exc))
+    for page in stale:
+        if args.write is not None:
+            page.write_text(fill_blocks(page.read_text()))
+        print(f"{'rewrote' if args.write is not None else 'not current'}: {page}", file=sys.stderr)
+    return 1 if stale and args.check is not None else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

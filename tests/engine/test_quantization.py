@@ -122,7 +122,7 @@ def test_an_unknown_kv_cache_dtype_is_refused_at_start(capsys):
         parse(["--device", "cpu", "--kv-cache-dtype", "int8"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == \
-        "service serve: error: unknown kv_cache_dtype 'int8': use auto, fp8, fp8_e4m3, fp8_e5m2"
+        "service serve: error: argument --kv-cache-dtype: 'int8' is not one of auto, fp8, fp8_e4m3, fp8_e5m2"
 
 
 @pytest.mark.parametrize("mode", CPU_MODES)

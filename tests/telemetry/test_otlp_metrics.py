@@ -63,7 +63,7 @@ def test_every_process_pushes_genai_metrics_whose_counts_and_sums_equal_the_scra
     # the flag wins over the standard variable, which points at nothing
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", f"http://127.0.0.1:{free_port()}/v1/metrics")
     with Receiver("http/protobuf") as receiver:
-        with Served("--api-servers", "2", "--otlp-metrics", "true", "--otlp-metrics-interval", "0.2",
+        with Served("--api-servers", "2", "--otlp-metrics", "--otlp-metrics-interval", "0.2",
                     "--otlp-metrics-endpoint", receiver.endpoint + "/v1/metrics") as s:
             sent = 0
             while sent < 96:  # until both front ends have served some (the kernel picks who accepts)

@@ -17,6 +17,7 @@ from service.bench import flags
 from service.bench.kernel import ops
 from service.bench.kernel.roofline import statistics, throughput
 from service.bench.kernel.timing import clock_report, time_calls
+from service.engine.config import choice, choices_metavar, help_for
 
 TOLERANCE = {"fp32": 1e-3, "fp16": 1e-2, "bf16": 4e-2}  # max |error| against float64; outputs are O(1)
 CSV_FIELDS = ["op", "phase", "batch", "heads", "kv_heads", "head_dim", "context", "dtype", "status", "max_abs_error",
@@ -43,13 +44,16 @@ def parse_args(argv):
     ap.add_argument("--ops", default=None, help=f"comma list of {', '.join(ops.OPS)} (default: all; on CPU flex "
                     "only when named, as compiling it takes minutes per shape)")
     ap.add_argument("--baseline", default="reference", help="the operation others are compared with")
-    ap.add_argument("--phases", default="prefill,decode")
-    ap.add_argument("--batch", default="4" if cuda else "1")
+    ap.add_argument("--phases", default="prefill,decode", help="comma list of prefill, decode (default %(default)s)")
+    ap.add_argument("--batch", default="4" if cuda else "1",
+                    help="comma list of batch sizes (default here %(default)s: 4 on CUDA, 1 on CPU)")
     # defaults: Llama-3.2-1B (32 heads over 8 KV heads of 64) and the 2.7b preset (32 heads of 80)
-    ap.add_argument("--heads", default="32")
-    ap.add_argument("--kv-heads", default="8,32")
-    ap.add_argument("--head-dim", default="64,80")
-    ap.add_argument("--context", default="512,1024,2048,4096" if cuda else "128,512")
+    ap.add_argument("--heads", default="32", help="comma list of query head counts (default %(default)s)")
+    ap.add_argument("--kv-heads", default="8,32", help="comma list of key/value head counts (default %(default)s)")
+    ap.add_argument("--head-dim", default="64,80", help="comma list of head sizes (default %(default)s)")
+    ap.add_argument("--context", default="512,1024,2048,4096" if cuda else "128,512",
+                    help="comma list of context lengths in tokens (default here %(default)s; 512,1024,2048,4096 on "
+                         "CUDA, 128,512 on CPU)")
     ap.add_argument("--dtype", default="bf16" if cuda else "fp32", help="comma list of fp32, fp16, bf16")
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
                     help="serving: decode at batch 256 over 512-2,048 tokens and prefill at batch 4 over 1,024 and "
@@ -60,11 +64,12 @@ def parse_args(argv):
     flags.deprecated_alias(ap, "--repeats", flags.add_iterations(ap, 64, "timed repeats of each case", dest="repeats"))
     flush = flags.add_switch(ap, "flush-l2", True, "CUDA: flush the L2 cache before each repeat")
     flags.deprecated_alias(ap, "--no-flush", flush, value=False)
-    ap.add_argument("--device", default="auto")
+    ap.add_argument("--device", default="auto", type=choice("device"), metavar=choices_metavar("device"),
+                    help=help_for("device") + " (default %(default)s)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's own choice)")
     flags.add_csv(ap, "write every row here")
     ap.add_argument("--plot", default=None, help="write a PNG of median time against context, per operation")
-    ap.add_argument("--label", default=None)
+    ap.add_argument("--label", default=None, help="a name for this run in the results store")
     from service.bench.store import add_db_argument
     add_db_argument(ap)
     args = ap.parse_args(argv)

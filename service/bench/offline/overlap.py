@@ -80,15 +80,17 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], steps: int, trac
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m service.bench.offline.overlap", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="random:llama-1b")
-    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--model", default="random:llama-1b", help="the model, as serve --model takes it (default "
+                    "%(default)s)")
+    ap.add_argument("--num-requests", type=int, default=256, help="requests, all submitted at once (default "
+                    "%(default)s)")
     ap.add_argument("--input-len", type=lengths_arg, default=Lengths(128, 128), help="a count or uniform:LOW-HIGH")
     ap.add_argument("--output-len", type=lengths_arg, default=Lengths(128, 128), help="a count or uniform:LOW-HIGH")
     ap.add_argument("--seed", type=int, default=1, help="seeds the prompts and their lengths, as bench offline does")
     ap.add_argument("--runs", type=int, default=7, help="timed runs of each mode, alternating")
     ap.add_argument("--profile-steps", type=int, default=30, help="0: no profile")
     ap.add_argument("--trace-dir", default=None, help="write a Chrome trace of each mode's profiled steps here")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, metavar="PATH", help="write the result here as JSON")
     ap.add_argument("--label", default=None, help="a name for this run in the results store")
     add_db_argument(ap)
     args = ap.parse_args(argv)

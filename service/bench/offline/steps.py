@@ -29,7 +29,7 @@ from service.bench.offline.lengths import Lengths, lengths_arg
 from service.bench.offline.offline import random_prompts, run_engine, sync
 from service.bench.store import add_db_argument, open_store_or_exit
 from service.engine import EngineConfig, LLMEngine, SamplingParams
-from service.engine.config import KV_CACHE_DTYPE_HELP
+from service.engine.config import KV_CACHE_DTYPE_HELP, choice, choices_metavar, help_for
 
 # kernel name -> the kind of work it does; the first pattern that a (lower-case) name contains wins
 KERNEL_KINDS = (
@@ -228,24 +228,29 @@ def print_table(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m service.bench.offline.steps", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="default: random:llama-1b on CUDA, random:tiny on CPU")
-    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--model", default=None, help="the model, as serve --model takes it (default: random:llama-1b "
+                    "on CUDA, random:tiny on CPU)")
+    ap.add_argument("--num-requests", type=int, default=256, help="requests, all submitted at once (default "
+                    "%(default)s)")
     ap.add_argument("--input-len", type=lengths_arg, default=Lengths.parse("uniform:100-1024"),
                     help="a count or uniform:LOW-HIGH")
     ap.add_argument("--output-len", type=lengths_arg, default=Lengths.parse("uniform:100-1024"),
                     help="a count or uniform:LOW-HIGH")
     ap.add_argument("--seed", type=int, default=1, help="seeds the prompts and their lengths, as bench offline does")
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--num-blocks", type=int, default=None)
-    ap.add_argument("--kv-cache-dtype", default="auto", help=KV_CACHE_DTYPE_HELP)
+    ap.add_argument("--max-num-seqs", type=int, default=256, help=help_for("max_num_seqs") + " (default %(default)s)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                    help=help_for("max_num_batched_tokens") + " (default %(default)s)")
+    ap.add_argument("--num-blocks", type=int, default=None, help=help_for("num_blocks") + " (default: 1024 on CPU, "
+                    "what the GPU's memory leaves on CUDA)")
+    ap.add_argument("--kv-cache-dtype", default="auto", type=choice("kv_cache_dtype"),
+                    metavar=choices_metavar("kv_cache_dtype"), help=KV_CACHE_DTYPE_HELP)
     ap.add_argument("--overlap", choices=["on", "off"], default=None,
                     help="overlap in the served run (default: the engine's, on on CUDA)")
     ap.add_argument("--top-kernels", type=int, default=0, metavar="N",
                     help="print each kind of step's N costliest kernels (device time per step, share of its busy time)")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="one more run (overlap as served) under cProfile: print the host's N costliest functions")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, metavar="PATH", help="write the result here as JSON")
     ap.add_argument("--label", default=None, help="a name for this run in the results store")
     add_db_argument(ap)
     args = ap.parse_args(argv)

@@ -80,7 +80,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                                               dest="result_json"))
     flags.deprecated_alias(g, "--result-csv", flags.add_csv(g, "write one row per load tried here", dest="result_csv"))
     a("--plot", default=None, metavar="PNG", help="SLO metrics against load, SLO lines and the capacity marked")
-    a("--label", default=None)
+    a("--label", default=None, help="a name for this run in the results and the results store")
     add_db_argument(ap)
     return ap.parse_args(argv)
 

@@ -1,0 +1,48 @@
+"""Third-party notices known to say nothing to a user of this service, filtered where each process starts: the
+CLI (service/cli.py), the server's engine and front-end processes, and tensor-parallel ranks.
+
+Each filter matches one logger and one exact message: no whole logger, category or level is silenced, and the
+project's own warnings always pass. Attaching a filter imports nothing: torch and transformers find it when
+they log.
+"""
+
+import logging
+
+
+class _Known(logging.Filter):
+    """Drops the records for which `known` is true; every other record of the logger passes."""
+
+    def __init__(self, known):
+        super().__init__()
+        self.known = known
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.known(record)
+
+
+def _torchao_enum(record: logging.LogRecord) -> bool:
+    return (str(record.msg).startswith("%s is an Enum subclass and is now natively supported by torch.compile")
+            and bool(record.args) and getattr(record.args[0], "__module__", "").startswith("torchao."))
+
+
+def _bpe_cleanup(record: logging.LogRecord) -> bool:
+    return record.getMessage().startswith("Ignoring clean_up_tokenization_spaces=True for BPE tokenizer")
+
+
+_FILTERS = {
+    # torchao 0.18 (imported by transformers' modeling code, so by every process that loads a model) registers
+    # its own Enums (KernelPreference, ScaleCalculationMode) as pytree constants; torch 2.13 deprecates that and
+    # warns once per Enum at each import: a matter between those two libraries, with nothing for a user to do
+    "torch.utils._pytree": _Known(_torchao_enum),
+    # SmolLM2's tokenizer config asks for clean_up_tokenization_spaces; transformers ignores it for BPE
+    # tokenizers (the cleanup would strip real spaces) and says so at a front end's first decode: the text is right
+    "transformers.tokenization_utils_tokenizers": _Known(_bpe_cleanup),
+}
+
+
+def quiet_known_notices() -> None:
+    """Attach each filter to its logger (once, however often this is called)."""
+    for name, known in _FILTERS.items():
+        logger = logging.getLogger(name)
+        if known not in logger.filters:
+            logger.addFilter(known)
