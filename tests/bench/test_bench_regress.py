@@ -1,5 +1,6 @@
-"""bench regress: verdicts with known answers (one run each side, and repeated runs whose spread is the noise between
-runs), step detection, and the commands over a real store (each store test on SQLite and on PostgreSQL)."""
+"""bench regress: verdicts with known answers (one run each side; separate invocations whose spread is the drift
+between them; the sequence of a baseline run twice and unchanged reruns), step detection, and the commands over a
+real store (each store test on SQLite and on PostgreSQL)."""
 
 import json
 
@@ -271,6 +272,18 @@ def test_the_sequence_two_baseline_invocations_then_unchanged_reruns_then_slowdo
         record(store_url, f"sixth-{t}", 1.17, seed=300 + t, runs=3, drift=0.03)
         regress(store_url, "--baseline", "baseline-3", "--candidate", f"sixth-{t}")
         assert "unchanged" not in capsys.readouterr().out
+
+
+def test_a_slowdown_at_the_same_commit_under_another_label_does_not_count_as_drift(store_url, capsys):
+    # a slowdown injected without a commit (PYTHONPATH) shares the baseline's commit: grouped by commit, its
+    # invocations would pass for drift and widen every interval; grouped by label they measure only their own
+    record(store_url, "base", 1.0, seed=1, runs=3, invocations=2)
+    record(store_url, "double", 2.0, seed=2, runs=3, invocations=2)
+    record(store_url, "slow", 1.10, seed=3, runs=3)
+    assert regress(store_url, "--baseline", "base", "--candidate", "slow", "--metrics", "wall_seconds",
+                   "--markdown") == 1
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| b4 |"))
+    assert "| **regressed** | " in row and row.endswith("between invocations (base, double: 4 invocations, df 2) |")
 
 
 def test_runs_older_than_the_invocation_column_count_as_their_own_invocation_each(store_url, capsys):

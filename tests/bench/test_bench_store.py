@@ -123,7 +123,8 @@ def unused_port():
 def _old_database(store_url, version: int, dropped: set[str]) -> sa.Engine:
     """A database as `version` of the schema made it (bench_runs without the `dropped` columns), with one run."""
     engine = sa.create_engine(store_url.replace("postgresql://", "postgresql+psycopg://"))
-    old_runs = sa.Table(schema.runs.name, sa.MetaData(), *[c._copy() for c in schema.runs.columns if c.name not in dropped])
+    old_runs = sa.Table(schema.runs.name, sa.MetaData(),
+                        *[c._copy() for c in schema.runs.columns if c.name not in dropped])
     with engine.begin() as conn:
         for table in (schema.meta, old_runs, schema.measurements, schema.samples):
             table.create(conn)

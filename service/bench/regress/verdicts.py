@@ -1,4 +1,4 @@
-"""Verdicts from measured runs: the ratio candidate/baseline with a 95% interval that holds the drift between invocations.
+"""Verdicts from measured runs: the ratio candidate/baseline with a 95% interval holding the drift between invocations.
 
 The unit of noise is the invocation: one process that recorded runs (a `bench run` and all its repeats). Repeats
 of one invocation share its process and a moment of the machine, so their spread understates how far a separate
