@@ -62,7 +62,9 @@ for phase in "${PHASES[@]}"; do
       done ;;
     attention) STEP_LINES=60 step attention "$T" "$PYTHON" tests/gpu/kernels/attention_sweep.py --current-only \
         --phases prefill --base .base/service/engine/runner/triton_attention.py --json "$RESULTS/attention.json" ;;
-    sweep) STEP_LINES=60 step sweep "$T" "$PYTHON" tests/gpu/kernels/decode_split_sweep.py ${SWEEP_ARGS:-} ;;
+    sweep)  # SWEEP_ARGS: its options, split on spaces
+      # shellcheck disable=SC2086
+      STEP_LINES=60 step sweep "$T" "$PYTHON" tests/gpu/kernels/decode_split_sweep.py ${SWEEP_ARGS:-} ;;
   esac
 done
 finish

@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2034  # (sourced: the variables it sets are the suites')
 # Sourced by every suite in tests/gpu/ (bash tests/gpu/run.sh SUITE, or bash tests/gpu/SUITE.sh): runs from the
 # repository root on any machine with a CUDA GPU and the project's dependencies, and sets, each overridable:
 #   PYTHON        the interpreter: .venv/bin/python where `make install TORCH=torch` made it, else python3
@@ -86,6 +87,7 @@ URL=http://127.0.0.1:$PORT
 serve() {
   local n=$1 log=$RESULTS/serve-$1.log waited=0
   shift
+  : > "$log"
   "$PYTHON" -m service serve --model "$MODEL" --device cuda --port "$PORT" --max-num-seqs 256 --max-waiting 4096 \
     --api-servers "$n" "$@" > "$log" 2>&1 &
   SERVER=$!

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # The Python packages that a CUDA machine without a network (the device tool's) lacks, as wheels in .whl/ (ignored
-# by git; tests/gpu/run.sh installs them where the folder exists). Run it here, where pip reaches PyPI, then carry
-# the folder: carry [".whl"]. That machine's python3 already has torch, transformers, triton, accelerate, numpy,
-# prometheus-client, nvidia-ml-py, psutil, rich, pyyaml, httpx, aiohttp, uvloop, grpcio, requests, pytest and
-# hypothesis (the device tool's KINDS.md lists the rest).
-#   cuda    what tests/cuda imports beyond those (the default): the results store (sqlalchemy; bench run's test),
-#           opentelemetry-api (service.telemetry.metrics, which the engine imports), torchao (int4 and fp8
-#           weight-only quantization) and cuDNN's frontend (bench kernel's cudnn-paged; its 6 tests skip without)
-#   all     the above and what the suites' servers and telemetry import: FastAPI, uvicorn, pyzmq, msgspec, the
-#           OpenTelemetry SDK, exporters and FastAPI instrumentation
+# by git; tests/gpu/env.sh installs them where the folder exists). Run it where pip reaches PyPI, then carry the
+# folder: carry [".whl"]. That machine's python3 has torch, transformers, triton, accelerate, numpy, safetensors,
+# tokenizers, prometheus-client, nvidia-ml-py, psutil, rich, pyyaml, httpx, aiohttp, uvloop, grpcio, requests,
+# pytest and hypothesis (the device tool's KINDS.md lists the rest). Sets:
+#   all     (the default, 16 MB) what every suite imports: the set below, and FastAPI, uvicorn, pyzmq, msgspec, the
+#           OpenTelemetry SDK, exporters and FastAPI instrumentation (servers, the engine process, telemetry)
+#   cuda    (10 MB) what tests/cuda imports beyond that machine's packages: sqlalchemy (the results store of the
+#           bench tests), opentelemetry-api (service.telemetry.metrics, under bench run's GPU sampler), torchao (int4
+#           and fp8 weight-only quantization) and nvidia-cudnn-frontend (cudnn-paged; its 6 tests skip without it)
 # Versions are pinned to those the CPU suite ran with (2026-11-28), so that the set installs whole with --no-deps.
-# Usage: [WHEELS=.whl] [PY_VERSION=3.12] bash tests/gpu/wheels.sh [cuda|all]
+# Usage: [WHEELS=.whl] [PY_VERSION=3.12] bash tests/gpu/wheels.sh [all|cuda]
 set -eu
 cd "$(dirname "$0")/../.."
 CUDA="sqlalchemy==2.1.9 opentelemetry-api==1.45.2 torchao==0.18.0 nvidia-cudnn-frontend==1.18.0"
@@ -22,10 +22,10 @@ ALL="$CUDA fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.
   opentelemetry-exporter-otlp-proto-http==1.45.2 opentelemetry-instrumentation==0.66b2
   opentelemetry-instrumentation-asgi==0.66b2 opentelemetry-instrumentation-fastapi==0.66b2
   opentelemetry-util-http==0.66b2 asgiref==3.13.0 googleapis-common-protos==1.76.0 protobuf==7.36.2"
-case ${1:-cuda} in
+case ${1:-all} in
   cuda) packages=$CUDA ;;
   all) packages=$ALL ;;
-  *) echo "usage: bash tests/gpu/wheels.sh [cuda|all]" >&2; exit 2 ;;
+  *) echo "usage: bash tests/gpu/wheels.sh [all|cuda]" >&2; exit 2 ;;
 esac
 out=${WHEELS:-.whl}
 rm -rf "$out" && mkdir -p "$out"
