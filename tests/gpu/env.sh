@@ -3,7 +3,8 @@
 # repository root on any machine with a CUDA GPU and the project's dependencies, and sets, each overridable:
 #   PYTHON        the interpreter: .venv/bin/python where `make install TORCH=torch` made it, else python3
 #   RESULTS       the folder for the suite's logs, JSON files and results store: the device tool's $OUT where it is
-#                 set, else gpu-results/SUITE-DATE
+#                 set (where, past 8 files, all but the store are packed into results.tar.gz at the end, as the
+#                 tool brings back 8 files at most), else gpu-results/SUITE-DATE
 #   LLM_BENCH_DB  the results store that every run of the suite records into: RESULTS/bench.db
 #   WHEELS        folders of wheels the machine lacks, installed first where they exist (default: .whl .whl-fi,
 #                 made by tests/gpu/wheels.sh and tests/gpu/kernels/flashinfer_wheels.sh on a machine with pip's
@@ -62,8 +63,17 @@ phases() {
   done
 }
 
-# finish: say where the results are and which steps failed; the suite's exit status is 1 if any did
+# finish: say where the results are and which steps failed; the suite's exit status is 1 if any did. In the device
+# tool's $OUT, which brings back 8 files at most, the files but the results store are packed into results.tar.gz
 finish() {
+  local packed
+  if [ -n "${OUT:-}" ] && [ "$RESULTS" = "$(cd "$OUT" 2>/dev/null && pwd)" ] \
+    && [ "$(find "$RESULTS" -mindepth 1 -maxdepth 1 | wc -l)" -gt 8 ]; then
+    packed=$(mktemp)
+    (cd "$RESULTS" && find . -mindepth 1 -maxdepth 1 ! -name bench.db ! -name results.tar.gz -printf '%P\n' > "$packed" \
+      && tar -czf results.tar.gz -T "$packed" && xargs rm -rf < "$packed")
+    rm -f "$packed"
+  fi
   echo "results: $RESULTS (store: $LLM_BENCH_DB)"
   if [ ${#FAILED[@]} -gt 0 ]; then echo "failed: ${FAILED[*]}"; exit 1; fi
   exit 0
