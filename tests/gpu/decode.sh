@@ -11,6 +11,7 @@
 #   profile one request's decode steps under the profiler: host time per op, the GPU's busy time per step, each
 #           kernel; its trace in RESULTS/decode-trace.json (open it in Perfetto)
 #   rows    the 8-bit kernel at few rows against cuBLAS bf16 (tests/gpu/kernels/int8_rows.py)
+#   rowmax  the greedy sampler's row maximum and the 1B output projection alone (tests/gpu/kernels/row_max.py)
 #   fusion  q, k and v (and gate and up) as one product against three (and two): one request and the 8B batch,
 #           each with --no-fuse-qkv and without
 #   DECODE_TIMEOUT  seconds for each run (default 300)
@@ -21,7 +22,7 @@ steps() {  # NAME [decode_steps.py's arguments...]
   shift
   step "$name" "$T" "$PYTHON" tests/gpu/engine/decode_steps.py "$@"
 }
-phases "one batch 8b host" "one batch 8b host profile rows fusion" "$@"
+phases "one batch 8b host" "one batch 8b host profile rows rowmax fusion" "$@"
 for phase in "${PHASES[@]}"; do
   case $phase in
     one) for q in ${DECODE_MODES:-none int8-w8a8}; do
@@ -40,6 +41,7 @@ for phase in "${PHASES[@]}"; do
     profile) STEP_LINES=60 steps profile --model random:llama-1b --num-requests 1 --output-len 256 --profile-steps 20 \
         --trace "$RESULTS/decode-trace.json" ;;
     rows) step rows "$T" "$PYTHON" tests/gpu/kernels/int8_rows.py --rows 1,4,16,64 --json "$RESULTS/rows.json" ;;
+    rowmax) step rowmax "$T" "$PYTHON" tests/gpu/kernels/row_max.py ;;
     fusion) for fuse in --no-fuse-qkv ""; do
         steps "fusion-one${fuse:+-off}" --num-requests 1 --output-len 512 --profile-steps 0 $fuse
         steps "fusion-8b${fuse:+-off}" --model random:llama-8b --num-requests 256 --output-len 128 --profile-steps 0 \
