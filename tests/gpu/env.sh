@@ -8,7 +8,7 @@
 #   LLM_BENCH_DB  the results store that every run of the suite records into: RESULTS/bench.db
 #   WHEELS        folders of wheels the machine lacks, installed first where they exist (default: .whl .whl-fi,
 #                 made by tests/gpu/wheels.sh and tests/gpu/kernels/flashinfer_wheels.sh on a machine with pip's
-#                 network, for a GPU machine without one)
+#                 network, for a GPU machine without one; WHEELS= installs none)
 # and gives the suites step (one command under a time limit, its log kept) and finish (the suite's exit status).
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
@@ -24,7 +24,7 @@ RESULTS=${RESULTS:-${OUT:-gpu-results/$SUITE-$(date +%Y-%m-%d-%H%M%S)}}
 mkdir -p "$RESULTS" && RESULTS=$(cd "$RESULTS" && pwd) || exit 1
 export LLM_BENCH_DB=${LLM_BENCH_DB:-sqlite:///$RESULTS/bench.db}
 site=${TMPDIR:-/tmp}/llm-service-wheels
-for dir in ${WHEELS:-.whl .whl-fi}; do
+for dir in ${WHEELS-.whl .whl-fi}; do
   compgen -G "$dir/*.whl" > /dev/null || continue
   echo "installing the wheels in $dir into $site"
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$dir"/*.whl \
