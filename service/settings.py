@@ -182,7 +182,7 @@ def shown_default(f: dataclasses.Field) -> str:
 
 
 def describe(f: dataclasses.Field) -> str:
-    """The option's description with its choices (what --help and the tables show beside the flag)."""
+    """The option's description as --help shows it, with the other names it takes (its usage lists its choices)."""
     text = f.metadata["help"]
     if f.metadata.get("aliases"):
         text += f" (also {', '.join(f.metadata['aliases'])})"
