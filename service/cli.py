@@ -5,7 +5,6 @@ import importlib
 import logging
 import sys
 
-from service.notices import quiet_known_notices
 
 # bench subcommands: name -> (module with a main(argv), what it does)
 BENCHES = {"offline": ("service.bench.offline.offline", "offline throughput against transformers on the same weights"),
@@ -93,7 +92,6 @@ COMMANDS = {"serve": (_serve, "the HTTP server, OpenAI-compatible (serve --help:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    quiet_known_notices()  # before any command imports torch or transformers
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if argv[:1] in (["-h"], ["--help"]):
         print(_usage(), end="")

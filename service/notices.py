@@ -1,5 +1,5 @@
-"""Third-party notices known to say nothing to a user of this service, filtered where each process starts: the
-CLI (service/cli.py), the server's engine and front-end processes, and tensor-parallel ranks.
+"""Third-party notices known to say nothing to a user of this service, filtered in every process of ours (the
+package's __init__ attaches them, before anything imports torch or transformers).
 
 Each filter matches one logger and one exact message: no whole logger, category or level is silenced, and the
 project's own warnings always pass. Attaching a filter imports nothing: torch and transformers find it when

@@ -29,7 +29,6 @@ import zmq
 from service.engine import messages
 from service.engine.config import display_name
 from service.engine.core import EngineCore
-from service.notices import quiet_known_notices
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -79,7 +78,6 @@ def run_engine(settings: Settings, folder: str, num_frontends: int, alive) -> No
     ends read end-of-file on their ends and fail their requests at once (it is only held, never used).
     """
     _die_with_parent()
-    quiet_known_notices()
     logging.basicConfig(level=settings.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s engine %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the supervisor leads
@@ -116,7 +114,6 @@ def run_frontend(settings: Settings, folder: str, index: int, processes: tuple[s
                  alive) -> None:
     """A front-end process: FastAPI under uvicorn (uvloop, httptools) on the shared socket."""
     _die_with_parent()
-    quiet_known_notices()
     logging.basicConfig(level=settings.server.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s {messages.frontend_name(index)} %(name)s: %(message)s")
     from service.api.app import create_app

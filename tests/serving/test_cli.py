@@ -153,13 +153,6 @@ def test_an_enumeration_lists_its_choices_and_takes_only_those_from_flag_or_vari
     assert capsys.readouterr().err.splitlines()[-1] == f"service serve: error: {settings.env_name(field)}: {refused}"
 
 
-def test_the_quantization_choices_are_the_modes_the_engine_knows():
-    from service.engine.config import QUANTIZATIONS
-    from service.engine.quant.quantization import MODES
-
-    assert QUANTIZATIONS == MODES
-
-
 def test_a_bad_variable_is_a_usage_error_in_one_line_not_a_traceback():
     env = {**os.environ, "LLM_QUANTIZATION": "int3"}
     proc = subprocess.run([sys.executable, "-m", "service", "serve"], env=env, capture_output=True, text=True,

@@ -1,8 +1,9 @@
 """`bench run`: a matrix of engine configurations, each measured over warm-up and timed iterations into the store.
 
 Every configuration runs --repeats times (3 by default), each repeat a stored run with a new engine, in rounds (the
-whole matrix once, then again), so that the repeats are spread over time: their spread is the noise between runs
-that `bench regress` judges a difference against (repeats share the process and its loaded weights).
+whole matrix once, then again), so that the repeats are spread over time. They share the process and its loaded
+weights, so their spread is only a floor for the noise: `bench regress` judges against the drift between
+invocations (a label run twice, the second time with --force).
 
 Per measured iteration: wall time, process CPU time, output and total tokens/s, TTFT and inter-token times from the
 engine's own per-request timings, steps and peak memory, and on CPU the machine's own speed just then
@@ -51,12 +52,14 @@ def parse_args(argv):
     flags.add_warmup(ap, None, "warm-up iterations per configuration (default 3)")
     flags.add_iterations(ap, None, "measured iterations per configuration (default 10)")
     ap.add_argument("--repeats", type=int, default=None,
-                    help="stored runs per configuration, in rounds over the matrix (default 3; bench regress learns "
-                         "the noise between runs from them)")
+                    help="stored runs per configuration, in rounds over the matrix (default 3; their spread is only the "
+                         "noise within one invocation: bench regress judges against the drift between invocations)")
     ap.add_argument("--seed", type=int, default=None, help="seeds prompts and lengths (default 0)")
     ap.add_argument("--sample-interval", type=float, default=0.1, help="device sampler period in s (default %(default)s)")
     ap.add_argument("--label", default=None, help="a name for these runs (bench regress can pick them by it)")
-    ap.add_argument("--force", action="store_true", help="rerun configurations already stored for this commit")
+    ap.add_argument("--force", action="store_true",
+                    help="run again configurations already stored for this commit, machine and label (a second "
+                         "invocation under the label: bench regress needs two to know the drift between them)")
     ap.add_argument("--dry-run", action="store_true", help="list the configurations and exit")
     flags.add_progress(ap)
     for key in ("commit", "branch", "subject"):

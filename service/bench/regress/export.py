@@ -42,12 +42,13 @@ def export(store, run_ids: list[int], fmt: str, out: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> list[str]:
     ap = argparse.ArgumentParser(prog="service bench export", description=__doc__)
-    ap.add_argument("--format", choices=["csv", "json"], default="csv")
+    ap.add_argument("--format", choices=["csv", "json"], default="csv",
+                    help="CSV files in a folder, or one JSON file (default %(default)s)")
     ap.add_argument("--out", required=True, help="a directory for csv, a file for json")
-    ap.add_argument("--kind")
+    ap.add_argument("--kind", help="only runs of this kind: run, offline, serve, model, kernel ...")
     ap.add_argument("--config", help="a configuration hash prefix or part of its name")
-    ap.add_argument("--commit")
-    ap.add_argument("--label")
+    ap.add_argument("--commit", help="only runs of this commit or its prefix")
+    ap.add_argument("--label", help="only runs stored under this label")
     ap.add_argument("--limit", type=int, default=None, help="newest N runs (default: all)")
     add_db_argument(ap)
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from service.engine.config import dtype_name, resolve_dtype, resolve_kv_dtype
+from service.engine.config import QUANTIZATIONS, dtype_name, resolve_dtype, resolve_kv_dtype
 from service.engine.quant import w8a8
 
 log = logging.getLogger(__name__)
@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
     # torch; nothing here uses them, and the warnings would open every CPU start-up log
     logging.getLogger("torchao").setLevel(logging.ERROR)
 
-MODES = ("none", "int8", "int4", "fp8", "int8-w8a8", "fp8-w8a8")
+MODES = QUANTIZATIONS  # named once, beside the option that offers them
 W8A8_MODES = ("int8-w8a8", "fp8-w8a8")
 # what each mode stores and computes in: shown by /v1/models and stored with a benchmark's configuration
 SCHEMES = {
