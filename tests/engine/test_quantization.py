@@ -23,8 +23,8 @@ from tests.conftest import LiveServer, make_engine, reference_greedy
 CPU = torch.device("cpu")
 CPU_MODES = ["int8", "int4", "int8-w8a8"]
 # greedy agreement with the unquantized default model (share of identical output tokens, position by position)
-# over the first prompts of the benchmark's fixed set; measured values in docs/benchmarks.md#quantization. A wrong scale or a broken
-# kernel gives gibberish and lands near 0.
+# over the first prompts of the benchmark's fixed set; measured values in docs/benchmarks.md#quantization. A wrong
+# scale or a broken kernel gives gibberish and lands near 0.
 AGREEMENT_PROMPTS, AGREEMENT_TOKENS = 4, 16
 # W8A8 measured 0.42 (int8-w8a8) and 0.72 (fp8-w8a8:sim); int8-w8a8:sim, the same codes summed in float32
 # instead of int32, gives 0.69: one near-tie flipped early decides most of an answer

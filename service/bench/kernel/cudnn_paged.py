@@ -7,7 +7,7 @@ with an offset per sequence (cuDNN's "ragged" layout), a padding mask from each 
 lengths, and the causal diagonal aligned to the last key (bottom right), so that a chunk after cached tokens sees
 them all.
 
-Not the engine's kernel (docs/benchmarks.md, H100): with 128-wide heads its prefill is 1.3-1.6x faster than ours,
+Not the engine's kernel (docs/log/2026-11.md, H100): with 128-wide heads its prefill is 1.3-1.6x faster than ours,
 with 64-wide heads no faster, and over a step of prompts and decode tokens 1.9-3.0x slower; a graph is built for
 each shape (sequences, longest query, longest context), 50-100 ms, 0.5-1.1 s where a kernel compiles.
 """

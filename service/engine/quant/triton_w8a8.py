@@ -85,10 +85,10 @@ SMALL = 64  # the most rows that get a tile of their own height
 
 def tile_for(rows: int, n: int, weight_only: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for an output of rows x n, from sweeps on the H100
-    (tests/gpu/kernels/int8_gemm.py --sweep, tests/gpu/kernels/int8_rows.py --sweep; docs/benchmarks.md): up to 16 rows, narrow
-    tiles (32 outputs), so that even a 2,048-wide layer spreads its weights over 64 programs and more; up to 64
-    rows, tiles of their height and long steps along K; many rows, 128 x 128 tiles where those fill the GPU,
-    64 x 64 where they would not. Weight-only tiles past 16 rows take half the steps along K (their activations
+    (tests/gpu/kernels/int8_gemm.py --sweep, tests/gpu/kernels/int8_rows.py --sweep; docs/log/2026-11.md): up to 16
+    rows, narrow tiles (32 outputs), so that even a 2,048-wide layer spreads its weights over 64 programs and more;
+    up to 64 rows, tiles of their height and long steps along K; many rows, 128 x 128 tiles where those fill the
+    GPU, 64 x 64 where they would not. Weight-only tiles past 16 rows take half the steps along K (their activations
     are twice the bytes)."""
     if rows <= FEW:
         return 16, 32, 256, 4, (4 if weight_only else 5)

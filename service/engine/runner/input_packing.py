@@ -16,7 +16,7 @@ from service.engine.scheduler import ScheduledBatch
 
 
 # Long prefill: a step of prompt chunks only, over long contexts, with 128-wide heads, whose tiles are 128 rows and
-# pipeline their scores (triton_attention._attend_keys_pipelined). H100, heads 32/8 (docs/benchmarks.md): 8-17% less
+# pipeline their scores (triton_attention._attend_keys_pipelined). H100, heads 32/8 (docs/log/2026-11.md): 8-17% less
 # time from 2,048 tokens of context up (4 x 2,048, 1 x 8,192, 8,192 after 8,192, 32 tokens each after 4,064), but
 # 2-12% more at 1,024 and below, and more still with 64-wide heads or with decode tokens in the step.
 LONG_PREFILL_ROWS, LONG_PREFILL_HEAD_DIM, LONG_PREFILL_CONTEXT = 128, 128, 2048

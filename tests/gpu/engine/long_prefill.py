@@ -1,5 +1,5 @@
 """Long prompts through one engine on CUDA with the long prefill tiles (input_packing.block_m_for) on and off,
-alternating, and the tile rows each eager step's attention ran with (docs/benchmarks.md, long prefill
+alternating, and the tile rows each eager step's attention ran with (docs/log/2026-11.md, long prefill
 tiles). Off is LONG_PREFILL_CONTEXT out of reach, so every step takes the tiles it took before.
 
   python3 tests/gpu/engine/long_prefill.py --model random:llama-8b --num-requests 2 --input-len 32768

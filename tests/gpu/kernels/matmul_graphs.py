@@ -1,6 +1,6 @@
 """The decode step's matrix products in CUDA graphs, with a cold L2 as in the engine (16
 distinct weights a shape, one per layer), through cuBLAS and cuBLASLt and through the project's Triton GEMM
-(quant/triton_w8a8.py, bf16 weights, unit scales; the figures in docs/benchmarks.md came from a plain copy of its
+(quant/triton_w8a8.py, bf16 weights, unit scales; the figures in docs/log/2026-11.md came from a plain copy of its
 loop without the scales) at its best of a few tile configurations, for the 1B shape's rows 1 to 256 and the 8B
 shape's 256. (Inductor's max-autotune tables favour Triton at these sizes, but they time each kernel alone with
 its launch and a warm L2.)

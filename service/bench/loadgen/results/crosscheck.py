@@ -32,7 +32,7 @@ NAME_SETS = {
 # Agreement rules, stated: token and request counts are exact when the run is the server's only traffic and no
 # request failed after reaching the engine; client TTFT may exceed the server's by the HTTP overhead, at most
 # TTFT_OVERHEAD_S or TTFT_OVERHEAD_RATIO of the server's mean, whichever is larger, and never be below it.
-# Measured with an independent client (guidellm; docs/benchmarks.md): a loopback round trip of a few ms, and on a
+# Measured with an independent client (guidellm; docs/load-generator.md): a loopback round trip of a few ms, and on a
 # CPU-starved host up to ~1.2% of the server's mean, so 10 ms or 5% leaves room for both.
 TTFT_OVERHEAD_S = 0.010
 TTFT_OVERHEAD_RATIO = 0.05
