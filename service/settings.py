@@ -35,7 +35,7 @@ class ServerSettings:
     # 8 MiB holds a 128k-token prompt even as JSON-escaped text (~24 bytes a token) or as token ids (~8 bytes)
     max_request_bytes: int = option(8 * 1024 * 1024, "request bodies larger than this get 413, unread",
                                     shown="8388608 (8 MiB)")
-    # about one per 15,000-20,000 streamed tokens/s, cores allowing (docs/serving.md)
+    # docs/serving.md#choosing---api-servers says how many
     api_servers: int = option(1, "front-end processes (HTTP, JSON, text) on the one port, all feeding one engine "
                               "process")
     stream_interval: int = option(1, "streamed deltas go out every this many tokens (the first and the last at once)")

@@ -1,4 +1,5 @@
-"""The flags every `bench` command spells the same way, added from this one place (docs/bench-flags.md).
+"""The flags every `bench` command spells the same way, added from this one place
+(docs/benchmarking.md#flags-shared-by-every-bench-command).
 
 Style: `--url` is the server; `--json PATH` and `--csv PATH` are where a command writes its result and its rows;
 a setting that is on or off is `--NAME on|off`; `--warmup N` and `--iterations N` count iterations (left out and

@@ -1,5 +1,5 @@
-"""One flag style across the bench commands (docs/bench-flags.md): the new spellings set each setting; the old ones
-still do, for now, and say on stderr which spelling replaces them."""
+"""One flag style across the bench commands (docs/benchmarking.md#flags-shared-by-every-bench-command): the new
+spellings set each setting; the old ones still do, for now, and say on stderr which spelling replaces them."""
 
 from pathlib import Path
 
