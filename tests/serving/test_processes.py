@@ -26,12 +26,12 @@ MODEL = "random:tiny"
 class Served:
     """`python -m service serve` in a subprocess, its log kept, its process ids read from its first log line."""
 
-    def __init__(self, *args: str):
-        self.port = free_port()
+    def __init__(self, *args: str, model: str = MODEL, timeout: float = 120):
+        self.port, self.timeout = free_port(), timeout
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--model", MODEL, "--device", "cpu",
+        self.proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--model", model, "--device", "cpu",
                                       "--port", str(self.port), "--gpu-sample-interval", "0", *args],
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
@@ -47,11 +47,12 @@ class Served:
 
     def __enter__(self) -> "Served":
         line = wait_until(lambda: next((l for l in self.lines if "serving on" in l), None) or
-                          (self.proc.poll() is not None and pytest.fail(self.log())), 120, "the supervisor's line")
+                          (self.proc.poll() is not None and pytest.fail(self.log())), self.timeout,
+                          "the supervisor's line")
         self.engine_pid = int(re.search(r"engine process (\d+)", line).group(1))
         self.frontend_pids = [int(p) for p in re.search(r"\[([\d, ]+)\]", line).group(1).split(",")]
         linked = lambda: self.log().count("linked to the engine process") == len(self.frontend_pids)
-        wait_until(lambda: linked() or (self.proc.poll() is not None and pytest.fail(self.log())), 120,
+        wait_until(lambda: linked() or (self.proc.poll() is not None and pytest.fail(self.log())), self.timeout,
                    "every front end to be linked to the loaded engine")
         assert self.ready()
         return self

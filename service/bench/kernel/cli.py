@@ -17,7 +17,7 @@ from service.bench import flags
 from service.bench.kernel import ops
 from service.bench.kernel.roofline import statistics, throughput
 from service.bench.kernel.timing import clock_report, time_calls
-from service.engine.config import choice, choices_metavar, help_for
+from service.settings import add_engine_argument
 
 TOLERANCE = {"fp32": 1e-3, "fp16": 1e-2, "bf16": 4e-2}  # max |error| against float64; outputs are O(1)
 CSV_FIELDS = ["op", "phase", "batch", "heads", "kv_heads", "head_dim", "context", "dtype", "status", "max_abs_error",
@@ -64,8 +64,7 @@ def parse_args(argv):
     flags.deprecated_alias(ap, "--repeats", flags.add_iterations(ap, 64, "timed repeats of each case", dest="repeats"))
     flush = flags.add_switch(ap, "flush-l2", True, "CUDA: flush the L2 cache before each repeat")
     flags.deprecated_alias(ap, "--no-flush", flush, value=False)
-    ap.add_argument("--device", default="auto", type=choice("device"), metavar=choices_metavar("device"),
-                    help=help_for("device") + " (default %(default)s)")
+    add_engine_argument(ap, "device", "auto")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's own choice)")
     flags.add_csv(ap, "write every row here")
     ap.add_argument("--plot", default=None, help="write a PNG of median time against context, per operation")

