@@ -22,6 +22,12 @@ class Add(msgspec.Struct, array_like=True, tag="add"):
     params: SamplingParams
     arrival: float  # time.perf_counter() in the front end (CLOCK_MONOTONIC: one clock for every process)
     traceparent: str | None = None  # W3C trace context of the request's span in the front end
+    n: int = 1  # samples of this prompt: engine requests sample_id(request_id, i, n), admitted all or none
+
+
+def sample_id(request_id: str, index: int, n: int) -> str:
+    """The engine's id of sample `index` of an Add of `n` samples (the Add's own id when n is 1)."""
+    return request_id if n == 1 else f"{request_id}-{index}"
 
 
 class Abort(msgspec.Struct, array_like=True, tag="abort"):
@@ -55,7 +61,9 @@ class Admitted(msgspec.Struct, array_like=True, tag="admitted"):
 
 class Step(msgspec.Struct, array_like=True, tag="step"):
     """One engine step's outputs for one front end: `rows` are [request id, new token ids, finish reason or
-    None, logprobs or None, (first scheduled, cached prompt tokens) with a request's first token or None]."""
+    None, logprobs or None, (first scheduled, cached prompt tokens, prompt logprobs or None) with a request's first
+    output (token or finish) or None]. Prompt logprobs, when asked for, are one (logprob, [(token id, logprob),
+    ...]) per prompt token after the first."""
 
     rows: list
     num_waiting: int

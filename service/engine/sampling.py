@@ -7,11 +7,12 @@ from service.engine.errors import InvalidRequestError
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 SEED_RANGE = (-2**63, 2**64)  # what torch.Generator.manual_seed takes
 INT32 = 2**31  # counts beyond this (top_k, min_tokens) are no count any model can reach
+MAX_LOGPROBS = 20  # the most top alternatives a token's logprobs may list (OpenAI's cap)
 
 
 @dataclass
 class SamplingParams:
-    max_tokens: int | None = 16  # None: up to the context length
+    max_tokens: int | None = 16  # None: up to the context length; 0: the prompt only (no output token)
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -21,6 +22,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k: the sampled token's logprob and the k most likely
+    prompt_logprobs: int | None = None  # None: off; k: each prompt token's logprob (but the first) and the k most likely
     skip_special_tokens: bool = True
 
     def __post_init__(self):
@@ -41,8 +43,8 @@ class SamplingParams:
         def bad(param: str, message: str):
             raise InvalidRequestError(message, param=param)
 
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            bad("max_tokens", f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 0):
+            bad("max_tokens", f"max_tokens must be a non-negative integer, got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
             bad("temperature", f"temperature must be between 0 and 100, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
@@ -61,8 +63,19 @@ class SamplingParams:
             bad("min_tokens", f"min_tokens must be a non-negative integer below 2**31, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            bad("logprobs", f"logprobs must be an integer between 0 and 20, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                bad(name, f"{name} must be an integer between 0 and {MAX_LOGPROBS}, got {k!r}")
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sample `index` of a request seeded with `seed` (n > 1): the request's seed plus the index, kept
+    in SEED_RANGE, so that sample 0 is the request with n = 1 and every sample reproduces."""
+    if seed is None or index == 0:
+        return seed
+    low, high = SEED_RANGE
+    return (seed + index - low) % (high - low) + low
 
 
 def tokenize(tokenizer, prompt: str | list[int]) -> list[int]:
@@ -86,7 +99,11 @@ def check_request(ids: list[int], params: SamplingParams, max_model_len: int, vo
         raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab_size}",
                                   param="stop_token_ids")
     limit = max_model_len
-    if len(ids) >= limit:
+    if params.max_tokens == 0:  # the prompt only (echo, prompt logprobs): it may fill the whole context
+        if len(ids) > limit:
+            raise InvalidRequestError(f"This model's maximum context length is {limit} tokens, but the prompt has "
+                                      f"{len(ids)} tokens.", param="prompt")
+    elif len(ids) >= limit:
         raise InvalidRequestError(
             f"This model's maximum context length is {limit} tokens, but the prompt has {len(ids)} tokens; "
             f"at least one token must be left to generate.", param="prompt")
