@@ -1,20 +1,23 @@
 """A front end's link to the engine process: requests out over ZeroMQ, each step's tokens back, text made here.
 
 `submit` validates and tokenizes a request, sends it, and returns once the engine has admitted it (a full
-waiting queue raises a 503 before any response starts). The request's `RequestStream` turns token ids into text
+waiting queue raises a 503 before any response starts); `submit_all` does the same for several prompts with n
+samples each (one Add per prompt), all admitted or none. Each sample's `RequestStream` turns token ids into text
 (one incremental decode step per token, the `tokenizers` library's DecodeStream), matches stop strings (a
 match ends the request here and aborts it in the engine; later tokens are dropped and not counted) and shapes
 output: a non-streaming reader wakes once, at the finish, and decodes once; a streaming reader gets every
 `stream_interval` tokens (the first and the finish at once) merged into one output, however far it lags; one
 that falls `stream_backlog` tokens behind is cut (its request aborted). If the engine process dies, every
-request ends at once with EngineDeadError.
+request ends at once with EngineDeadError. `merge` reads several streams as one (an HTTP request's choices).
 """
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import AsyncIterator
 
 import zmq
 import zmq.asyncio
@@ -22,7 +25,7 @@ import zmq.asyncio
 from service.api.errors import unavailable
 from service.engine import messages
 from service.engine.errors import EngineDeadError, InvalidRequestError, SlowReaderError
-from service.engine.messages import Abort, Add, Admitted, Dead, FrontendGone, Hello, Step
+from service.engine.messages import Abort, Add, Admitted, Dead, FrontendGone, Hello, Step, sample_id
 from service.engine.results import RequestOutput, Timings
 from service.engine.sampling import SamplingParams, check_request, tokenize
 
@@ -50,10 +53,13 @@ class RequestStream:
         self.token_ids: list[int] = []
         self.logprobs: list = []
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list | None = None  # with the first output, when asked for (params.prompt_logprobs)
         self.text, self.emitted, self.taken = "", 0, 0
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
         self.wake = asyncio.Event()
+        self.group: _Group | None = None  # read together with other streams (merge): signal there instead
+        self.queued = False  # in its group's queue, not yet taken
         self.stops = params.stop
         self.hold = max((len(s) for s in self.stops), default=1) - 1  # text kept back while a stop may complete
         tokenizer = client.tokenizer
@@ -74,7 +80,9 @@ class RequestStream:
         tokens, reason, logprobs, first = row[1], row[2], row[3], row[4]
         t = self.timings
         if first is not None:
-            t.first_scheduled, self.num_cached_tokens = first
+            t.first_scheduled, self.num_cached_tokens = first[0], first[1]
+            if len(first) > 2:
+                self.prompt_logprobs = first[2]
         kept = 0
         for i, token in enumerate(tokens):
             self.token_ids.append(token)
@@ -98,8 +106,18 @@ class RequestStream:
         elif self.taken == 0 or len(self.token_ids) - self.taken >= self.client.stream_interval:
             if len(self.token_ids) - self.taken > self.client.stream_backlog:
                 self._cut()
-            self.wake.set()
+            self._signal()
         return kept
+
+    def _signal(self) -> None:
+        """Something is ready to take: wake this stream's reader (or its group's)."""
+        group = self.group
+        if group is None:
+            self.wake.set()
+        elif not self.queued:
+            self.queued = True
+            group.queue.append(self)
+            group.wake.set()
 
     def _match(self, before: int) -> bool:
         text = self.text
@@ -117,13 +135,19 @@ class RequestStream:
             self.text = _decode_once(self.client.tokenizer, self._context, self.token_ids,
                                      self.params.skip_special_tokens)
         self.client.finished(self)
-        self.wake.set()
+        self._signal()
 
     def fail(self, error: BaseException) -> None:
         if not self.finished:
             self.error = error
             self.timings.finished = time.perf_counter()
-            self.wake.set()
+            self._signal()
+
+    def abandoned(self) -> None:
+        """Its reader left before the end (the engine was told to abort it): record it as aborted."""
+        self.finish_reason = "abort"
+        self.timings.finished = time.perf_counter()
+        self.client.finished(self)
 
     def _cut(self) -> None:
         backlog = self.client.stream_backlog
@@ -161,9 +185,48 @@ class RequestStream:
         finally:
             if not self.finished:  # the reader left early (client gone, task cancelled): free its blocks
                 self.client.abort(self.request_id)
-                self.finish_reason = "abort"
-                self.timings.finished = time.perf_counter()
-                self.client.finished(self)
+                self.abandoned()
+
+
+class _Group:
+    """Streams read by one reader: a stream with something to take queues itself here and wakes the reader."""
+
+    def __init__(self, streams: list[RequestStream]):
+        self.streams, self.queue, self.wake = streams, deque(), asyncio.Event()
+        for stream in streams:
+            stream.group = self
+            if stream.wake.is_set():  # it signalled before it joined
+                stream.wake.clear()
+                stream._signal()
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        live = len(self.streams)
+        try:
+            while live:
+                await self.wake.wait()
+                self.wake.clear()
+                queue = self.queue
+                while queue:
+                    stream = queue.popleft()
+                    stream.queued = False
+                    if stream.error is not None:
+                        raise stream.error
+                    out = stream.take()
+                    yield out
+                    if out.finished:
+                        live -= 1
+        finally:
+            left = [s for s in self.streams if not s.finished]
+            if left:  # the reader left early, or one stream failed: abort every other sample at once
+                left[0].client.abort(*(s.request_id for s in left))
+                for stream in left:
+                    stream.abandoned()
+
+
+def merge(streams: list[RequestStream]) -> AsyncIterator[RequestOutput]:
+    """Several streams' outputs as they come (each stream's in order, the streams' interleaved), by one reader;
+    a reader that leaves early (or a stream that fails) aborts every stream not yet finished."""
+    return _Group(streams).outputs()
 
 
 class _Decoder:
@@ -256,34 +319,73 @@ class EngineClient:
     async def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str, arrival: float,
                      streaming: bool, traceparent: str | None = None, operation: str = "generate") -> RequestStream:
         """Validate (InvalidRequestError), send, and wait for the engine to admit it (503 when it does not)."""
+        streams = await self.submit_all([prompt], params, request_id, arrival, streaming, traceparent, operation)
+        return streams[0]
+
+    async def submit_all(self, prompts: list[str | list[int]], params: SamplingParams, request_id: str,
+                         arrival: float, streaming: bool, traceparent: str | None = None,
+                         operation: str = "generate", n: int = 1) -> list[RequestStream]:
+        """Validate every prompt (InvalidRequestError), send one Add per prompt with its `n` samples, and wait for
+        the engine to admit them all; returns the streams prompt-major (prompt j's sample i at j * n + i).
+
+        The Add's id is `request_id` for one prompt, f"{request_id}-p{j}" for several; its samples are
+        messages.sample_id of it. If the engine refuses any Add, the others' samples are aborted: 503."""
         if self.error is not None:
             raise EngineDeadError(str(self.error))
-        info = self.info
-        ids = self.tokenize(prompt)
-        check_request(ids, params, info.max_model_len, info.vocab_size, self.tokenizer is not None)
-        if request_id in self.requests or request_id in self.pending:
+        adds = [(request_id, *self._checked(prompts[0], params))] if len(prompts) == 1 else [
+            (f"{request_id}-p{j}", *self._checked(prompt, dataclasses.replace(params), j))  # max_tokens per prompt
+            for j, prompt in enumerate(prompts)]
+        if any(rid in self.pending or sample_id(rid, 0, n) in self.requests for rid, _, _ in adds):
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        stream = RequestStream(self, request_id, ids, params, arrival, streaming, operation)
-        admitted = asyncio.get_running_loop().create_future()
-        # known before it is sent: its first step's message may be read before this coroutine resumes
-        self.pending[request_id], self.requests[request_id] = admitted, stream
-        stream.timings.submitted = time.perf_counter()
-        self.push.send(messages.encode(Add(request_id, self.frontend, ids, params, arrival, traceparent)))
+        loop, streams, waits = asyncio.get_running_loop(), [], []
+        for rid, ids, p in adds:
+            samples = [RequestStream(self, sample_id(rid, i, n), ids, p, arrival, streaming, operation)
+                       for i in range(n)]
+            # known before it is sent: its first step's message may be read before this coroutine resumes
+            self.pending[rid] = admitted = loop.create_future()
+            submitted = time.perf_counter()
+            for stream in samples:
+                stream.timings.submitted = submitted
+                self.requests[stream.request_id] = stream
+            self.push.send(messages.encode(Add(rid, self.frontend, ids, p, arrival, traceparent, n)))
+            streams += samples
+            waits.append(admitted)
         try:
-            why = await admitted
+            refused = [why for why in [await admitted for admitted in waits] if why is not None]
         except BaseException:
-            self.requests.pop(request_id, None)
+            self._drop(streams, admitted=True)
             raise
         finally:
-            self.pending.pop(request_id, None)
-        if why is not None:
-            self.requests.pop(request_id, None)
+            for rid, _, _ in adds:
+                self.pending.pop(rid, None)
+        if refused:
+            self._drop(streams, admitted=len(refused) < len(adds))
+            why = refused[0]
             raise unavailable(why, retry_after=1 if "waiting" in why else 5)
-        return stream
+        return streams
 
-    def abort(self, request_id: str) -> None:
+    def _checked(self, prompt: str | list[int], params: SamplingParams, index: int | None = None
+                 ) -> tuple[list[int], SamplingParams]:
+        """A prompt's token ids, checked against the model with its params (which it may complete)."""
+        try:
+            ids = self.tokenize(prompt)
+            check_request(ids, params, self.info.max_model_len, self.info.vocab_size, self.tokenizer is not None)
+        except InvalidRequestError as exc:
+            if index is None:
+                raise
+            raise InvalidRequestError(f"prompt {index}: {exc.message}", param=exc.param) from None
+        return ids, params
+
+    def _drop(self, streams: list[RequestStream], admitted: bool) -> None:
+        """Forget streams that will never be read; those the engine may hold are aborted there."""
+        if admitted and self.error is None:
+            self.abort(*(s.request_id for s in streams))
+        for stream in streams:
+            self.requests.pop(stream.request_id, None)
+
+    def abort(self, *request_ids: str) -> None:
         if self.error is None:
-            self.push.send(messages.encode(Abort([request_id])))
+            self.push.send(messages.encode(Abort(list(request_ids))))
 
     def finished(self, stream: RequestStream, reason: str | None = None) -> None:
         """A request left (finished, stopped, cut or abandoned): forget it and record its end once."""

@@ -1,4 +1,7 @@
-"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models."""
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
+
+A request's choices are its prompts' samples, prompt-major (choice prompt_index * n + i); a stream's chunks
+carry one choice each, the choices' chunks interleaved as their tokens come."""
 
 import time
 import uuid
@@ -9,8 +12,8 @@ from fastapi import APIRouter, Depends, Request
 from service.api.arrival import arrival
 from service.api.errors import bad_request, checked
 from service.api.schemas import ChatCompletionRequest, CompletionRequest
-from service.api.state import ServerState, collect, get_state
-from service.api.streaming import chat_logprobs, completion_logprobs, sse, usage
+from service.api.state import Choices, ServerState, collect, get_state
+from service.api.streaming import chat_logprobs, completion_logprobs, prompt_text, sse, total_usage
 
 router = APIRouter()
 
@@ -24,34 +27,53 @@ async def models(state: ServerState = Depends(get_state)):
         "quantization_scheme": state.info.quantization_scheme}]}
 
 
+async def _by_choice(request: Request, choices: Choices) -> list[list]:
+    """Run every sample to its end (non-streaming): each choice's outputs, in choice order."""
+    outs = [[] for _ in choices.streams]
+    for out in await collect(request, choices.outputs):
+        outs[choices.index(out)].append(checked(out))
+    return outs
+
+
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, state: ServerState = Depends(get_state)):
     state.check_model(body.model)
-    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    stream = await state.submit(body.single_prompt(), body.sampling_params(body.max_tokens, body.logprobs), rid,
-                                "text_completion", arrival(request), body.stream)
-    tokenizer = state.tokenizer
+    prompts, params = body.prompts(), body.completion_params()
+    rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.n
+    choices = await state.submit_all(prompts, params, rid, "text_completion", arrival(request), body.stream, n)
+    tokenizer, streams = state.tokenizer, choices.streams
+    echoes = [prompt_text(tokenizer, p) for p in prompts] if body.echo else None
     head = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
+
+    def logprobs(i: int, outs: list, offset: int = 0, first: bool = True) -> dict | None:
+        if body.logprobs is None:
+            return None
+        echoed = (streams[i].prompt_ids, streams[i].prompt_logprobs) if echoes and first else None
+        return completion_logprobs(tokenizer, outs, offset, echoed)
 
     if body.stream:
         async def chunks() -> AsyncIterator[dict]:
-            offset, last = 0, None
-            async for out in stream:
-                last = checked(out)
-                logprobs = completion_logprobs(tokenizer, [out], offset) if body.logprobs is not None else None
-                offset += sum(len(t) for t in (logprobs or {}).get("tokens", []))
-                yield {**head, "choices": [{"index": 0, "text": out.text_delta, "logprobs": logprobs,
+            offsets, started = [0] * len(streams), [False] * len(streams)
+            async for out in choices.outputs:
+                i = choices.index(checked(out))
+                text, first = out.text_delta, not started[i]
+                if first and echoes:
+                    text = echoes[i // n] + text  # the prompt comes with each choice's first chunk
+                started[i] = True
+                lp = logprobs(i, [out], offsets[i], first)
+                if lp is not None:
+                    offsets[i] += sum(len(t) for t in lp["tokens"])
+                yield {**head, "choices": [{"index": i, "text": text, "logprobs": lp,
                                             "finish_reason": out.finish_reason}]}
-            if body.include_usage and last is not None:
-                yield {**head, "choices": [], "usage": usage(last)}
+            if body.include_usage:
+                yield {**head, "choices": [], "usage": total_usage(streams, n)}
         return sse(chunks())
 
-    outs = await collect(request, stream)
-    last = checked(outs[-1])
+    outs = await _by_choice(request, choices)
     return {**head, "choices": [{
-        "index": 0, "text": "".join(o.text_delta for o in outs), "finish_reason": last.finish_reason,
-        "logprobs": completion_logprobs(tokenizer, outs) if body.logprobs is not None else None}],
-        "usage": usage(last)}
+        "index": i, "text": (echoes[i // n] if echoes else "") + "".join(o.text_delta for o in mine),
+        "finish_reason": mine[-1].finish_reason, "logprobs": logprobs(i, mine)} for i, mine in enumerate(outs)],
+        "usage": total_usage(streams, n)}
 
 
 @router.post("/v1/chat/completions")
@@ -67,29 +89,30 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     except Exception as exc:  # templates raise on roles or orders they do not accept
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    stream = await state.submit(prompt, body.sampling_params(max_tokens, body.num_logprobs), rid, "chat",
-                                arrival(request), body.stream)
+    params = body.sampling_params(max_tokens, body.num_logprobs)
+    rid, created, n = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.n
+    choices = await state.submit_all([prompt], params, rid, "chat", arrival(request), body.stream, n)
+    streams = choices.streams
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model}
 
     if body.stream:
         async def chunks() -> AsyncIterator[dict]:
-            yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}]}
-            last = None
-            async for out in stream:
-                last = checked(out)
+            for i in range(n):
+                yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]}
+            async for out in choices.outputs:
+                i = choices.index(checked(out))
                 delta = {"content": out.text_delta} if out.text_delta else {}
                 logprobs = chat_logprobs(tokenizer, [out]) if body.logprobs else None
-                yield {**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                yield {**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
                                             "finish_reason": out.finish_reason}]}
-            if body.include_usage and last is not None:
-                yield {**head, "choices": [], "usage": usage(last)}
+            if body.include_usage:
+                yield {**head, "choices": [], "usage": total_usage(streams, n)}
         return sse(chunks())
 
-    outs = await collect(request, stream)
-    last = checked(outs[-1])
+    outs = await _by_choice(request, choices)
     return {**head, "object": "chat.completion", "choices": [{
-        "index": 0, "message": {"role": "assistant", "content": "".join(o.text_delta for o in outs)},
-        "logprobs": chat_logprobs(tokenizer, outs) if body.logprobs else None,
-        "finish_reason": last.finish_reason}], "usage": usage(last)}
+        "index": i, "message": {"role": "assistant", "content": "".join(o.text_delta for o in mine)},
+        "logprobs": chat_logprobs(tokenizer, mine) if body.logprobs else None,
+        "finish_reason": mine[-1].finish_reason} for i, mine in enumerate(outs)],
+        "usage": total_usage(streams, n)}

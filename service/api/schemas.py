@@ -7,6 +7,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from service.api.errors import bad_request
 from service.engine.sampling import SamplingParams
 
+MAX_N = 128  # samples per prompt (OpenAI's own cap)
+MAX_PROMPTS = 2048  # prompts in one /v1/completions request (and prompts x n may not exceed --max-waiting)
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -25,30 +28,33 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = Field(None, description="extension")
     min_tokens: int = Field(0, description="extension")
     ignore_eos: bool = Field(False, description="extension, for benchmarks")
-    n: int = 1
+    n: int | None = Field(1, description=f"samples per prompt, 1 to {MAX_N}")
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | dict | None = Field(None, description="ignored; a string, or an object as Open WebUI sends")
     stream: bool = False
     stream_options: StreamOptions | None = None
 
     def _check_unsupported(self) -> None:
-        if self.n != 1:
-            raise bad_request("only n=1 is supported", "n")
+        if self.n is None:
+            self.n = 1
+        if not 1 <= self.n <= MAX_N:
+            raise bad_request(f"n must be between 1 and {MAX_N}, got {self.n}", "n")
         if self.presence_penalty or self.frequency_penalty:
             param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
             raise bad_request(f"{param} is not supported; leave it at 0", param)
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         self._check_unsupported()
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
             stop=self.stop or [], stop_token_ids=self.stop_token_ids or [], min_tokens=self.min_tokens,
-            ignore_eos=self.ignore_eos, logprobs=logprobs)
+            ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     @property
     def include_usage(self) -> bool:
@@ -60,23 +66,29 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, description="return the log-probabilities of this many top tokens (0-20)")
-    echo: bool = False
-    best_of: int | None = None
+    echo: bool = Field(False, description="the prompt before the completion (with logprobs: the prompt's too)")
+    best_of: int | None = Field(None, description="accepted when equal to n (no ranking of extra samples)")
     suffix: str | None = None
 
-    def single_prompt(self) -> str | list[int]:
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
-        if self.best_of not in (None, 1):
-            raise bad_request("best_of is not supported", "best_of")
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: a string or a token-id list is one, a list of them is several."""
         if self.suffix:
-            raise bad_request("suffix is not supported", "suffix")
+            raise bad_request("suffix is not supported; put the text in the prompt", "suffix")
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise bad_request("send one prompt per request (batches of prompts are not supported)", "prompt")
-            p = p[0]
-        return p
+        if not p:
+            raise bad_request("the prompt is empty: send a string, token ids, or a list of them", "prompt")
+        if isinstance(p, str) or isinstance(p[0], int):
+            return [p]
+        if len(p) > MAX_PROMPTS:
+            raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(p)}", "prompt")
+        return list(p)
+
+    def completion_params(self) -> SamplingParams:
+        params = self.sampling_params(self.max_tokens, self.logprobs, self.logprobs if self.echo else None)
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request(f"best_of must equal n ({self.n}) when given, got {self.best_of}; samples are "
+                              "not ranked", "best_of")
+        return params
 
 
 class TextPart(BaseModel):
@@ -128,6 +140,8 @@ class GenerateRequest(_Sampling):
     logprobs: int | None = None
 
     def single_prompt(self) -> str | list[int]:
+        if self.n not in (None, 1):
+            raise bad_request("/generate takes n=1; use /v1/completions for several samples", "n")
         if (self.prompt is None) == (self.token_ids is None):
             raise bad_request("send exactly one of prompt or token_ids", "prompt")
         return self.prompt if self.prompt is not None else self.token_ids

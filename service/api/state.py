@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
-from service.api.client import EngineClient, RequestStream
-from service.api.errors import APIError, unavailable
+from service.api.client import EngineClient, RequestStream, merge
+from service.api.errors import APIError, bad_request, unavailable
 from service.engine import RequestOutput, SamplingParams, messages
 from service.engine.errors import EngineDeadError
 from service.settings import Settings
@@ -131,27 +131,54 @@ class ServerState:
 
     async def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str, operation: str,
                      arrival: float | None, streaming: bool) -> AsyncIterator[RequestOutput]:
-        """Validation (400s), then admission by the engine (503s), before any response starts.
+        """One prompt, one sample: its outputs (see submit_all)."""
+        return (await self.submit_all([prompt], params, request_id, operation, arrival, streaming)).outputs
 
-        `operation` names the request's span (gen_ai.operation.name: chat, text_completion, generate);
-        `arrival` is when the server received the request (service.api.arrival), the start of its clock.
+    async def submit_all(self, prompts: list[str | list[int]], params: SamplingParams, request_id: str,
+                         operation: str, arrival: float | None, streaming: bool, n: int = 1) -> "Choices":
+        """Validation (400s), then admission by the engine of every sample (503s), before any response starts.
+
+        `operation` names the request's span (gen_ai.operation.name: chat, text_completion, generate), one span
+        for the HTTP request whatever its prompts and n; `arrival` is when the server received the request
+        (service.api.arrival), the start of its clock.
         """
         if self.draining:
             raise unavailable("the server is shutting down", retry_after=5)
         if not self.loaded:
             raise unavailable("the model is still loading", retry_after=5)
+        limit = self.settings.server.max_waiting
+        if len(prompts) * n > limit:  # the engine admits a request's samples all at once or not at all
+            raise bad_request(f"{len(prompts)} prompt(s) x n={n} make {len(prompts) * n} samples, more than the "
+                              f"{limit} this server lets wait (--max-waiting): they could never be admitted",
+                              "n" if n > 1 else "prompt")
         arrival = time.perf_counter() if arrival is None else arrival
         tracing = self.telemetry.tracing
-        span = tracing.request_span(request_id, operation, self.model_name, params, prompt, arrival) \
+        span = tracing.request_span(request_id, operation, self.model_name, params,
+                                    prompts[0] if len(prompts) == 1 else prompts, arrival) \
             if tracing.enabled else None
         try:
-            stream: RequestStream = await self.client.submit(
-                prompt, params, request_id, arrival, streaming, tracing.traceparent(span) if span else None, operation)
+            streams = await self.client.submit_all(prompts, params, request_id, arrival, streaming,
+                                                   tracing.traceparent(span) if span else None, operation, n)
         except BaseException as exc:
             if span is not None:
                 tracing.fail(span, exc)
             raise
-        return tracing.generation(aiter(stream), span, self.model_name) if span is not None else aiter(stream)
+        outputs = aiter(streams[0]) if len(streams) == 1 else merge(streams)
+        if span is not None:
+            outputs = tracing.generation(outputs, span, self.model_name)
+        return Choices(streams, outputs, n)
+
+
+class Choices:
+    """An HTTP request's samples: their streams prompt-major (choice index = prompt j * n + sample i) and their
+    outputs, merged, as they come (read them once; the streams then hold each sample's final state)."""
+
+    def __init__(self, streams: list[RequestStream], outputs: AsyncIterator[RequestOutput], n: int):
+        self.streams, self.outputs, self.n = streams, outputs, n
+        self._index = {s.request_id: i for i, s in enumerate(streams)} if len(streams) > 1 else None
+
+    def index(self, out: RequestOutput) -> int:
+        return 0 if self._index is None else self._index[out.request_id]
 
 
 async def get_state(request: Request) -> ServerState:  # async: FastAPI runs a sync one on a worker thread

@@ -29,18 +29,37 @@ def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
 
 
-def completion_logprobs(tokenizer, outs: list[RequestOutput], offset: int = 0) -> dict:
-    """OpenAI completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+def completion_logprobs(tokenizer, outs: list[RequestOutput], offset: int = 0,
+                        prompt: tuple[list[int], list | None] | None = None) -> dict:
+    """OpenAI completions shape: tokens, token_logprobs, top_logprobs, text_offset. With `prompt` (echo: its
+    token ids and the engine's prompt logprobs) the prompt's tokens come first, the first one's entries null."""
     result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def add(token_id: int, logprob: float | None, top: list | None) -> None:
+        nonlocal offset
+        text = token_text(tokenizer, token_id)
+        result["tokens"].append(text)
+        result["token_logprobs"].append(logprob)
+        result["top_logprobs"].append(None if top is None else {token_text(tokenizer, t): lp for t, lp in top})
+        result["text_offset"].append(offset)
+        offset += len(text)
+
+    if prompt is not None:
+        ids, logprobs = prompt
+        add(ids[0], None, None)  # nothing comes before the first token to predict it
+        for token_id, (logprob, top) in zip(ids[1:], logprobs or [(None, None)] * (len(ids) - 1)):
+            add(token_id, logprob, top)
     for out in outs:
         for token_id, (logprob, top) in zip(out.new_token_ids, out.new_logprobs):
-            text = token_text(tokenizer, token_id)
-            result["tokens"].append(text)
-            result["token_logprobs"].append(logprob)
-            result["top_logprobs"].append({token_text(tokenizer, t): lp for t, lp in top})
-            result["text_offset"].append(offset)
-            offset += len(text)
+            add(token_id, logprob, top)
     return result
+
+
+def prompt_text(tokenizer, prompt: str | list[int]) -> str:
+    """What echo puts before the completion: the prompt as sent, token ids decoded ("" without a tokenizer)."""
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.decode(prompt) if tokenizer is not None else ""
 
 
 def chat_logprobs(tokenizer, outs: list[RequestOutput]) -> dict:
@@ -61,6 +80,16 @@ def usage(out: RequestOutput) -> dict:
     return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
             "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
             "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+
+
+def total_usage(streams: list, n: int) -> dict:
+    """Usage of a request's samples (RequestStreams, prompt-major, n per prompt): each prompt counted once (its
+    cached tokens those of its sample 0), every sample's completion tokens."""
+    firsts = streams[::n]
+    prompt = sum(len(s.prompt_ids) for s in firsts)
+    completion = sum(len(s.token_ids) for s in streams)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(s.num_cached_tokens for s in firsts)}}
 
 
 def timings(t: Timings) -> dict:
