@@ -101,6 +101,22 @@ def reference_greedy(loaded, prompt: list[int], max_new_tokens: int) -> list[int
     return out[0, len(prompt):].tolist()
 
 
+def reference_logprobs(loaded, prompt: list[int]):
+    """transformers' own log-softmax over a prompt (sdpa attention, float32): [len(prompt), vocabulary], row p
+    scoring token p + 1."""
+    import torch
+
+    model = loaded.model
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([prompt], device=model.device)).logits[0]
+    finally:
+        model.set_attn_implementation(previous)
+    return torch.log_softmax(logits.float(), -1)
+
+
 @pytest.fixture
 def idle_engine_core(monkeypatch):
     """Engine cores whose loop, blocked idle, would look again only after ten minutes; returns an event set once one

@@ -268,6 +268,12 @@ def overview() -> dict:
         timeseries("Steps per second", "Engine steps per second, by phase.",
                    [target(f"sum by (phase) (instance_model:llm_engine_step_seconds_count:rate5m{{{SEL}}})",
                            "{{phase}}")], "ops", stack=True),
+        timeseries("Prompt tokens: computed and from the prefix cache", "Prompt tokens per second the engine "
+                   "computed, and those it found in the prefix cache instead (counted at admission): samples of an "
+                   "n > 1 request, a shared system prompt or a repeated evaluation context show as cached.",
+                   [target(f"sum(rate(llm_prompt_tokens_computed_total{{{SEL}}}[$__rate_interval]))", "computed"),
+                    target(f"sum(rate(llm_prompt_tokens_cached_total{{{SEL}}}[$__rate_interval]))", "cached")],
+                   "suffix: tok/s", w=24, h=7, stack=True),
         model_info(),
 
         row("Processes"),

@@ -1,8 +1,8 @@
 """Paged KV cache bookkeeping: a free-block queue, per-sequence block tables, prefix reuse.
 
 Block 0 is reserved as a scratch block (padding slots of CUDA-graph batches write there).
-Full blocks are hashed by (previous block's hash, their tokens); a new sequence whose prompt
-starts with the same full blocks shares them (reference-counted) instead of recomputing.
+Full blocks are hashed by (previous block's hash, their tokens) as soon as their step is launched; a new sequence
+whose prompt starts with the same full blocks shares them (reference-counted) instead of recomputing.
 Freed blocks keep their hash until they are handed out again, so recently used prefixes survive.
 """
 
@@ -56,8 +56,12 @@ class BlockManager:
         seq.num_hashed_blocks = 0
         if self.enable_prefix_caching:
             tokens, block_size, h = seq.token_ids, self.block_size, None
-            # at least one token must be computed, so that the step yields logits
-            for i in range((len(tokens) - 1) // block_size):
+            # at least one token must be computed, so that the step yields logits; and every position whose prompt
+            # logprobs are still to come (the cache holds keys and values, not the logits)
+            usable = len(tokens) - 1
+            if seq.num_prompt_logprobs_missing:
+                usable = min(usable, len(seq.prompt_logprobs))
+            for i in range(usable // block_size):
                 chunk = tuple(tokens[i * block_size:(i + 1) * block_size])
                 h = hash((h, chunk))
                 block = self.cached.get(h)
@@ -71,10 +75,12 @@ class BlockManager:
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
 
     def commit(self, seq: Sequence) -> None:
-        """Register the sequence's newly computed full blocks in the prefix cache."""
+        """Register the sequence's full blocks in the prefix cache: those computed, or launched to be (a later step
+        reads them after this one wrote them, in stream order), whose tokens the host knows."""
         if not self.enable_prefix_caching:
             return
-        block_size, full = self.block_size, seq.num_computed_tokens // self.block_size
+        block_size = self.block_size
+        full = min(seq.num_computed_tokens, len(seq.token_ids)) // block_size
         h = self.block_hash[seq.block_table[seq.num_hashed_blocks - 1]] if seq.num_hashed_blocks else None
         for i in range(seq.num_hashed_blocks, full):
             chunk = tuple(seq.token_ids[i * block_size:(i + 1) * block_size])
@@ -83,6 +89,16 @@ class BlockManager:
             self.block_hash[block], self.block_tokens[block] = h, chunk
             self.cached.setdefault(h, block)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+
+    def forget(self, seq: Sequence) -> None:
+        """Take the sequence's blocks out of the prefix cache (their step failed: what they hold is not to be read)."""
+        for block in seq.block_table:
+            h = self.block_hash[block]
+            if h is not None:
+                if self.cached.get(h) == block:
+                    del self.cached[h]
+                self.block_hash[block] = self.block_tokens[block] = None
+        seq.num_hashed_blocks = 0
 
     def free_sequence(self, seq: Sequence) -> None:
         for block in reversed(seq.block_table):

@@ -4,7 +4,8 @@ It takes requests already tokenized and validated by the front ends, and sends e
 step with every new token id and finish of that front end's requests. It never touches HTTP, JSON or text: stop
 strings are the front ends' (a match comes back as an abort). It blocks while idle and never sleeps while busy.
 Admission is counted here, so `--max-waiting` is one limit across every front end: a request that finds the
-waiting queue full is rejected in the `Admitted` reply, and its front end answers 503.
+waiting queue full is rejected in the `Admitted` reply, and its front end answers 503. A request of n samples
+(`Add.n`) is n engine requests, admitted all or none, each counting against the limit.
 """
 
 import logging
@@ -126,7 +127,7 @@ class EngineCore:
                 break
             if isinstance(msg, Add):
                 accepted, rejected = replies.setdefault(msg.frontend, ([], []))
-                if engine.num_waiting >= self.max_waiting or self.stopping:
+                if engine.num_waiting + msg.n > self.max_waiting or self.stopping:
                     rejected.append((msg.request_id, f"too many requests waiting ({self.max_waiting}); retry later"
                                      if not self.stopping else "the server is shutting down"))
                     continue
@@ -152,11 +153,11 @@ class EngineCore:
     def _add(self, msg: Add) -> None:
         params = msg.params
         params.stop = []  # stop strings are matched by the front end, which aborts the request on a match
-        seq = self.engine.new_sequence(msg.request_id, msg.prompt_token_ids, params, msg.arrival)
-        if self.tracing is not None and msg.traceparent:
-            self.tracing.engine_request(msg.request_id, msg.traceparent)
-        self.owner[msg.request_id] = msg.frontend
-        self.engine.add_sequence(seq)
+        for seq in self.engine.new_samples(msg.request_id, msg.prompt_token_ids, params, msg.arrival, msg.n):
+            if self.tracing is not None and msg.traceparent:
+                self.tracing.engine_request(seq.request_id, msg.traceparent)
+            self.owner[seq.request_id] = msg.frontend
+            self.engine.add_sequence(seq)
 
     def _publish(self, rows: list) -> None:
         if not rows:

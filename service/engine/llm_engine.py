@@ -16,7 +16,8 @@ from service.engine.models import LoadedModel, load_model
 from service.engine.results import RequestOutput, StepObserver, StepStats, Timings
 from service.engine.runner.model_runner import ModelRunner
 from service.engine.runner.sampler import SampleResult
-from service.engine.sampling import SamplingParams, check_request, tokenize
+from service.engine.messages import sample_id
+from service.engine.sampling import SamplingParams, check_request, sample_seed, tokenize
 from service.engine.scheduler import ScheduledBatch, Scheduler
 from service.engine.sequence import Sequence
 
@@ -126,6 +127,22 @@ class LLMEngine:
         seq.timings.submitted = time.perf_counter()
         return seq
 
+    def new_samples(self, request_id: str, ids: list[int], params: SamplingParams, arrival: float,
+                    n: int) -> list[Sequence]:
+        """The n sequences of one prompt (messages.sample_id names them), sample i seeded with sample_seed(seed, i).
+        Samples after the first wait for the first's prompt blocks to be cached, and share them (Scheduler.held);
+        those that want prompt logprobs compute their own prompt."""
+        if n == 1:
+            return [self.new_sequence(request_id, ids, params, arrival)]
+        seqs = []
+        for i in range(n):
+            p = dataclasses.replace(params, seed=sample_seed(params.seed, i)) if params.seed is not None else params
+            seq = self.new_sequence(sample_id(request_id, i, n), ids, p, arrival)
+            if seqs and params.prompt_logprobs is None:
+                seq.leader = seqs[0]
+            seqs.append(seq)
+        return seqs
+
     def add_sequence(self, seq: Sequence) -> None:
         seq.timings.arrival = seq.timings.arrival or time.perf_counter()
         self.seqs[seq.request_id] = seq
@@ -231,7 +248,9 @@ class LLMEngine:
             if reason:
                 timings.finished = now
                 del self.seqs[seq.request_id]
-            out = self._output(seq, [token], [lp] if lp is not None else [], first)
+            if seq.params.max_tokens == 0:
+                token, lp = None, None
+            out = self._output(seq, [token] if token is not None else [], [lp] if lp is not None else [], first)
             outputs.append(out)
             if first:
                 first_tokens.append(out)
@@ -251,6 +270,12 @@ class LLMEngine:
             return
         ids = lambda seqs: [s.request_id for s in seqs]
         blocks = self.blocks
+        computed = cached = 0
+        if phase:
+            for seq in batch.admitted:  # a preempted request counts again: its prompt is computed (or found) again
+                hit = min(seq.num_cached_tokens, seq.num_prompt_tokens)
+                cached += hit
+                computed += seq.num_prompt_tokens - hit
         self.observer(StepStats(
             phase, batch.num_tokens if phase else 0, len(batch.seqs) if phase else 0, duration, outputs,
             list(first_tokens), list(finished),
@@ -258,10 +283,13 @@ class LLMEngine:
             self.num_running, self.num_waiting, blocks.usage,
             self.parallel.rank_seconds if self.parallel is not None else None, error,
             finished_ids=tuple(self._request_id(out) for out in finished),
-            kv_blocks_used=blocks.num_used_blocks, kv_blocks_total=blocks.num_usable_blocks))
+            kv_blocks_used=blocks.num_used_blocks, kv_blocks_total=blocks.num_usable_blocks,
+            prompt_tokens_computed=computed, prompt_tokens_cached=cached))
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p, produced = seq.params, seq.num_output_tokens
+        if p.max_tokens == 0:  # the prompt only: its sample was dropped
+            return "length"
         if produced >= p.min_tokens and (
                 token in p.stop_token_ids or (not p.ignore_eos and token in seq.eos_token_ids)):
             return "stop"
@@ -274,6 +302,7 @@ class LLMEngine:
     def _fail(self, batch: ScheduledBatch) -> list[RequestOutput]:
         outputs = []
         for seq in batch.seqs:
+            self.blocks.forget(seq)  # registered at launch: what its blocks hold is not to be reused
             if seq.is_finished:  # it stopped (or was aborted) before the failure
                 continue
             self.scheduler.finish(seq, "error")
@@ -285,24 +314,29 @@ class LLMEngine:
     def _output(self, seq: Sequence, new_tokens: list[int], logprobs: list, first: bool = False):
         if self.rows:  # the engine process: one bare row per request and step (see messages.Step)
             return [seq.request_id, new_tokens, seq.finish_reason, logprobs or None,
-                    (seq.timings.first_scheduled, seq.num_cached_tokens) if first else None]
+                    (seq.timings.first_scheduled, seq.num_cached_tokens, seq.prompt_logprobs) if first else None]
         return RequestOutput(seq.request_id, new_tokens, Detokenizer.take_delta(seq), seq.is_finished,
                              seq.finish_reason, seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
-                             logprobs, seq.timings)
+                             logprobs, seq.timings, seq.prompt_logprobs if first else None)
 
     def _request_id(self, out) -> str:
         return out[0] if self.rows else out.request_id
 
     # -- offline use ----------------------------------------------------------------------------------
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[dict]:
-        """Run prompts to completion; return each one's token ids, text and finish reason, in order."""
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 n: int = 1) -> list[dict]:
+        """Run prompts to completion; return each one's token ids, text and finish reason, in order (with n samples
+        of each prompt: prompt-major, prompt i's sample j at i * n + j)."""
         if not isinstance(params, list):
             params = [params or SamplingParams() for _ in prompts]
-        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params)]
+        seqs = []
+        for p, sp in zip(prompts, params):
+            first = self.make_sequence(p, sp)
+            seqs += [first] if n == 1 else self.new_samples(first.request_id, first.prompt_token_ids, first.params,
+                                                            first.timings.arrival, n)
         for seq in seqs:
             self.add_sequence(seq)
         while any(not s.is_finished for s in seqs):
             self.step()
         return [{"token_ids": s.output_token_ids, "text": s.text, "finish_reason": s.finish_reason,
-                 "num_prompt_tokens": s.num_prompt_tokens} for s in seqs]
+                 "num_prompt_tokens": s.num_prompt_tokens, "prompt_logprobs": s.prompt_logprobs} for s in seqs]

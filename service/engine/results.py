@@ -40,6 +40,9 @@ class RequestOutput:
     num_cached_tokens: int
     new_logprobs: list
     timings: Timings
+    # with the first output of a request that asked for them: (logprob, [(token id, logprob), ...]) per prompt token
+    # after the first
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -67,6 +70,9 @@ class StepStats:
     finished_ids: tuple[str, ...] = ()  # the request ids of `finished`, for observers that need no outputs
     kv_blocks_used: int = 0  # KV cache blocks held by requests after the step
     kv_blocks_total: int = 0  # usable KV cache blocks (the scratch block not counted)
+    # prompt tokens of the requests admitted in this step: to be computed, and found in the prefix cache
+    prompt_tokens_computed: int = 0
+    prompt_tokens_cached: int = 0
 
 
 # Called on the engine's thread after every step and abort.

@@ -2,7 +2,7 @@
 
 Running sequences are served first, in admission order (save those whose last allowed token is
 still on the device); waiting ones are admitted FIFO while the token budget, the sequence cap and
-free blocks allow. When blocks run out, the most recently
+free blocks allow (a sample of an n > 1 request waits for its prompt's blocks to be cached, see `held`). When blocks run out, the most recently
 admitted sequence is preempted: its blocks are freed and it is recomputed later.
 Under load, new requests may wait a few decode steps so that they join the batch together (hold_admissions).
 Each decision is a method of its own (chunk_size, hold_admissions, may_admit, admit, admission_reserve,
@@ -154,18 +154,32 @@ class Scheduler:
         return (not batch.preempted and bool(self.waiting) and budget > 0
                 and len(self.running) < self.max_num_seqs)
 
+    def held(self, seq: Sequence) -> bool:
+        """Whether a waiting sample (n > 1) waits for its leader, sample 0 of the same prompt: while the leader runs
+        and the prompt's full blocks are not all in the prefix cache yet. Admitted then, it finds them there and
+        computes only the prompt's last partial block. (Without prefix caching every sample computes its prompt.)"""
+        leader = seq.leader
+        return (leader is not None and leader.status is Status.RUNNING and self.blocks.enable_prefix_caching
+                and leader.num_hashed_blocks < (seq.num_prompt_tokens - 1) // self.blocks.block_size)
+
     def admit(self, budget: int, reserve: int) -> tuple[Sequence, int] | None:
-        """Admit the head of the waiting queue (FIFO) if the blocks of its first chunk fit, leaving `reserve`
-        free: reuse its cached prefix, and return it with its chunk size. If they do not fit, it stays at the
-        head of the queue holding no blocks, and None is returned."""
-        seq = self.waiting[0]
+        """Admit the first waiting sequence (FIFO) that is not held for its leader, if the blocks of its first
+        chunk fit, leaving `reserve` free: reuse its cached prefix, and return it with its chunk size. If they do
+        not fit, it stays in the queue holding no blocks, and None is returned."""
+        waiting = self.waiting
+        at = 0
+        while self.held(waiting[at]):
+            at += 1
+            if at == len(waiting):
+                return None
+        seq = waiting[at]
         self.blocks.match_prefix(seq)
         n = self.chunk_size(seq, budget)
         if not self.blocks.allocate(seq, n, reserve=reserve):
             self.blocks.free_sequence(seq)
             seq.num_computed_tokens = 0
             return None
-        self.waiting.popleft()
+        del waiting[at]
         seq.status = Status.RUNNING
         self.running.append(seq)
         return seq, n
@@ -184,12 +198,16 @@ class Scheduler:
         seq.finish_reason = reason
 
     # -- after the forward pass: the one place a step's results change the sequences ----------------------
-    @staticmethod
-    def advance(batch: ScheduledBatch, sampled: list[Sequence]) -> None:
+    def advance(self, batch: ScheduledBatch, sampled: list[Sequence]) -> None:
         """A step was launched: its tokens' keys and values are in the cache (or will be, in stream order),
-        and each sequence that sampled has one more token, on the device until `postprocess` reads it."""
+        and each sequence that sampled has one more token, on the device until `postprocess` reads it. The full
+        blocks of prompt chunks go into the prefix cache now, so that a request admitted at the next step (a
+        sample of the same prompt) shares them."""
+        commit = self.blocks.commit if self.blocks.enable_prefix_caching else None
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
+            if n > 1 and commit is not None:
+                commit(seq)
         for seq in sampled:
             seq.num_pending_tokens += 1
 
@@ -205,7 +223,8 @@ class Scheduler:
         done = Status.FINISHED
         for seq, token in zip(sampled, tokens):
             if seq.status is not done:
-                seq.token_ids.append(token)
+                if seq.params.max_tokens != 0:  # 0: the prompt only; its one sample is dropped
+                    seq.token_ids.append(token)
                 seq.num_pending_tokens -= 1
         if self.blocks.enable_prefix_caching:  # register full blocks: every token they hold is known now
             for seq in batch.seqs:

@@ -33,6 +33,11 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     generator: "torch.Generator | None" = None  # per-request RNG when a seed is given
+    # sample 0 of the same prompt (n > 1): this one waits to be admitted until the leader's prompt blocks are in the
+    # prefix cache, so that the prompt is computed once (Scheduler.held)
+    leader: "Sequence | None" = None
+    # with params.prompt_logprobs: (logprob, top) of prompt tokens 1, 2, ... as the runner computes them
+    prompt_logprobs: list | None = None
     timings: Timings = field(default_factory=Timings)
     # detokenizer and stop-string state, owned by service.engine.detokenizer
     text: str = ""
@@ -43,6 +48,15 @@ class Sequence:
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
+        if self.params is not None and self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = []
+
+    @property
+    def num_prompt_logprobs_missing(self) -> int:
+        """Prompt tokens whose logprobs the runner has yet to compute (0 when none were asked for)."""
+        if self.prompt_logprobs is None:
+            return 0
+        return len(self.prompt_token_ids) - 1 - len(self.prompt_logprobs)
 
     @property
     def num_prompt_tokens(self) -> int:

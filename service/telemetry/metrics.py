@@ -69,6 +69,11 @@ class Metrics:
                                 "Time from a request's first output token to its last.", DURATION_BUCKETS)
         self.prompt_tokens = Counter("llm_prompt_tokens", "Prompt tokens of requests that reached their first "
                                      "output token (prefill throughput is its rate).", m, registry=r)
+        self.prompt_computed = Counter("llm_prompt_tokens_computed", "Prompt tokens the engine computed, counted "
+                                       "when each request is admitted (again after a preemption).", m, registry=r)
+        self.prompt_cached = Counter("llm_prompt_tokens_cached", "Prompt tokens served from the prefix cache instead "
+                                     "of computed, counted when each request is admitted (samples of an n > 1 "
+                                     "request share their prompt this way).", m, registry=r)
         self.generation_tokens = Counter("llm_generation_tokens", "Output tokens generated (output throughput is "
                                          "its rate).", m, registry=r)
         self.requests = Counter("llm_requests", "Finished requests, by why they finished: stop (stop token or "
@@ -130,6 +135,8 @@ class Metrics:
         self.frontend_m = self.frontend.labels(model)
         self.kv_blocks_used_m = self.kv_blocks_used.labels(model)
         self.prompt_tokens_m = self.prompt_tokens.labels(model)
+        self.prompt_computed_m, self.prompt_cached_m = self.prompt_computed.labels(model), \
+            self.prompt_cached.labels(model)
         self.generation_tokens_m = self.generation_tokens.labels(model)
         self.preemptions_m = self.preemptions.labels(model)
         self.running_m, self.waiting_m, self.kv_usage_m = self.running.labels(model), self.waiting.labels(model), \

@@ -121,6 +121,10 @@ class EngineRecorder:
             tokens.observe(step.num_tokens)
             if self.otlp is not None:
                 self.otlp.step.record(duration, self._phases[step.phase])
+            if step.prompt_tokens_computed:
+                m.prompt_computed_m.inc(step.prompt_tokens_computed)
+            if step.prompt_tokens_cached:
+                m.prompt_cached_m.inc(step.prompt_tokens_cached)
         if step.error is not None:
             m.step_failures.labels(m.model, step.error).inc()
         if step.preempted:

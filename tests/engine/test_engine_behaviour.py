@@ -108,8 +108,9 @@ def test_over_long_prompt_message_names_the_limit(engine):
 
 @pytest.mark.parametrize("kwargs, param", [
     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens"), (dict(stop=[1]), "stop"),
+    (dict(top_k=-2), "top_k"), (dict(max_tokens=-1), "max_tokens"), (dict(stop=[1]), "stop"),
     (dict(stop=[""]), "stop"), (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=50), "logprobs"),
+    (dict(prompt_logprobs=21), "prompt_logprobs"),
     (dict(seed="x"), "seed"), (dict(seed=2**64), "seed"), (dict(seed=-2**63 - 1), "seed"), (dict(top_k=2**31), "top_k"),
     (dict(min_tokens=2**31, max_tokens=None), "min_tokens"), (dict(temperature=float("nan")), "temperature"),
 ])

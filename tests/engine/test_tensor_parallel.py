@@ -37,15 +37,21 @@ def test_two_ranks_equal_one_rank_with_chunked_prefill_and_preemption(tiny_model
     prompts = [list(range(1, 40)), list(range(50, 70)), list(range(100, 133)), [7, 8, 9]]
     # 8 blocks of 16 tokens cannot hold all four sequences: the engine preempts; 16-token steps chunk prefills
     settings = dict(num_blocks=8, max_num_batched_tokens=16)
-    expected, _ = _generate(make_engine(tiny_model, **settings), prompts)
+    scored = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)  # rank 0 scores the prompt alone
+    one = make_engine(tiny_model, **settings)
+    expected, _ = _generate(one, prompts)
+    expected_scores = [o["prompt_logprobs"] for o in one.generate(prompts[:2], scored, n=2)]
     engine = LLMEngine(EngineConfig(model="random:tiny", device="cpu", tensor_parallel_size=2, **settings))
     try:
         assert engine.runner.kv_caches[0][0].shape[2] == 1  # rank 0 keeps one of the two KV heads
         got, preemptions = _generate(engine, prompts)
+        scores = [o["prompt_logprobs"] for o in engine.generate(prompts[:2], scored, n=2)]
     finally:
         engine.close()
     assert preemptions > 0
     assert got == expected
+    for mine, theirs in zip(scores, expected_scores):
+        assert [lp for lp, _ in mine] == pytest.approx([lp for lp, _ in theirs], abs=1e-4)
 
 
 def first_layers(loaded, layers: int, folder):

@@ -33,6 +33,7 @@ CATALOG = {
     "llm_request_prefill_seconds": "histogram", "llm_request_decode_seconds": "histogram",
     "llm_request_frontend_seconds": "histogram",
     "llm_prompt_tokens": "counter", "llm_generation_tokens": "counter", "llm_requests": "counter",
+    "llm_prompt_tokens_computed": "counter", "llm_prompt_tokens_cached": "counter",
     "llm_http_requests": "counter", "llm_requests_running": "gauge", "llm_requests_waiting": "gauge",
     "llm_kv_cache_usage_ratio": "gauge", "llm_preemptions": "counter", "llm_engine_step_seconds": "histogram",
     "llm_batch_tokens": "histogram", "llm_tensor_parallel_forward_seconds": "counter", "llm_model_info": "gauge",
@@ -93,6 +94,18 @@ def test_telemetry_doc_metric_table_is_the_catalog():
 
 
 # -- the recorder, on the engine alone -------------------------------------------------------------------
+def test_prompt_tokens_computed_and_cached_count_shared_prompts(tiny_model):
+    metrics = Metrics(MODEL)
+    engine = make_engine(tiny_model)
+    engine.observer = EngineRecorder(metrics)
+    engine.generate([[9] * 40], SamplingParams(max_tokens=3), n=3)  # 2 full blocks of 16 shared by samples 1, 2
+    assert value(metrics, "llm_prompt_tokens_computed_total") == 40 + 2 * 8
+    assert value(metrics, "llm_prompt_tokens_cached_total") == 2 * 32
+    engine.generate([[9] * 40], SamplingParams(max_tokens=3))  # all of it cached now, but the last partial block
+    assert value(metrics, "llm_prompt_tokens_computed_total") == 40 + 3 * 8
+    assert value(metrics, "llm_prompt_tokens_cached_total") == 3 * 32
+
+
 def test_counters_and_histograms_match_the_requests_exactly(tiny_model):
     engine, m = recorded_engine(tiny_model)
     prompts = [[5] * 3, [6] * 17, [7] * 40, [8]]

@@ -1,17 +1,20 @@
 """Turns a scheduled batch into tensors, runs the model over the paged cache, and samples.
 
-Every token of a step goes into one packed row; logits are computed only where a sequence samples.
+Every token of a step goes into one packed row; logits are computed only where a sequence samples (and, for a
+request that asks for prompt logprobs, at its prompt's positions: runner/prompt_logprobs.py).
 On CUDA, steps replay CUDA graphs: decode-only steps from graphs captured for a ladder of batch sizes, steps
 with prefill chunks up to cuda_graphs.MIXED_MAX_TOKENS tokens from graphs captured for a ladder of token counts.
 Its parts, each in its own module: input_packing (batch -> tensors), cuda_graphs (capture and replay, over
 pinned_upload's double-buffered uploads), kv_cache (the cache's shape and size) and compilation (torch.compile).
 """
 
+import contextlib
+
 import torch
 
 from service.engine import fusion
 from service.engine.config import EngineConfig, resolve_kv_dtype
-from service.engine.runner import compilation
+from service.engine.runner import compilation, prompt_logprobs
 from service.engine.runner.attention import ForwardContext, forward_context, torch_paged_attention
 from service.engine.runner.cuda_graphs import DecodeGraphs, MixedGraphs
 from service.engine.runner.input_packing import pack_inputs
@@ -86,30 +89,26 @@ class ModelRunner:
         Nothing waits for the device: the samples stay there until the caller reads them, and a token that
         the previous launch sampled and the host has not read back yet is fed to this step on the device.
         """
-        sample_rows, sample_seqs, offset = [], [], 0
+        sample_rows, sample_seqs, offset, scored = [], [], 0, []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.prompt_logprobs is not None:
+                scored.append((seq, offset, n))
             offset += n
             if seq.num_computed_tokens + n == seq.num_tokens:
                 sample_rows.append(offset - 1)
                 sample_seqs.append(seq)
         decode_only = offset == len(batch.seqs)
-        if decode_only and self.graphs and offset <= max(self.graphs):
+        wanted = prompt_logprobs.Wanted(scored) if scored else None
+        if wanted:  # prompt logprobs: every row's hidden state, outside the graphs
+            logits = self._eager(batch, decode_only, sample_rows, wanted)
+            sample_rows = list(range(len(sample_rows)))
+        elif decode_only and self.graphs and offset <= max(self.graphs):
             logits = self.decode_graphs.replay(batch)
         elif self.mixed_graphs is not None and self.mixed_graphs.fits(offset):
             logits = self.mixed_graphs.replay(batch, sample_rows)
             sample_rows = list(range(len(sample_rows)))
         else:
-            self.eager_steps += 1
-            ids, positions, meta = self.pack_inputs(batch, decode_only)
-            self._feed_back(ids[0], batch)
-            with forward_context(ForwardContext(self.kv_caches, meta, self.backend)):
-                if not sample_rows:
-                    self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1)
-                    self._fed = None
-                    return [], None
-                keep = to_device(sample_rows, torch.long, self.device)
-                logits = self.model(input_ids=ids, position_ids=positions, use_cache=False,
-                                    logits_to_keep=keep).logits[0]
+            logits = self._eager(batch, decode_only, sample_rows)
             sample_rows = list(range(len(sample_rows)))
         if not sample_seqs:
             self._fed = None
@@ -119,6 +118,21 @@ class ModelRunner:
         result = self.sampler(logits[:len(sample_seqs)], sample_seqs)
         self._fed = (result.token_ids, {seq: row for row, seq in enumerate(sample_seqs)})
         return sample_seqs, result
+
+    def _eager(self, batch: ScheduledBatch, decode_only: bool, sample_rows: list[int],
+               wanted: "prompt_logprobs.Wanted | None" = None) -> torch.Tensor | None:
+        """The step outside the CUDA graphs: the logits at `sample_rows` (None when no row samples), and the
+        prompt logprobs `wanted` on their sequences."""
+        self.eager_steps += 1
+        ids, positions, meta = self.pack_inputs(batch, decode_only)
+        self._feed_back(ids[0], batch)
+        keep = to_device(sample_rows, torch.long, self.device) if sample_rows else 1
+        with forward_context(ForwardContext(self.kv_caches, meta, self.backend)), \
+                prompt_logprobs.catch_hidden(self.model) if wanted else contextlib.nullcontext() as hidden:
+            logits = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep).logits[0]
+        if wanted:
+            prompt_logprobs.compute(self.model, hidden[-1][0], wanted)
+        return logits if sample_rows else None
 
     def _feed_back(self, ids: torch.Tensor, batch: ScheduledBatch) -> None:
         """Write into the packed `ids` the tokens the previous launch sampled that the host has not read yet."""
