@@ -327,6 +327,43 @@ def test_cuda_overlap_streams_exactly_what_no_overlap_streams(tiny_cuda, overrid
     assert [s[-1][3] for s in streams[True]] == ["stop", "length", "length", "length", "abort"]
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_cuda_prompt_logprobs_and_shared_samples_beside_graph_replayed_requests(tiny_cuda, overlap):
+    """Prompt logprobs (and max_tokens 0) equal transformers' log-softmax while plain requests in the same batch
+    replay graphs; n samples compute their prompt once and, greedy, all answer as the request with n = 1 does."""
+    from tests.conftest import reference_logprobs
+    rng = random.Random(9)
+    scored, shared = ([rng.randrange(5, 500) for _ in range(n)] for n in (150, 100))
+    plain = [[rng.randrange(5, 500) for _ in range(rng.choice([9, 40, 70]))] for _ in range(12)]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    alone = make_engine(tiny_cuda, device="cuda", max_num_seqs=32, overlap=overlap).generate([shared], greedy)
+    engine = make_engine(tiny_cuda, device="cuda", max_num_seqs=32, max_num_batched_tokens=64, overlap=overlap)
+    steps = []
+    engine.observer = steps.append
+    for prompt in plain:
+        engine.add_sequence(engine.make_sequence(prompt, greedy))
+    seqs = [engine.make_sequence(scored, SamplingParams(max_tokens=k, prompt_logprobs=3, temperature=0))
+            for k in (0, 5)]
+    seqs += engine.new_samples("shared", shared, greedy, 0.0, 4)
+    for seq in seqs:
+        engine.add_sequence(seq)
+    while engine.has_unfinished():
+        engine.step()
+    ref = reference_logprobs(tiny_cuda, scored)
+    for seq in seqs[:2]:
+        assert len(seq.prompt_logprobs) == len(scored) - 1
+        for p, (logprob, top) in enumerate(seq.prompt_logprobs):
+            assert logprob == pytest.approx(ref[p, scored[p + 1]].item(), abs=2e-3)
+            assert [t for t, _ in top] == ref[p].topk(3).indices.tolist()
+    assert (seqs[0].output_token_ids, seqs[0].finish_reason) == ([], "length")
+    assert len(seqs[1].output_token_ids) == 5
+    assert [s.output_token_ids for s in seqs[2:]] == [alone[0]["token_ids"]] * 4
+    # every prompt computed once: the scored ones whole, the shared one once and then 4 tokens per other sample
+    assert sum(s.prompt_tokens_computed for s in steps) == sum(map(len, plain)) + 2 * 150 + 100 + 3 * 4
+    assert engine.runner.mixed_graphs.replays > 0  # the steps without a scored prompt kept their graphs
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
+
+
 def test_bench_run_on_cuda_records_gpu_samples_and_cuda_peak_memory(tmp_path):
     import sqlalchemy as sa
 

@@ -11,6 +11,9 @@
 #   8b[:Q]         the 8B shape's 256 x 128/128 decode step: this code, then the older
 #   mixed, 128     bench offline --telemetry (median of 7 runs without telemetry and 7 with), mixed lengths [100,
 #                  1024] x 256 or 128/128 x 256, the two codes alternating (CODES, default "new base new base")
+#   offline        bench offline, the 1B shape, 1,024 x 128/128 at 256, the two codes alternating (CODES)
+#   http           one front end each, 1,024 x 128/128 over 256 concurrent streams (tests/gpu/serving/http_load.py),
+#                  the two codes alternating (CODES), each server started afresh
 #   attention      the prefill attention kernel of each code, each with its own launch configuration
 #                  (tests/gpu/kernels/attention_sweep.py --current-only --base)
 #   sweep          the split decode attention's configurations, this code (tests/gpu/kernels/decode_split_sweep.py;
@@ -36,7 +39,7 @@ steps() {  # CODE NAME decode_steps.py's arguments...
   shift 2
   code "$which" "$name" "$PYTHON" -P tests/gpu/engine/decode_steps.py --profile-steps 0 "$@"
 }
-phases "one full" "one full 8b mixed 128 attention sweep" "$@"
+phases "one full" "one full 8b mixed 128 offline http attention sweep" "$@"
 for phase in "${PHASES[@]}"; do
   q=none
   [[ $phase == *:* ]] && q=${phase#*:}
@@ -59,6 +62,21 @@ for phase in "${PHASES[@]}"; do
         name=$phase-$((++i))
         code "$c" "$name" "$PYTHON" -P -m service bench offline "${lengths[@]}" --telemetry --peers none \
           --label "ab-$name-$c" --json "$RESULTS/$name-$c.json"
+      done ;;
+    offline) for c in ${CODES:-new base new base}; do
+        name=offline-$((++i))
+        code "$c" "$name" "$PYTHON" -P -m service bench offline --model random:llama-1b --num-requests 1024 \
+          --max-num-seqs 256 --peers none --label "ab-$name-$c" --json "$RESULTS/$name-$c.json"
+      done ;;
+    http)
+      printf '#!/bin/sh\nexec %s -P "$@"\n' "$PYTHON" > "$RESULTS/python-P" && chmod +x "$RESULTS/python-P"
+      for c in ${CODES:-new base new base}; do
+        name=http-$((++i))-$c
+        if [ "$c" = base ]; then path=$PWD/.base:$PYTHONPATH; else path=$PYTHONPATH; fi
+        PYTHONPATH=$path PYTHON=$RESULTS/python-P serve 1 || continue
+        STEP_LINES=0 load "$name-warm" --requests 256
+        load "$name" --requests 1024 --concurrency 256 --stream
+        unserve
       done ;;
     attention) STEP_LINES=60 step attention "$T" "$PYTHON" tests/gpu/kernels/attention_sweep.py --current-only \
         --phases prefill --base .base/service/engine/runner/triton_attention.py --json "$RESULTS/attention.json" ;;

@@ -112,3 +112,8 @@ serve() {
   echo "server with $n front end(s) $*: supervisor $SERVER, children $PIDS"
 }
 unserve() { kill -TERM "$SERVER"; wait "$SERVER"; echo "server exit status $?"; }
+load() {  # NAME [http_load.py's arguments...]: one client run against the server, its JSON line printed (limit: T)
+  local name=$1
+  shift
+  step "$name" "$T" "$PYTHON" tests/gpu/serving/http_load.py "$URL" --model "$MODEL" --pids "$PIDS" --label "$name" "$@"
+}

@@ -12,6 +12,8 @@
 #   overlap    overlap scheduling on and off in one engine, alternating (python -m service.bench.offline.overlap)
 #   scale      4,096 requests: the 1B shape at 512 and 1,024 sequences, the 8B shape at 256 and 1,024 in bf16 and
 #              fp8-w8a8
+#   samples    n samples sharing their prompt against distinct prompts, the engine alone: 64 prompts of 2,048
+#              tokens x n 4 against 256, 128 out, two rounds (tests/gpu/engine/shared_prompts.py)
 #   OFFLINE_TIMEOUT  seconds for each run (default 400)
 source "$(dirname "$0")/env.sh"
 T=${OFFLINE_TIMEOUT:-400}
@@ -21,7 +23,7 @@ offline() {  # NAME [bench offline's arguments...]
   shift
   step "$name" "$T" "$PYTHON" -m service bench offline "$@" --label "$name" --json "$RESULTS/$name.json"
 }
-phases "1b mixed 8b peers telemetry" "1b mixed 8b peers telemetry overlap scale" "$@"
+phases "1b mixed 8b peers telemetry" "1b mixed 8b peers telemetry overlap scale samples" "$@"
 for phase in "${PHASES[@]}"; do
   case $phase in
     1b) offline 1b --model random:llama-1b --num-requests 1024 --max-num-seqs 256 --peers none ;;
@@ -34,6 +36,8 @@ for phase in "${PHASES[@]}"; do
       offline telemetry --model random:llama-1b --telemetry --peers none
       offline telemetry-mixed --model random:llama-1b "${MIXED[@]}" --telemetry --peers none
       offline telemetry-mixed-fp8 --model random:llama-1b "${MIXED[@]}" --kv-cache-dtype fp8 --telemetry --peers none ;;
+    samples) step samples "$T" "$PYTHON" tests/gpu/engine/shared_prompts.py --model random:llama-1b --prompts 64 --n 4 \
+        --input-len 2048 --output-len 128 --rounds 2 ;;
     overlap) step overlap "$T" "$PYTHON" -m service.bench.offline.overlap --runs 7 --json "$RESULTS/overlap.json" ;;
     scale)
       for seqs in 512 1024; do

@@ -12,11 +12,6 @@
 #   SERVING_TIMEOUT  seconds for each client run (default 300); SERVE_TIMEOUT for a server's start (default 900)
 source "$(dirname "$0")/env.sh"
 T=${SERVING_TIMEOUT:-300}
-load() {  # NAME [http_load.py's arguments...]: one client run against the server, its JSON line printed
-  local name=$1
-  shift
-  step "$name" "$T" "$PYTHON" tests/gpu/serving/http_load.py "$URL" --model "$MODEL" --pids "$PIDS" --label "$name" "$@"
-}
 heavy() {  # N: the 1,024 x 256 figures, non-streaming and streaming
   load "n$1-non-streaming" --requests 1024 --concurrency 256
   load "n$1-streaming" --requests 1024 --concurrency 256 --stream
