@@ -156,9 +156,14 @@ class ServerState:
         span = tracing.request_span(request_id, operation, self.model_name, params,
                                     prompts[0] if len(prompts) == 1 else prompts, arrival) \
             if tracing.enabled else None
+        traceparent = tracing.traceparent(span) if span else None
         try:
-            streams = await self.client.submit_all(prompts, params, request_id, arrival, streaming,
-                                                   tracing.traceparent(span) if span else None, operation, n)
+            if len(prompts) == 1 and n == 1:  # the common case
+                streams = [await self.client.submit(prompts[0], params, request_id, arrival, streaming, traceparent,
+                                                    operation)]
+            else:
+                streams = await self.client.submit_all(prompts, params, request_id, arrival, streaming, traceparent,
+                                                       operation, n)
         except BaseException as exc:
             if span is not None:
                 tracing.fail(span, exc)
