@@ -54,6 +54,7 @@ class RequestStream:
         self.logprobs: list = []
         self.num_cached_tokens = 0
         self.prompt_logprobs: list | None = None  # with the first output, when asked for (params.prompt_logprobs)
+        self.counts_prompt = True  # its prompt counts in the metrics (False: a later sample of the same prompt)
         self.text, self.emitted, self.taken = "", 0, 0
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
@@ -341,6 +342,8 @@ class EngineClient:
         for rid, ids, p in adds:
             samples = [RequestStream(self, sample_id(rid, i, n), ids, p, arrival, streaming, operation)
                        for i in range(n)]
+            for later in samples[1:]:
+                later.counts_prompt = False
             # known before it is sent: its first step's message may be read before this coroutine resumes
             self.pending[rid] = admitted = loop.create_future()
             submitted = time.perf_counter()

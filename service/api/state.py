@@ -17,6 +17,7 @@ from fastapi import Request
 
 from service.api.client import EngineClient, RequestStream, merge
 from service.api.errors import APIError, bad_request, unavailable
+from service.api.streaming import total_usage
 from service.engine import RequestOutput, SamplingParams, messages
 from service.engine.errors import EngineDeadError
 from service.settings import Settings
@@ -170,8 +171,16 @@ class ServerState:
             raise
         outputs = aiter(streams[0]) if len(streams) == 1 else merge(streams)
         if span is not None:
-            outputs = tracing.generation(outputs, span, self.model_name)
+            outputs = tracing.generation(outputs, span, self.model_name,
+                                         None if len(streams) == 1 else lambda: _summary(streams, n))
         return Choices(streams, outputs, n)
+
+
+def _summary(streams: list[RequestStream], n: int) -> tuple:
+    """A request's samples for its span: their finish reasons, and usage as the API counts it."""
+    usage = total_usage(streams, n)
+    return ([s.finish_reason or "abort" for s in streams], usage["prompt_tokens"], usage["completion_tokens"],
+            usage["prompt_tokens_details"]["cached_tokens"])
 
 
 class Choices:

@@ -248,7 +248,7 @@ class LLMEngine:
             if reason:
                 timings.finished = now
                 del self.seqs[seq.request_id]
-            if seq.params.max_tokens == 0:
+            if reason and seq.params.max_tokens == 0:  # the prompt only: no token to report
                 token, lp = None, None
             out = self._output(seq, [token] if token is not None else [], [lp] if lp is not None else [], first)
             outputs.append(out)
@@ -288,7 +288,8 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p, produced = seq.params, seq.num_output_tokens
-        if p.max_tokens == 0:  # the prompt only: its sample was dropped
+        if p.max_tokens == 0:  # the prompt only: its one sample is dropped
+            seq.token_ids.pop()
             return "length"
         if produced >= p.min_tokens and (
                 token in p.stop_token_ids or (not p.ignore_eos and token in seq.eos_token_ids)):

@@ -223,8 +223,7 @@ class Scheduler:
         done = Status.FINISHED
         for seq, token in zip(sampled, tokens):
             if seq.status is not done:
-                if seq.params.max_tokens != 0:  # 0: the prompt only; its one sample is dropped
-                    seq.token_ids.append(token)
+                seq.token_ids.append(token)
                 seq.num_pending_tokens -= 1
         if self.blocks.enable_prefix_caching:  # register full blocks: every token they hold is known now
             for seq in batch.seqs:

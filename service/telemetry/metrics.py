@@ -68,7 +68,8 @@ class Metrics:
         self.decode = histogram("llm_request_decode_seconds",
                                 "Time from a request's first output token to its last.", DURATION_BUCKETS)
         self.prompt_tokens = Counter("llm_prompt_tokens", "Prompt tokens of requests that reached their first "
-                                     "output token (prefill throughput is its rate).", m, registry=r)
+                                     "output (once per prompt, as usage counts them: the samples of an n > 1 "
+                                     "request share theirs).", m, registry=r)
         self.prompt_computed = Counter("llm_prompt_tokens_computed", "Prompt tokens the engine computed, counted "
                                        "when each request is admitted (again after a preemption).", m, registry=r)
         self.prompt_cached = Counter("llm_prompt_tokens_cached", "Prompt tokens served from the prefix cache instead "

@@ -33,7 +33,8 @@ def observe_many(histogram, value: float, count: int) -> None:
 
 
 class RequestRecorder:
-    """Per request: TTFT, queue, front-end and prefill time and prompt tokens at its first token; every gap
+    """Per request (each sample of an n > 1 request is one): TTFT, queue, front-end and prefill time and prompt tokens
+    (once per prompt) at its first token; every gap
     between output tokens; end-to-end and decode time and the finish reason when it ends (and with OTLP, the
     GenAI time per output token of a successful response)."""
 
@@ -64,10 +65,16 @@ class RequestRecorder:
             m.queue_m.observe(t.first_scheduled - t.arrival)
             m.prefill_m.observe(t.first_token - t.first_scheduled)
         m.frontend_m.observe(t.submitted - t.arrival)
-        m.prompt_tokens_m.inc(len(stream.prompt_ids))
         if self.otlp is not None:
             self.otlp.ttft.record(ttft, self._genai(stream.operation))
-            self.otlp.tokens.add(len(stream.prompt_ids), self._input)
+        self._prompt(stream)
+
+    def _prompt(self, stream) -> None:
+        """Count the prompt's tokens, once per prompt (not again for its other samples), as usage does."""
+        if stream.counts_prompt:
+            self.m.prompt_tokens_m.inc(len(stream.prompt_ids))
+            if self.otlp is not None:
+                self.otlp.tokens.add(len(stream.prompt_ids), self._input)
 
     def tokens(self, count: int) -> None:
         self.m.generation_tokens_m.inc(count)
@@ -81,6 +88,8 @@ class RequestRecorder:
     def finished(self, stream, reason: str) -> None:
         m, t = self.m, stream.timings
         m.finish_m[reason].inc()
+        if t.first_token is None and reason in ("stop", "length"):  # the prompt only (max_tokens 0): no first token
+            self._prompt(stream)
         duration = on_grid(t.finished - t.arrival)
         m.duration_m.observe(duration, self._exemplar(stream.request_id))
         if t.first_token is not None:

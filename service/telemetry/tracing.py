@@ -187,9 +187,11 @@ class Tracing:
         _record_error(span, exc)
         span.end()
 
-    async def generation(self, stream: AsyncIterator[RequestOutput], span, model: str
+    async def generation(self, stream: AsyncIterator[RequestOutput], span, model: str, summary=None
                          ) -> AsyncIterator[RequestOutput]:
-        """Wrap a request's output stream in its span (from request_span), ended with the request."""
+        """Wrap a request's output stream in its span (from request_span), ended with the request. A request of
+        several samples passes `summary`, called at the end: (finish reasons, input, output and cached tokens) of
+        them all, for the span's usage (the timings are those of its last output's sample)."""
         at = self._clocks.pop(span.get_span_context().span_id, None) or _wall_clock()
         last, text = None, []
         try:
@@ -203,7 +205,7 @@ class Tracing:
             raise
         finally:
             await stream.aclose()  # an early exit must reach the engine stream now: it aborts the request
-            self._finish(span, model, last, "".join(text), at)
+            self._finish(span, model, last, "".join(text), at, summary)
 
     def engine_request(self, request_id: str, traceparent: str) -> None:
         """In the engine: a span for the request's time there, a child of its span in the front end."""
@@ -212,16 +214,18 @@ class Tracing:
         self.engine_spans[request_id] = span
         self._remember(request_id, span.get_span_context())
 
-    def _finish(self, span, model: str, last: RequestOutput | None, text: str, at) -> None:
+    def _finish(self, span, model: str, last: RequestOutput | None, text: str, at, summary=None) -> None:
         """Usage, finish reason and the request's life as events, at the times the engine recorded them."""
         if last is None:
             span.end()
             return
         reason = last.finish_reason or "abort"  # the client left before the request finished
-        span.set_attributes({"gen_ai.response.model": model, "gen_ai.response.finish_reasons": [reason],
-                             "gen_ai.usage.input_tokens": last.num_prompt_tokens,
-                             "gen_ai.usage.output_tokens": last.num_output_tokens,
-                             "llm.usage.cached_tokens": last.num_cached_tokens})
+        reasons, usage = [reason], (last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+        if summary is not None:
+            reasons, *usage = summary()
+        span.set_attributes({"gen_ai.response.model": model, "gen_ai.response.finish_reasons": reasons,
+                             "gen_ai.usage.input_tokens": usage[0], "gen_ai.usage.output_tokens": usage[1],
+                             "llm.usage.cached_tokens": usage[2]})
         if self.trace_text:
             span.set_attribute("gen_ai.completion", text)
         t: Timings = last.timings

@@ -50,7 +50,7 @@ BOUNDARIES = [
     ("top_p", 1, True), ("top_p", 1e-9, True), ("top_p", 0, False), ("top_p", 1.000001, False),
     ("top_k", -1, True), ("top_k", 2**31 - 1, True), ("top_k", 2**31, False), ("top_k", 2**80, False),
     ("top_k", -2, False),
-    ("max_tokens", 1, True), ("max_tokens", 1021, True), ("max_tokens", 1022, False), ("max_tokens", 0, False),
+    ("max_tokens", 1, True), ("max_tokens", 1021, True), ("max_tokens", 1022, False), ("max_tokens", 0, True),
     ("max_tokens", 2**80, False), ("max_tokens", -1, False),
     ("min_tokens", 1, True), ("min_tokens", 2, False), ("min_tokens", -1, False), ("min_tokens", 2**40, False),
     ("logprobs", 0, True), ("logprobs", 20, True), ("logprobs", 21, False), ("logprobs", -1, False),

@@ -308,6 +308,30 @@ def test_request_span_joins_the_callers_trace_with_gen_ai_attributes_events_and_
     assert [e.labels["trace_id"] for e in exemplars] == [trace_id]
 
 
+def test_a_request_of_several_samples_is_one_span_with_their_usage_and_counts_each_prompt_once(
+        tiny_model, monkeypatch):
+    with Receiver("http/protobuf") as receiver:
+        use_collector(monkeypatch, receiver.endpoint)
+        with LiveServer(tiny_model) as s:
+            r = web.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": [[4, 5, 6], [7] * 20], "n": 2,
+                                                          "max_tokens": 5, "ignore_eos": True})
+            assert r.status_code == 200
+            usage = r.json()["usage"]
+            spans = receiver.wait_for(lambda spans: sum(sp.name == "engine.request" for sp in spans) == 4
+                                      and any(sp.name.startswith("text_completion") for sp in spans))
+            families = scrape(s)
+    assert usage["prompt_tokens"] == 23 and usage["completion_tokens"] == 20
+    gen = next(sp for sp in spans if sp.name.startswith("text_completion"))
+    assert gen.attributes["gen_ai.usage.input_tokens"] == 23 and gen.attributes["gen_ai.usage.output_tokens"] == 20
+    assert gen.attributes["gen_ai.response.finish_reasons"] == ["length"] * 4
+    assert {sp.parent_span_id for sp in spans if sp.name == "engine.request"} == {gen.span_id}
+    count = lambda name, **labels: sample_value(families, name, name + "_total", **labels)
+    assert count("llm_prompt_tokens") == 23  # once per prompt, as usage counts
+    assert count("llm_generation_tokens") == 20
+    assert count("llm_requests", finish_reason="length") == 4  # each sample is a request of the engine
+    assert count("llm_prompt_tokens_computed") + count("llm_prompt_tokens_cached") == 2 * 23
+
+
 def test_preempted_requests_carry_preempted_events_and_step_links(tiny_model, monkeypatch):
     with Receiver("http/protobuf") as receiver:
         use_collector(monkeypatch, receiver.endpoint)
