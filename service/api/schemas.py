@@ -29,32 +29,47 @@ class _Sampling(BaseModel):
     min_tokens: int = Field(0, description="extension")
     ignore_eos: bool = Field(False, description="extension, for benchmarks")
     n: int | None = Field(1, description=f"samples per prompt, 1 to {MAX_N}")
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(0.0, description="-2 to 2: lowers the logit of every token the output "
+                                           "already holds, once")
+    frequency_penalty: float | None = Field(0.0, description="-2 to 2: lowers a token's logit per time the output "
+                                            "holds it")
+    repetition_penalty: float | None = Field(1.0, description="extension, > 0: divides the positive logits (and "
+                                             "multiplies the negative) of tokens in the prompt or output")
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> added to its logit, "
+                                                "clamped to [-100, 100]; at most 1024 entries")
     user: str | dict | None = Field(None, description="ignored; a string, or an object as Open WebUI sends")
     stream: bool = False
     stream_options: StreamOptions | None = None
 
-    def _check_unsupported(self) -> None:
+    def _check_n(self) -> None:
         if self.n is None:
             self.n = 1
         if not 1 <= self.n <= MAX_N:
             raise bad_request(f"n must be between 1 and {MAX_N}, got {self.n}", "n")
-        if self.presence_penalty or self.frequency_penalty:
-            param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            raise bad_request(f"{param} is not supported; leave it at 0", param)
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's logit_bias, keys token ids written as strings, as token ids."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids (integers), got {key!r}", "logit_bias") from None
+        return bias
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
-        self._check_unsupported()
+        self._check_n()
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
             stop=self.stop or [], stop_token_ids=self.stop_token_ids or [], min_tokens=self.min_tokens,
-            ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self._logit_bias())
 
     @property
     def include_usage(self) -> bool:

@@ -8,6 +8,8 @@ GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 SEED_RANGE = (-2**63, 2**64)  # what torch.Generator.manual_seed takes
 INT32 = 2**31  # counts beyond this (top_k, min_tokens) are no count any model can reach
 MAX_LOGPROBS = 20  # the most top alternatives a token's logprobs may list (OpenAI's cap)
+MAX_LOGIT_BIAS = 1024  # the most logit_bias entries a request may carry (vLLM's cap)
+BIAS_RANGE = (-100.0, 100.0)  # logit_bias values are clamped into it (OpenAI's range)
 
 
 @dataclass
@@ -24,6 +26,11 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k: the sampled token's logprob and the k most likely
     prompt_logprobs: int | None = None  # None: off; k: each prompt token's logprob (but the first) and the k most likely
     skip_special_tokens: bool = True
+    # edits of the logits before sampling (runner/logit_edits.py), in this order: the bias, then the penalties
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token the output holds, in [-2, 2]
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the output, in [-2, 2]
+    repetition_penalty: float = 1.0  # transformers': logits of prompt and output tokens divided (> 0) or multiplied
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, clamped to BIAS_RANGE
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -33,6 +40,17 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
+        if self.logit_bias:
+            low, high = BIAS_RANGE
+            self.logit_bias = {t: min(high, max(low, float(b))) for t, b in self.logit_bias.items()}
+        else:
+            self.logit_bias = None
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether a bias or a penalty changes this request's logits before sampling."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -63,6 +81,21 @@ class SamplingParams:
             bad("min_tokens", f"min_tokens must be a non-negative integer below 2**31, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                bad(name, f"{name} must be between -2 and 2, got {v!r}")
+        r = self.repetition_penalty
+        if not isinstance(r, (int, float)) or not 0.0 < r < float("inf"):
+            bad("repetition_penalty", f"repetition_penalty must be a positive number, got {r!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                bad("logit_bias", f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases")
+            for t, b in self.logit_bias.items():
+                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                    bad("logit_bias", f"logit_bias keys must be token ids (non-negative integers), got {t!r}")
+                if not isinstance(b, (int, float)) or b != b:
+                    bad("logit_bias", f"logit_bias values must be numbers, got {b!r} for token {t}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and (not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
@@ -95,6 +128,9 @@ def check_request(ids: list[int], params: SamplingParams, max_model_len: int, vo
         raise InvalidRequestError("the prompt is empty", param="prompt")
     if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
         raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})", param="prompt")
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise InvalidRequestError(f"logit_bias names token {max(params.logit_bias)}, outside the vocabulary "
+                                  f"[0, {vocab_size})", param="logit_bias")
     if not all(t < vocab_size for t in params.stop_token_ids):
         raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab_size}",
                                   param="stop_token_ids")

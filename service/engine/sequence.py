@@ -38,6 +38,8 @@ class Sequence:
     leader: "Sequence | None" = None
     # with params.prompt_logprobs: (logprob, top) of prompt tokens 1, 2, ... as the runner computes them
     prompt_logprobs: list | None = None
+    edits_logits: bool = False  # a bias or penalty edits its logits (params.edits_logits, read once)
+    edit_slot: int = -1  # its slot in the sampler's LogitEdits, once it has one
     timings: Timings = field(default_factory=Timings)
     # detokenizer and stop-string state, owned by service.engine.detokenizer
     text: str = ""
@@ -48,8 +50,10 @@ class Sequence:
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
-        if self.params is not None and self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = []
+        if self.params is not None:
+            if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+                self.prompt_logprobs = []
+            self.edits_logits = self.params.edits_logits
 
     @property
     def num_prompt_logprobs_missing(self) -> int:

@@ -364,6 +364,43 @@ def test_cuda_prompt_logprobs_and_shared_samples_beside_graph_replayed_requests(
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
 
 
+@pytest.mark.parametrize("repetition", [False, True])
+@pytest.mark.parametrize("rows, vocab", [(1, 128256), (37, 5000)])
+def test_cuda_penalty_kernel_equals_the_torch_rules(repetition, rows, vocab):
+    from service.engine.runner.logit_edits import penalized
+    from service.engine.runner.triton_sampling import penalize
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    slots_total = rows + 5
+    logits = torch.randn(rows + 3, vocab, device="cuda", generator=gen) * 4
+    logits[0, :7] = float("-inf")  # banned tokens stay banned
+    counts = torch.randint(0, 3, (slots_total, vocab), device="cuda", dtype=torch.int32, generator=gen)
+    in_prompt = torch.rand(slots_total, vocab, device="cuda", generator=gen) < 0.1
+    values = torch.rand(slots_total, 3, device="cuda", generator=gen) * torch.tensor([4.0, 4.0, 2.0], device="cuda") \
+        - torch.tensor([2.0, 2.0, -0.1], device="cuda")
+    picked = torch.randperm(rows + 3, device="cuda", generator=gen)[:rows]
+    slots = torch.randperm(slots_total, device="cuda", generator=gen)[:rows]
+    expected = logits.clone()
+    expected[picked] = penalized(logits[picked], counts[slots], in_prompt[slots] if repetition else None, values[slots])
+    penalize(logits, picked, slots, counts, in_prompt, values, repetition)
+    torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_cuda_penalized_requests_give_the_same_tokens_alone_batched_and_preempted(tiny_cuda, overlap):
+    from tests.engine.test_logit_edits import PENALIZED, prompts
+    ps = prompts(8)
+    params = [PENALIZED[i % len(PENALIZED)] for i in range(len(ps))]
+    engine = lambda **kw: make_engine(tiny_cuda, device="cuda", overlap=overlap, **kw)
+    alone = [engine().generate([p], sp)[0]["token_ids"] for p, sp in zip(ps, params)]
+    batched = engine(max_num_seqs=4)
+    assert [o["token_ids"] for o in batched.generate(ps, params)] == alone
+    assert batched.runner.graphs and batched.runner.mixed_graphs.replays > 0  # the graphs stay on
+    tight = engine(num_blocks=10)
+    assert [o["token_ids"] for o in tight.generate(ps, params)] == alone
+    assert tight.scheduler.num_preemptions > 0
+    assert tight.blocks.num_free_blocks == tight.blocks.num_usable_blocks
+
+
 def test_bench_run_on_cuda_records_gpu_samples_and_cuda_peak_memory(tmp_path):
     import sqlalchemy as sa
 

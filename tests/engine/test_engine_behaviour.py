@@ -135,7 +135,7 @@ def test_greedy_fast_path_takes_the_first_maximum_and_fails_on_one_nan_logit(dty
     from types import SimpleNamespace
 
     from service.engine.runner.sampler import NonFiniteLogitsError
-    seqs = [SimpleNamespace(params=SamplingParams(temperature=0, max_tokens=4))] * 3
+    seqs = [SimpleNamespace(params=SamplingParams(temperature=0, max_tokens=4), edits_logits=False)] * 3
     logits = torch.randn(3, 1000).to(dtype)
     logits[1, [7, 500]] = 99.0  # a tie: argmax's first index
     assert Sampler(torch.device("cpu"))(logits, seqs).read()[0] == logits.argmax(-1).tolist()

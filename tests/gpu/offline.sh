@@ -14,6 +14,8 @@
 #              fp8-w8a8
 #   samples    n samples sharing their prompt against distinct prompts, the engine alone: 64 prompts of 2,048
 #              tokens x n 4 against 256, 128 out, two rounds (tests/gpu/engine/shared_prompts.py)
+#   penalties  256 x 128/128 with and without frequency and presence penalties and ten logit_bias entries each, one
+#              engine, five runs of each alternating (tests/gpu/engine/penalties.py)
 #   OFFLINE_TIMEOUT  seconds for each run (default 400)
 source "$(dirname "$0")/env.sh"
 T=${OFFLINE_TIMEOUT:-400}
@@ -23,7 +25,7 @@ offline() {  # NAME [bench offline's arguments...]
   shift
   step "$name" "$T" "$PYTHON" -m service bench offline "$@" --label "$name" --json "$RESULTS/$name.json"
 }
-phases "1b mixed 8b peers telemetry" "1b mixed 8b peers telemetry overlap scale samples" "$@"
+phases "1b mixed 8b peers telemetry" "1b mixed 8b peers telemetry overlap scale samples penalties" "$@"
 for phase in "${PHASES[@]}"; do
   case $phase in
     1b) offline 1b --model random:llama-1b --num-requests 1024 --max-num-seqs 256 --peers none ;;
@@ -38,6 +40,8 @@ for phase in "${PHASES[@]}"; do
       offline telemetry-mixed-fp8 --model random:llama-1b "${MIXED[@]}" --kv-cache-dtype fp8 --telemetry --peers none ;;
     samples) step samples "$T" "$PYTHON" tests/gpu/engine/shared_prompts.py --model random:llama-1b --prompts 64 --n 4 \
         --input-len 2048 --output-len 128 --rounds 2 ;;
+    penalties) step penalties "$T" "$PYTHON" tests/gpu/engine/penalties.py --model random:llama-1b --requests 256 \
+        --rounds 5 ;;
     overlap) step overlap "$T" "$PYTHON" -m service.bench.offline.overlap --runs 7 --json "$RESULTS/overlap.json" ;;
     scale)
       for seqs in 512 1024; do

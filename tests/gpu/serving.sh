@@ -9,6 +9,8 @@
 #              streaming, 1 stream, 8 streams
 #   latency    one front end: 1 stream and 8 streams (TTFT, ITL) first, then 1,024 x 256
 #   scale      2 and 4 front ends, 1,024 x 256 non-streaming and streaming; 4 with --stream-interval 4 and 16
+#   penalties  one front end, 1,024 x 256 concurrent streams with and without frequency and presence penalties and ten
+#              logit_bias entries in every request, three runs of each alternating
 #   SERVING_TIMEOUT  seconds for each client run (default 300); SERVE_TIMEOUT for a server's start (default 900)
 source "$(dirname "$0")/env.sh"
 T=${SERVING_TIMEOUT:-300}
@@ -22,7 +24,7 @@ streams() {
   curl -s "$URL/metrics" | grep -E '^llm_(time_to_first_token_seconds|engine_step_seconds)_(sum|count)' | head -8
 }
 warm() { STEP_LINES=0 load "warm-$1" --requests 256; }  # compiles and fills what the first load would
-phases reference "reference latency scale" "$@"
+phases reference "reference latency scale penalties" "$@"
 for phase in "${PHASES[@]}"; do
   case $phase in
     reference)
@@ -36,6 +38,17 @@ for phase in "${PHASES[@]}"; do
     latency)
       serve 1 || continue
       warm 1; streams; heavy 1
+      unserve ;;
+    penalties)
+      serve 1 || continue
+      warm 1
+      bias='{"frequency_penalty": 0.5, "presence_penalty": 0.5, "logit_bias": {'
+      bias+=$(for t in 101 2002 303 4004 505 6006 707 8008 909 10010; do printf '"%s": 1.5,' "$t"; done | sed 's/,$//')
+      bias+='}}'
+      for i in 1 2 3; do
+        load "plain-$i" --requests 1024 --concurrency 256 --stream
+        load "penalized-$i" --requests 1024 --concurrency 256 --stream --extra "$bias"
+      done
       unserve ;;
     scale)
       for n in 2 4; do

@@ -125,7 +125,7 @@ def test_native_generate_returns_timings(server):
     ("/v1/completions", {"model": "gpt-5", "prompt": "x"}, 404, "model"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                              "presence_penalty": 1}, 400, "presence_penalty"),
+                              "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, None),

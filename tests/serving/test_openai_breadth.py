@@ -244,8 +244,13 @@ def test_echo_without_a_tokenizer_is_empty(tiny_model):
     ({"prompt": ["x", "y", "z"], "n": 128}, "n"),
     ({"prompt": ["x", ""]}, "prompt"),
     ({"prompt": [[1, 2], []]}, "prompt"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-    ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -2.01}, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "logit_bias": {"one": 5}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"-1": 5}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"49152": 5}}, "logit_bias"),  # the vocabulary is 49,152 tokens
+    ({"prompt": "x", "logit_bias": {str(t): 1 for t in range(1025)}}, "logit_bias"),
 ])
 def test_bad_breadth_requests_are_400s_and_the_server_serves_on(client, server, body, param):
     r = web.post(server.url + "/v1/completions", json={"model": MODEL, **body})
@@ -348,3 +353,17 @@ def test_n_samples_compute_their_shared_prompt_once(client, server):
     assert out.usage.prompt_tokens_details.cached_tokens == 0  # sample 0's: it computed the prompt
     again = client.completions.create(model=MODEL, prompt=prompt, n=4, max_tokens=3)
     assert again.usage.prompt_tokens_details.cached_tokens == len(prompt) // 16 * 16  # its full blocks, once
+
+
+def test_penalties_and_logit_bias_on_every_route(client, server):
+    """The official client's own fields reach the sampler on completions, chat and the native route."""
+    bias = {"4649": 100}  # " France" in the default model's vocabulary, forced
+    forced = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, logit_bias=bias,
+                                       presence_penalty=0.5, frequency_penalty=0.5)
+    assert forced.choices[0].text == " France" * 3
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                          temperature=0, logit_bias=bias, frequency_penalty=1.0)
+    assert chat.choices[0].message.content == " France France"
+    r = web.post(server.url + "/generate", json={"prompt": "Hi", "max_tokens": 2, "temperature": 0,
+                                                 "logit_bias": bias, "repetition_penalty": 1.2})
+    assert r.status_code == 200 and r.json()["text"] == " France France"

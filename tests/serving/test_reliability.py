@@ -58,6 +58,9 @@ BOUNDARIES = [
     ("stop_token_ids", [2**70], False),
     ("prompt", [0, VOCAB - 1], True), ("prompt", [VOCAB], False), ("prompt", [-1], False), ("prompt", [2**70], False),
     ("n", 1, True), ("n", 2**70, False), ("presence_penalty", 1e308, False), ("best_of", 2**70, False),
+    ("presence_penalty", 2, True), ("presence_penalty", 2.0001, False), ("frequency_penalty", -2, True),
+    ("frequency_penalty", -2.0001, False), ("repetition_penalty", 1e-9, True), ("repetition_penalty", 0, False),
+    ("repetition_penalty", -1, False), ("logit_bias", {str(VOCAB - 1): 1e9}, True), ("logit_bias", {str(VOCAB): 1}, False),
 ]
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from service.engine.runner.attention import AttentionMetadata
-from service.engine.runner.sampler import to_device
+from service.engine.runner.pinned_upload import to_device
 from service.engine.scheduler import ScheduledBatch
 
 

@@ -19,7 +19,8 @@ from service.engine.runner.attention import ForwardContext, forward_context, tor
 from service.engine.runner.cuda_graphs import DecodeGraphs, MixedGraphs
 from service.engine.runner.input_packing import pack_inputs
 from service.engine.runner.kv_cache import blocks_that_fit, kv_shape, new_kv_caches
-from service.engine.runner.sampler import SampleResult, Sampler, to_device
+from service.engine.runner.pinned_upload import to_device
+from service.engine.runner.sampler import SampleResult, Sampler
 from service.engine.scheduler import ScheduledBatch
 from service.engine.sequence import Sequence
 
@@ -34,7 +35,7 @@ class ModelRunner:
         self.group = model.config.get_text_config().num_attention_heads // self.kv_heads
         self.dtype = next(model.parameters()).dtype
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
-        self.sampler = Sampler(device, config.seed)
+        self.sampler = Sampler(device, config.seed, config.max_num_seqs)
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if device.type == "cuda" else "torch"

@@ -1,6 +1,6 @@
-"""Double-buffered pinned host memory for the small uploads of a replayed decode step.
-
-The host fills one half for the next step while the other half's copy may still wait behind the step in flight.
+"""Uploads that never wait for the device: double-buffered pinned host memory for the small uploads of a replayed
+decode step (the host fills one half for the next step while the other half's copy may still wait behind the step in
+flight), and `to_device` for any other host data.
 """
 
 import numpy as np
@@ -33,3 +33,15 @@ class PinnedUpload:
         self.events[self.turn].record()
         self.used[self.turn] = True
         self.turn ^= 1
+
+
+def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list or array on `device` without waiting for the device (through pinned memory on CUDA).
+
+    A plain `torch.tensor(..., device="cuda")` waits for all queued work first, which would stall the
+    host behind the step in flight. The caching host allocator keeps the pinned buffer until the copy ran.
+    """
+    t = torch.as_tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

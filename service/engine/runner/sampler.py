@@ -1,5 +1,6 @@
 """Turns the last-position logits of a step into next tokens, per request parameters, on the device.
 
+First the rows that ask get their logits edited (runner/logit_edits.py: bias, min_tokens' bans, penalties).
 Greedy rows take the argmax. Other rows apply temperature, top-k and top-p, then draw with the
 exponential race (argmax of p / Exp(1)), using the request's own generator when it has a seed so
 that its output does not depend on what else is in the batch. Nothing here waits for the device:
@@ -11,19 +12,9 @@ import functools
 
 import torch
 
+from service.engine.runner.logit_edits import LogitEdits
+from service.engine.runner.pinned_upload import to_device
 from service.engine.sequence import Sequence
-
-
-def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list or array on `device` without waiting for the device (through pinned memory on CUDA).
-
-    A plain `torch.tensor(..., device="cuda")` waits for all queued work first, which would stall the
-    host behind the step in flight. The caching host allocator keeps the pinned buffer until the copy ran.
-    """
-    t = torch.as_tensor(data, dtype=dtype)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -67,10 +58,11 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0):
+    def __init__(self, device: torch.device, seed: int = 0, max_num_seqs: int = 256):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.edits = LogitEdits(device, max_num_seqs)  # the one place logits change before sampling
         # logits.max(-1); on CUDA a kernel that spreads each row over the SMs (engine/runner/triton_sampling.py:
         # PyTorch's reduction reads a row on one SM, 28-41 us for 128,256 logits on the H100)
         self.row_max = functools.partial(torch.max, dim=-1)
@@ -79,18 +71,18 @@ class Sampler:
             self.row_max = row_max
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        banned, wanted, all_greedy = self._scan(seqs)
-        if all_greedy and not banned and not wanted:
+        banned, wanted, edited, all_greedy = self._scan(seqs)
+        if all_greedy and not banned and not wanted and not edited:
             # argmax is the same in the model's dtype: skip the float copy of [rows, vocab]. max propagates NaN, so
             # the row maxima tell whether any logit was NaN: one pass over the logits instead of two
             top, tokens = self.row_max(logits)
             return SampleResult(tokens, top, [], [], [], self.copy_stream)
         top = logits.amax(-1)  # NaN where a row holds one, read back with the tokens: no extra device sync
         logits = logits.float()
-        if banned:
-            rows, cols = zip(*banned)
-            logits[to_device(rows, torch.long, self.device), to_device(cols, torch.long, self.device)] = float("-inf")
+        recorded = self.edits.apply(logits, seqs, edited, banned) if edited or banned else None
         tokens = logits.argmax(-1) if all_greedy else self._sample(logits, seqs, [s.params.greedy for s in seqs])
+        if recorded is not None:
+            self.edits.record(tokens, recorded)
         extra, ks = [], []
         if wanted:
             index = to_device(wanted, torch.long, self.device)
@@ -102,11 +94,11 @@ class Sampler:
         return SampleResult(tokens, top, wanted, ks, extra, self.copy_stream)
 
     @staticmethod
-    def _scan(seqs: list[Sequence]) -> tuple[list[tuple[int, int]], list[int], bool]:
+    def _scan(seqs: list[Sequence]) -> tuple[list[tuple[int, int]], list[int], list[int], bool]:
         """One pass over the rows (a step's host time grows with each): the (row, token) pairs that may not be
-        sampled yet (stop and EOS tokens before min_tokens), the rows that want logprobs, and whether every row is
-        greedy."""
-        bans, wanted, all_greedy = [], [], True
+        sampled yet (stop and EOS tokens before min_tokens), the rows that want logprobs, the rows whose bias or
+        penalties edit their logits, and whether every row is greedy."""
+        bans, wanted, edited, all_greedy = [], [], [], True
         for i, s in enumerate(seqs):
             p = s.params
             if p.min_tokens and s.num_tokens - s.num_prompt_tokens < p.min_tokens:  # tokens on the device count
@@ -114,9 +106,11 @@ class Sampler:
                 bans += [(i, t) for t in set(stop)]
             if p.logprobs is not None:
                 wanted.append(i)
+            if s.edits_logits:
+                edited.append(i)
             if all_greedy and not p.greedy:
                 all_greedy = False
-        return bans, wanted, all_greedy
+        return bans, wanted, edited, all_greedy
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
         dev = logits.device

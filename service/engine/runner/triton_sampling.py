@@ -1,4 +1,4 @@
-"""Triton kernel for the greedy sampler's row maximum on CUDA (engine/runner/sampler.py).
+"""Triton kernels of the sampler on CUDA (engine/runner/sampler.py): the greedy row maximum, and the penalties.
 
 `logits.max(-1)` gives each row to one block of 512 threads: a decode step of one sequence reads its 128,256 logits
 on one SM, 28-41 us on the H100 (a step there takes 1.2-1.5 ms). Here each row is cut into CHUNK-wide chunks, one
@@ -72,3 +72,40 @@ def row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _pick_kernel[(rows,)](values, indices, top, tokens, chunks, BLOCK=triton.next_power_of_2(chunks),
                               num_warps=1, **pdl.launch())
     return top, tokens
+
+
+PENALTY_BLOCK = 2048  # logits per program of the penalty kernel
+
+
+@triton.jit
+def _penalties_kernel(LOGITS, stride_l, ROWS, SLOTS, COUNTS, stride_c, IN_PROMPT, stride_p, VALUES, n,
+                      BLOCK: tl.constexpr, REPETITION: tl.constexpr):
+    """One pass over a row's logits: the repetition penalty on tokens of its prompt or output, then frequency and
+    presence over its output counts (engine/runner/logit_edits.py's `penalized`, fused)."""
+    i = tl.program_id(0)
+    row = tl.load(ROWS + i)
+    slot = tl.load(SLOTS + i)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n
+    x = tl.load(LOGITS + row * stride_l + cols, mask=ok, other=0.0)
+    c = tl.load(COUNTS + slot * stride_c + cols, mask=ok, other=0).to(tl.float32)
+    seen = c > 0
+    if REPETITION:
+        repetition = tl.load(VALUES + slot * 3 + 2)
+        mine = seen | (tl.load(IN_PROMPT + slot * stride_p + cols, mask=ok, other=0) != 0)
+        scale = tl.where(mine, repetition, 1.0)
+        x = tl.where(x > 0, x / scale, x * scale)
+    x = x - tl.load(VALUES + slot * 3 + 1) * c - tl.where(seen, tl.load(VALUES + slot * 3), 0.0)
+    tl.store(LOGITS + row * stride_l + cols, x, mask=ok)
+
+
+def penalize(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
+             in_prompt: torch.Tensor, values: torch.Tensor, repetition: bool) -> None:
+    """The penalties, in place, on `logits` [batch, vocab] float32 at `rows`, each with its slot's output `counts`,
+    prompt tokens `in_prompt` and (presence, frequency, repetition) `values`."""
+    vocab = logits.shape[1]
+    assert logits.stride(1) == counts.stride(1) == in_prompt.stride(1) == 1 and values.is_contiguous()
+    if len(rows):
+        _penalties_kernel[(len(rows), triton.cdiv(vocab, PENALTY_BLOCK))](
+            logits, logits.stride(0), rows, slots, counts, counts.stride(0), in_prompt, in_prompt.stride(0), values,
+            vocab, BLOCK=PENALTY_BLOCK, REPETITION=repetition, num_warps=4)

@@ -6,7 +6,7 @@ Each process sends its share of the requests (closed loop, its share of the conc
 128 random prompt ids in, --output-len tokens out with ignore_eos, and records each request's first-chunk
 time, chunk gaps and token count. The window is first request sent to last byte received, across processes.
 With --pids, each listed process's CPU seconds over the window are reported (the server's processes); each of
-the client's own processes reports its CPU share too.
+the client's own processes reports its CPU share too. --extra adds fields to every request (e.g. penalties).
 Prints one JSON line.
 """
 
@@ -20,12 +20,12 @@ import time
 
 
 async def _worker(url: str, model: str, n: int, conc: int, stream: bool, input_len: int, output_len: int,
-                  seed: int, start_at: float) -> list:
+                  seed: int, start_at: float, extra: dict) -> list:
     import aiohttp
 
     rng = random.Random(seed)
     bodies = [{"model": model, "prompt": [rng.randrange(100, 30000) for _ in range(input_len)],
-               "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0, "stream": stream}
+               "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0, "stream": stream, **extra}
               for _ in range(n)]
     results, queue = [], list(range(n))
     while time.time() < start_at:
@@ -71,7 +71,7 @@ def _proc(args, share, conc, seed, start_at, q):
         pass
     cpu = time.process_time()
     results = asyncio.run(_worker(args.url, args.model, share, conc, args.stream, args.input_len, args.output_len,
-                                  seed, start_at))
+                                  seed, start_at, json.loads(args.extra)))
     q.put((results, time.process_time() - cpu))
 
 
@@ -87,6 +87,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--pids", default="")
     ap.add_argument("--label", default="")
+    ap.add_argument("--extra", default="{}", help="JSON object of fields added to every request body")
     args = ap.parse_args()
     procs = min(args.procs, args.concurrency)
     shares = [args.requests // procs + (i < args.requests % procs) for i in range(procs)]

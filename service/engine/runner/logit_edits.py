@@ -1,0 +1,166 @@
+"""Everything that changes a step's logits before sampling, for the rows that ask, on the device, in this order:
+the logit bias, min_tokens' bans on stop tokens, then the penalties (presence and frequency over the output, as
+OpenAI defines them; repetition over prompt and output, as transformers does). The sampler calls `apply` on the
+step's float32 logits before temperature, top-k and top-p, greedy rows alike, and `record` with the sampled tokens.
+
+What each sequence needs lives in a slot of device tensors, filled from the host once, when the sequence first
+samples (or again after its slot went to another: a preempted sequence's output counts are rebuilt from its tokens):
+its penalties, its bias entries, which tokens its prompt holds, and how often each token appears in its output.
+`record` adds each sampled token to its row's counts on the device, so the counts are right for the next step
+even before the host has read the token back (overlap scheduling). Per step the host uploads only the rows' slot
+indices; a step with no such row costs nothing here. Slots are reused on demand: a sequence that finished or waits
+(preempted) gives its slot up when one is needed, never a sequence of the step being sampled.
+"""
+
+import torch
+
+from service.engine.runner.pinned_upload import to_device
+from service.engine.sampling import MAX_LOGIT_BIAS
+from service.engine.sequence import Sequence, Status
+
+
+class LogitEdits:
+    def __init__(self, device: torch.device, capacity: int):
+        self.device, self.capacity = device, capacity  # slots: at least the most sequences a step samples
+        self.owner: list[Sequence | None] = [None] * capacity
+        self.free = list(range(capacity - 1, -1, -1))
+        self.vocab = 0  # the tensors are made at first use, when the vocabulary is known
+        self.triton = device.type == "cuda"
+
+    def _allocate(self, vocab: int) -> None:
+        n, dev = self.capacity, self.device
+        self.vocab = vocab
+        self.counts = torch.zeros(n, vocab, dtype=torch.int32, device=dev)  # output tokens, by token id
+        self.in_prompt = torch.zeros(n, vocab, dtype=torch.bool, device=dev)  # for the repetition penalty
+        self.values = torch.zeros(n, 3, dtype=torch.float32, device=dev)  # presence, frequency, repetition
+        self.bias_ids = torch.zeros(n, MAX_LOGIT_BIAS, dtype=torch.long, device=dev)  # padding: token 0, bias 0
+        self.bias_values = torch.zeros(n, MAX_LOGIT_BIAS, dtype=torch.float32, device=dev)
+
+    # -- a step -----------------------------------------------------------------------------------------------
+    def apply(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
+              banned: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Edit `logits` [rows, vocab] (float32) in place: the bias and penalties of `rows` (indexes into `seqs`,
+        whose sequences carry them), the bans (row, token). Returns what `record` needs, or None."""
+        edited = None
+        if rows:
+            if self.vocab != logits.shape[1]:
+                self._allocate(logits.shape[1])
+            mine = [seqs[i] for i in rows]
+            slots = self._slots(mine, seqs)
+            dev = self.device
+            index = to_device([rows, slots], torch.long, dev)
+            rows_t, slots_t = index[0], index[1]
+            width = max((len(s.params.logit_bias or ()) for s in mine), default=0)
+            if width:
+                r, sl = self._subset(index, rows, slots, [j for j, s in enumerate(mine) if s.params.logit_bias])
+                logits.index_put_((r.unsqueeze(1).expand(-1, width), self.bias_ids[sl, :width]),
+                                  self.bias_values[sl, :width], accumulate=True)
+            edited = rows_t, slots_t
+        if banned:
+            r, t = zip(*banned)
+            logits[to_device(r, torch.long, self.device), to_device(t, torch.long, self.device)] = float("-inf")
+        if rows:
+            penalized = [j for j, s in enumerate(mine)
+                         if s.params.presence_penalty or s.params.frequency_penalty or s.params.repetition_penalty != 1]
+            if penalized:
+                r, sl = self._subset(index, rows, slots, penalized)
+                self._penalize(logits, r, sl, any(mine[j].params.repetition_penalty != 1 for j in penalized))
+        return edited
+
+    def _subset(self, index: torch.Tensor, rows: list[int], slots: list[int],
+                which: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, slots) on the device of the edited rows `which` (positions in `rows`): `index` itself for all."""
+        if len(which) == len(rows):
+            return index[0], index[1]
+        picked = to_device([[rows[j] for j in which], [slots[j] for j in which]], torch.long, self.device)
+        return picked[0], picked[1]
+
+    def record(self, tokens: torch.Tensor, edited: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The step's sampled `tokens` [rows] join the output counts of the edited rows' sequences."""
+        rows_t, slots_t = edited
+        ones = torch.ones(len(rows_t), dtype=torch.int32, device=self.device)
+        self.counts.index_put_((slots_t, tokens.index_select(0, rows_t)), ones, accumulate=True)
+
+    def _penalize(self, logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, repetition: bool) -> None:
+        if self.triton:
+            from service.engine.runner.triton_sampling import penalize
+            penalize(logits, rows, slots, self.counts, self.in_prompt, self.values, repetition)
+        else:
+            logits.index_copy_(0, rows, penalized(logits.index_select(0, rows), self.counts.index_select(0, slots),
+                                                  self.in_prompt.index_select(0, slots) if repetition else None,
+                                                  self.values.index_select(0, slots)))
+
+    # -- slots ------------------------------------------------------------------------------------------------
+    def _slots(self, mine: list[Sequence], step: list[Sequence]) -> list[int]:
+        """Each sequence's slot; one without (new, or its slot was reused) takes a free one, filled from the host."""
+        slots, new = [], []
+        for seq in mine:
+            slot = seq.edit_slot
+            if slot < 0 or self.owner[slot] is not seq:
+                if not self.free:
+                    self._reclaim(step)
+                slot = self.free.pop()
+                self.owner[slot], seq.edit_slot = seq, slot
+                new.append(seq)
+            slots.append(slot)
+        if new:
+            self._fill(new)
+        return slots
+
+    def _reclaim(self, step: list[Sequence]) -> None:
+        """Free the slots of sequences that finished, else of those that wait (preempted), but of none in `step`."""
+        keep = set(map(id, step))
+        for status in (Status.FINISHED, Status.WAITING):
+            for slot, seq in enumerate(self.owner):
+                if seq is not None and seq.status is status and id(seq) not in keep:
+                    self.owner[slot] = None
+                    self.free.append(slot)
+            if self.free:
+                return
+        raise RuntimeError(f"{self.capacity} logit-edit slots cannot hold one step's sequences")
+
+    def _fill(self, seqs: list[Sequence]) -> None:
+        """Write the sequences' state into their new slots: penalties, bias, prompt tokens, output counts so far."""
+        dev = self.device
+        slots = to_device([s.edit_slot for s in seqs], torch.long, dev)
+        self.values[slots] = to_device([[s.params.presence_penalty, s.params.frequency_penalty,
+                                         s.params.repetition_penalty] for s in seqs], torch.float32, dev)
+        self.counts[slots] = 0
+        self.in_prompt[slots] = False
+        self.bias_values[slots] = 0.0
+        counted, prompt, bias = [[], []], [[], []], [[], [], []]
+        for s in seqs:
+            slot = s.edit_slot
+            outputs = s.output_token_ids  # a sequence back from a preemption has some
+            counted[0] += [slot] * len(outputs)
+            counted[1] += outputs
+            if s.params.repetition_penalty != 1:
+                prompt[0] += [slot] * s.num_prompt_tokens
+                prompt[1] += s.prompt_token_ids
+            for j, (token, value) in enumerate((s.params.logit_bias or {}).items()):
+                bias[0].append(slot * MAX_LOGIT_BIAS + j)
+                bias[1].append(token)
+                bias[2].append(value)
+        if counted[1]:
+            index = to_device(counted, torch.long, dev)
+            self.counts.index_put_((index[0], index[1]), torch.ones(index.shape[1], dtype=torch.int32, device=dev),
+                                   accumulate=True)
+        if prompt[1]:
+            index = to_device(prompt, torch.long, dev)
+            self.in_prompt[index[0], index[1]] = True
+        if bias[0]:
+            at = to_device(bias[0], torch.long, dev)
+            self.bias_ids.view(-1)[at] = to_device(bias[1], torch.long, dev)
+            self.bias_values.view(-1)[at] = to_device(bias[2], torch.float32, dev)
+
+
+def penalized(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor | None,
+              values: torch.Tensor) -> torch.Tensor:
+    """The penalties on rows of `logits` [rows, vocab] float32, given each row's output `counts` (int), the tokens of
+    its prompt (bool; None: no row has a repetition penalty) and its (presence, frequency, repetition) `values`."""
+    c = counts.float()
+    seen = c > 0
+    if in_prompt is not None:
+        scale = torch.where(seen | in_prompt, values[:, 2:3], 1.0)
+        logits = torch.where(logits > 0, logits / scale, logits * scale)
+    return logits - values[:, 1:2] * c - torch.where(seen, values[:, 0:1], 0.0)
