@@ -364,11 +364,11 @@ def test_cuda_prompt_logprobs_and_shared_samples_beside_graph_replayed_requests(
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
 
 
-@pytest.mark.parametrize("repetition", [False, True])
-@pytest.mark.parametrize("rows, vocab", [(1, 128256), (37, 5000)])
-def test_cuda_penalty_kernel_equals_the_torch_rules(repetition, rows, vocab):
+@pytest.mark.parametrize("penalties, repetition", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("rows, vocab, width", [(1, 128256, 10), (37, 5000, 0), (5, 3000, 1024)])
+def test_cuda_edit_kernel_equals_the_torch_rules(penalties, repetition, rows, vocab, width):
     from service.engine.runner.logit_edits import penalized
-    from service.engine.runner.triton_sampling import penalize
+    from service.engine.runner.triton_sampling import edit
     gen = torch.Generator(device="cuda").manual_seed(rows)
     slots_total = rows + 5
     logits = torch.randn(rows + 3, vocab, device="cuda", generator=gen) * 4
@@ -377,12 +377,17 @@ def test_cuda_penalty_kernel_equals_the_torch_rules(repetition, rows, vocab):
     in_prompt = torch.rand(slots_total, vocab, device="cuda", generator=gen) < 0.1
     values = torch.rand(slots_total, 3, device="cuda", generator=gen) * torch.tensor([4.0, 4.0, 2.0], device="cuda") \
         - torch.tensor([2.0, 2.0, -0.1], device="cuda")
+    bias_ids = torch.randint(0, vocab, (slots_total, 1024), device="cuda", generator=gen)
+    bias_values = torch.rand(slots_total, 1024, device="cuda", generator=gen) * 200 - 100
     picked = torch.randperm(rows + 3, device="cuda", generator=gen)[:rows]
     slots = torch.randperm(slots_total, device="cuda", generator=gen)[:rows]
     expected = logits.clone()
-    expected[picked] = penalized(logits[picked], counts[slots], in_prompt[slots] if repetition else None, values[slots])
-    penalize(logits, picked, slots, counts, in_prompt, values, repetition)
-    torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-5)
+    biased = expected[picked].scatter_add(1, bias_ids[slots, :width], bias_values[slots, :width])
+    if penalties:
+        biased = penalized(biased, counts[slots], in_prompt[slots] if repetition else None, values[slots])
+    expected[picked] = biased
+    edit(logits, picked, slots, counts, in_prompt, values, bias_ids, bias_values, width, penalties, repetition)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -12,11 +12,26 @@ indices; a step with no such row costs nothing here. Slots are reused on demand:
 (preempted) gives its slot up when one is needed, never a sequence of the step being sampled.
 """
 
+from typing import NamedTuple
+
 import torch
 
 from service.engine.runner.pinned_upload import to_device
 from service.engine.sampling import MAX_LOGIT_BIAS
 from service.engine.sequence import Sequence, Status
+
+
+class _Plan(NamedTuple):
+    """What a step does for its edited rows, on the device; the next step reuses it while they hold the same
+    sequences (steady decode), so such a step's host work is one comparison of the rows."""
+    rows: list[int]
+    mine: list[Sequence]
+    index: torch.Tensor  # [2, rows]: the rows, their slots
+    width: int  # the most bias entries of any row
+    biased: tuple[torch.Tensor, torch.Tensor] | None  # (rows, slots) with a bias (the torch path's)
+    penalized: tuple[torch.Tensor, torch.Tensor] | None  # (rows, slots) with a penalty
+    repetition: bool  # any row with a repetition penalty
+    ones: torch.Tensor  # [penalized rows] int32, what record adds
 
 
 class LogitEdits:
@@ -26,6 +41,7 @@ class LogitEdits:
         self.free = list(range(capacity - 1, -1, -1))
         self.vocab = 0  # the tensors are made at first use, when the vocabulary is known
         self.triton = device.type == "cuda"
+        self._plan: _Plan | None = None  # the last step's, reused while the edited rows hold the same sequences
 
     def _allocate(self, vocab: int) -> None:
         n, dev = self.capacity, self.device
@@ -38,57 +54,62 @@ class LogitEdits:
 
     # -- a step -----------------------------------------------------------------------------------------------
     def apply(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
-              banned: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Edit `logits` [rows, vocab] (float32) in place: the bias and penalties of `rows` (indexes into `seqs`,
-        whose sequences carry them), the bans (row, token). Returns what `record` needs, or None."""
-        edited = None
-        if rows:
-            if self.vocab != logits.shape[1]:
-                self._allocate(logits.shape[1])
-            mine = [seqs[i] for i in rows]
-            slots = self._slots(mine, seqs)
-            dev = self.device
-            index = to_device([rows, slots], torch.long, dev)
-            rows_t, slots_t = index[0], index[1]
-            width = max((len(s.params.logit_bias or ()) for s in mine), default=0)
-            if width:
-                r, sl = self._subset(index, rows, slots, [j for j, s in enumerate(mine) if s.params.logit_bias])
-                logits.index_put_((r.unsqueeze(1).expand(-1, width), self.bias_ids[sl, :width]),
-                                  self.bias_values[sl, :width], accumulate=True)
-            edited = rows_t, slots_t
+              banned: list[tuple[int, int]]) -> "_Plan | None":
+        """Edit `logits` [rows, vocab] (float32) in place: the bans (row, token), then the bias and penalties of
+        `rows` (indexes into `seqs`, whose sequences carry them). A ban first changes nothing: a banned logit stays
+        -inf through the bias and the penalties. Returns what `record` needs, or None."""
         if banned:
             r, t = zip(*banned)
             logits[to_device(r, torch.long, self.device), to_device(t, torch.long, self.device)] = float("-inf")
-        if rows:
-            penalized = [j for j, s in enumerate(mine)
-                         if s.params.presence_penalty or s.params.frequency_penalty or s.params.repetition_penalty != 1]
-            if penalized:
-                r, sl = self._subset(index, rows, slots, penalized)
-                self._penalize(logits, r, sl, any(mine[j].params.repetition_penalty != 1 for j in penalized))
-        return edited
-
-    def _subset(self, index: torch.Tensor, rows: list[int], slots: list[int],
-                which: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, slots) on the device of the edited rows `which` (positions in `rows`): `index` itself for all."""
-        if len(which) == len(rows):
-            return index[0], index[1]
-        picked = to_device([[rows[j] for j in which], [slots[j] for j in which]], torch.long, self.device)
-        return picked[0], picked[1]
-
-    def record(self, tokens: torch.Tensor, edited: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """The step's sampled `tokens` [rows] join the output counts of the edited rows' sequences."""
-        rows_t, slots_t = edited
-        ones = torch.ones(len(rows_t), dtype=torch.int32, device=self.device)
-        self.counts.index_put_((slots_t, tokens.index_select(0, rows_t)), ones, accumulate=True)
-
-    def _penalize(self, logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, repetition: bool) -> None:
+        if not rows:
+            return None
+        if self.vocab != logits.shape[1]:
+            self._allocate(logits.shape[1])
+        mine = [seqs[i] for i in rows]
+        plan = self._plan
+        if plan is None or plan.rows != rows or plan.mine != mine:  # steady decode: the same sequences, same rows
+            plan = self._plan = self._make_plan(rows, mine, seqs)
         if self.triton:
-            from service.engine.runner.triton_sampling import penalize
-            penalize(logits, rows, slots, self.counts, self.in_prompt, self.values, repetition)
-        else:
-            logits.index_copy_(0, rows, penalized(logits.index_select(0, rows), self.counts.index_select(0, slots),
-                                                  self.in_prompt.index_select(0, slots) if repetition else None,
-                                                  self.values.index_select(0, slots)))
+            from service.engine.runner.triton_sampling import edit
+            edit(logits, plan.index[0], plan.index[1], self.counts, self.in_prompt, self.values, self.bias_ids,
+                 self.bias_values, plan.width, plan.penalized is not None, plan.repetition)
+            return plan
+        if plan.width:
+            r, sl = plan.biased
+            logits.index_put_((r.unsqueeze(1).expand(-1, plan.width), self.bias_ids[sl, :plan.width]),
+                              self.bias_values[sl, :plan.width], accumulate=True)
+        if plan.penalized is not None:
+            r, sl = plan.penalized
+            logits.index_copy_(0, r, penalized(logits.index_select(0, r), self.counts.index_select(0, sl),
+                                               self.in_prompt.index_select(0, sl) if plan.repetition else None,
+                                               self.values.index_select(0, sl)))
+        return plan
+
+    def record(self, tokens: torch.Tensor, plan: "_Plan") -> None:
+        """The step's sampled `tokens` [rows] join the output counts of the penalized rows' sequences."""
+        if plan.penalized is not None:
+            r, sl = plan.penalized
+            self.counts.view(-1).index_add_(0, sl * self.vocab + tokens.index_select(0, r), plan.ones)
+
+    def _make_plan(self, rows: list[int], mine: list[Sequence], step: list[Sequence]) -> "_Plan":
+        slots = self._slots(mine, step)
+        dev = self.device
+        index = to_device([rows, slots], torch.long, dev)
+
+        def subset(which: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            if len(which) == len(rows):
+                return index[0], index[1]
+            picked = to_device([[rows[j] for j in which], [slots[j] for j in which]], torch.long, dev)
+            return picked[0], picked[1]
+
+        biased = [j for j, s in enumerate(mine) if s.params.logit_bias]
+        width = max((len(mine[j].params.logit_bias) for j in biased), default=0)
+        penalized_rows = [j for j, s in enumerate(mine) if s.params.presence_penalty or s.params.frequency_penalty
+                          or s.params.repetition_penalty != 1]
+        penalized = subset(penalized_rows) if penalized_rows else None
+        return _Plan(rows, mine, index, width, subset(biased) if biased and not self.triton else None, penalized,
+                     any(mine[j].params.repetition_penalty != 1 for j in penalized_rows),
+                     torch.ones(len(penalized_rows), dtype=torch.int32, device=dev))
 
     # -- slots ------------------------------------------------------------------------------------------------
     def _slots(self, mine: list[Sequence], step: list[Sequence]) -> list[int]:

@@ -1,4 +1,4 @@
-"""Triton kernels of the sampler on CUDA (engine/runner/sampler.py): the greedy row maximum, and the penalties.
+"""Triton kernels of the sampler on CUDA (engine/runner/sampler.py): the greedy row maximum, and the logit edits.
 
 `logits.max(-1)` gives each row to one block of 512 threads: a decode step of one sequence reads its 128,256 logits
 on one SM, 28-41 us on the H100 (a step there takes 1.2-1.5 ms). Here each row is cut into CHUNK-wide chunks, one
@@ -74,38 +74,46 @@ def row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return top, tokens
 
 
-PENALTY_BLOCK = 2048  # logits per program of the penalty kernel
+EDIT_BLOCK = 2048  # logits per program of the edit kernel
 
 
 @triton.jit
-def _penalties_kernel(LOGITS, stride_l, ROWS, SLOTS, COUNTS, stride_c, IN_PROMPT, stride_p, VALUES, n,
-                      BLOCK: tl.constexpr, REPETITION: tl.constexpr):
-    """One pass over a row's logits: the repetition penalty on tokens of its prompt or output, then frequency and
-    presence over its output counts (engine/runner/logit_edits.py's `penalized`, fused)."""
+def _edit_kernel(LOGITS, stride_l, ROWS, SLOTS, COUNTS, stride_c, IN_PROMPT, stride_p, VALUES, BIAS_IDS, BIAS_VALUES,
+                 stride_b, width, n, BLOCK: tl.constexpr, PENALTIES: tl.constexpr, REPETITION: tl.constexpr):
+    """One pass over a row's logits: its bias entries, then the repetition penalty on tokens of its prompt or output,
+    then frequency and presence over its output counts (engine/runner/logit_edits.py's torch rules, fused)."""
     i = tl.program_id(0)
     row = tl.load(ROWS + i)
     slot = tl.load(SLOTS + i)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n
     x = tl.load(LOGITS + row * stride_l + cols, mask=ok, other=0.0)
-    c = tl.load(COUNTS + slot * stride_c + cols, mask=ok, other=0).to(tl.float32)
-    seen = c > 0
-    if REPETITION:
-        repetition = tl.load(VALUES + slot * 3 + 2)
-        mine = seen | (tl.load(IN_PROMPT + slot * stride_p + cols, mask=ok, other=0) != 0)
-        scale = tl.where(mine, repetition, 1.0)
-        x = tl.where(x > 0, x / scale, x * scale)
-    x = x - tl.load(VALUES + slot * 3 + 1) * c - tl.where(seen, tl.load(VALUES + slot * 3), 0.0)
+    for j in range(width):  # padding entries are token 0 with bias 0
+        token = tl.load(BIAS_IDS + slot * stride_b + j)
+        x = tl.where(cols == token, x + tl.load(BIAS_VALUES + slot * stride_b + j), x)
+    if PENALTIES:
+        c = tl.load(COUNTS + slot * stride_c + cols, mask=ok, other=0).to(tl.float32)
+        seen = c > 0
+        if REPETITION:
+            repetition = tl.load(VALUES + slot * 3 + 2)
+            mine = seen | (tl.load(IN_PROMPT + slot * stride_p + cols, mask=ok, other=0) != 0)
+            scale = tl.where(mine, repetition, 1.0)
+            x = tl.where(x > 0, x / scale, x * scale)
+        x = x - tl.load(VALUES + slot * 3 + 1) * c - tl.where(seen, tl.load(VALUES + slot * 3), 0.0)
     tl.store(LOGITS + row * stride_l + cols, x, mask=ok)
 
 
-def penalize(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
-             in_prompt: torch.Tensor, values: torch.Tensor, repetition: bool) -> None:
-    """The penalties, in place, on `logits` [batch, vocab] float32 at `rows`, each with its slot's output `counts`,
-    prompt tokens `in_prompt` and (presence, frequency, repetition) `values`."""
+def edit(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
+         in_prompt: torch.Tensor, values: torch.Tensor, bias_ids: torch.Tensor, bias_values: torch.Tensor,
+         width: int, penalties: bool, repetition: bool) -> None:
+    """In place on `logits` [batch, vocab] float32 at `rows`, each with its slot's state: the first `width` bias
+    entries (`bias_ids`, `bias_values`), and with `penalties` the output `counts`, prompt tokens `in_prompt` and
+    (presence, frequency, repetition) `values`."""
     vocab = logits.shape[1]
     assert logits.stride(1) == counts.stride(1) == in_prompt.stride(1) == 1 and values.is_contiguous()
+    assert bias_ids.stride() == bias_values.stride()
     if len(rows):
-        _penalties_kernel[(len(rows), triton.cdiv(vocab, PENALTY_BLOCK))](
+        _edit_kernel[(len(rows), triton.cdiv(vocab, EDIT_BLOCK))](
             logits, logits.stride(0), rows, slots, counts, counts.stride(0), in_prompt, in_prompt.stride(0), values,
-            vocab, BLOCK=PENALTY_BLOCK, REPETITION=repetition, num_warps=4)
+            bias_ids, bias_values, bias_ids.stride(0), width, vocab, BLOCK=EDIT_BLOCK, PENALTIES=penalties,
+            REPETITION=repetition, num_warps=4)
