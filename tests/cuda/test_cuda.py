@@ -364,14 +364,15 @@ def test_cuda_prompt_logprobs_and_shared_samples_beside_graph_replayed_requests(
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bfloat16: a greedy step's logits, edited in place
 @pytest.mark.parametrize("penalties, repetition", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("rows, vocab, width", [(1, 128256, 10), (37, 5000, 0), (5, 3000, 1024)])
-def test_cuda_edit_kernel_equals_the_torch_rules(penalties, repetition, rows, vocab, width):
+def test_cuda_edit_kernel_equals_the_torch_rules(dtype, penalties, repetition, rows, vocab, width):
     from service.engine.runner.logit_edits import penalized
     from service.engine.runner.triton_sampling import edit
     gen = torch.Generator(device="cuda").manual_seed(rows)
     slots_total = rows + 5
-    logits = torch.randn(rows + 3, vocab, device="cuda", generator=gen) * 4
+    logits = (torch.randn(rows + 3, vocab, device="cuda", generator=gen) * 4).to(dtype)
     logits[0, :7] = float("-inf")  # banned tokens stay banned
     counts = torch.randint(0, 3, (slots_total, vocab), device="cuda", dtype=torch.int32, generator=gen)
     in_prompt = torch.rand(slots_total, vocab, device="cuda", generator=gen) < 0.1
@@ -381,13 +382,13 @@ def test_cuda_edit_kernel_equals_the_torch_rules(penalties, repetition, rows, vo
     bias_values = torch.rand(slots_total, 1024, device="cuda", generator=gen) * 200 - 100
     picked = torch.randperm(rows + 3, device="cuda", generator=gen)[:rows]
     slots = torch.randperm(slots_total, device="cuda", generator=gen)[:rows]
-    expected = logits.clone()
+    expected = logits.float()
     biased = expected[picked].scatter_add(1, bias_ids[slots, :width], bias_values[slots, :width])
     if penalties:
         biased = penalized(biased, counts[slots], in_prompt[slots] if repetition else None, values[slots])
     expected[picked] = biased
     edit(logits, picked, slots, counts, in_prompt, values, bias_ids, bias_values, width, penalties, repetition)
-    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(logits, expected.to(dtype), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("overlap", [True, False])

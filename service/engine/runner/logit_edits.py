@@ -55,7 +55,8 @@ class LogitEdits:
     # -- a step -----------------------------------------------------------------------------------------------
     def apply(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
               banned: list[tuple[int, int]]) -> "_Plan | None":
-        """Edit `logits` [rows, vocab] (float32) in place: the bans (row, token), then the bias and penalties of
+        """Edit `logits` [rows, vocab] in place (float32; greedy steps: the model's dtype, the edits computed in
+        float32): the bans (row, token), then the bias and penalties of
         `rows` (indexes into `seqs`, whose sequences carry them). A ban first changes nothing: a banned logit stays
         -inf through the bias and the penalties. Returns what `record` needs, or None."""
         if banned:
@@ -74,15 +75,18 @@ class LogitEdits:
             edit(logits, plan.index[0], plan.index[1], self.counts, self.in_prompt, self.values, self.bias_ids,
                  self.bias_values, plan.width, plan.penalized is not None, plan.repetition)
             return plan
+        edited = logits if logits.dtype == torch.float32 else logits.float()
         if plan.width:
             r, sl = plan.biased
-            logits.index_put_((r.unsqueeze(1).expand(-1, plan.width), self.bias_ids[sl, :plan.width]),
+            edited.index_put_((r.unsqueeze(1).expand(-1, plan.width), self.bias_ids[sl, :plan.width]),
                               self.bias_values[sl, :plan.width], accumulate=True)
         if plan.penalized is not None:
             r, sl = plan.penalized
-            logits.index_copy_(0, r, penalized(logits.index_select(0, r), self.counts.index_select(0, sl),
+            edited.index_copy_(0, r, penalized(edited.index_select(0, r), self.counts.index_select(0, sl),
                                                self.in_prompt.index_select(0, sl) if plan.repetition else None,
                                                self.values.index_select(0, sl)))
+        if edited is not logits:
+            logits.copy_(edited)
         return plan
 
     def record(self, tokens: torch.Tensor, plan: "_Plan") -> None:

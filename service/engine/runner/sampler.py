@@ -72,10 +72,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         banned, wanted, edited, all_greedy = self._scan(seqs)
-        if all_greedy and not banned and not wanted and not edited:
-            # argmax is the same in the model's dtype: skip the float copy of [rows, vocab]. max propagates NaN, so
-            # the row maxima tell whether any logit was NaN: one pass over the logits instead of two
+        if all_greedy and not wanted:
+            # argmax is the same in the model's dtype: skip the float copy of [rows, vocab], and edit the logits in
+            # place (computed in float32, stored in the model's dtype). max propagates NaN, so the row maxima tell
+            # whether any logit was NaN: one pass over the logits instead of two
+            recorded = self.edits.apply(logits, seqs, edited, banned) if edited or banned else None
             top, tokens = self.row_max(logits)
+            if recorded is not None:
+                self.edits.record(tokens, recorded)
             return SampleResult(tokens, top, [], [], [], self.copy_stream)
         top = logits.amax(-1)  # NaN where a row holds one, read back with the tokens: no extra device sync
         logits = logits.float()

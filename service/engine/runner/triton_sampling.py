@@ -87,7 +87,7 @@ def _edit_kernel(LOGITS, stride_l, ROWS, SLOTS, COUNTS, stride_c, IN_PROMPT, str
     slot = tl.load(SLOTS + i)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n
-    x = tl.load(LOGITS + row * stride_l + cols, mask=ok, other=0.0)
+    x = tl.load(LOGITS + row * stride_l + cols, mask=ok, other=0.0).to(tl.float32)
     for j in range(width):  # padding entries are token 0 with bias 0
         token = tl.load(BIAS_IDS + slot * stride_b + j)
         x = tl.where(cols == token, x + tl.load(BIAS_VALUES + slot * stride_b + j), x)
@@ -100,13 +100,14 @@ def _edit_kernel(LOGITS, stride_l, ROWS, SLOTS, COUNTS, stride_c, IN_PROMPT, str
             scale = tl.where(mine, repetition, 1.0)
             x = tl.where(x > 0, x / scale, x * scale)
         x = x - tl.load(VALUES + slot * 3 + 1) * c - tl.where(seen, tl.load(VALUES + slot * 3), 0.0)
-    tl.store(LOGITS + row * stride_l + cols, x, mask=ok)
+    tl.store(LOGITS + row * stride_l + cols, x.to(LOGITS.dtype.element_ty), mask=ok)
 
 
 def edit(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
          in_prompt: torch.Tensor, values: torch.Tensor, bias_ids: torch.Tensor, bias_values: torch.Tensor,
          width: int, penalties: bool, repetition: bool) -> None:
-    """In place on `logits` [batch, vocab] float32 at `rows`, each with its slot's state: the first `width` bias
+    """In place on `logits` [batch, vocab] (float32, or the model's dtype for greedy rows; computed in float32) at
+    `rows`, each with its slot's state: the first `width` bias
     entries (`bias_ids`, `bias_values`), and with `penalties` the output `counts`, prompt tokens `in_prompt` and
     (presence, frequency, repetition) `values`."""
     vocab = logits.shape[1]
