@@ -388,7 +388,8 @@ def test_cuda_edit_kernel_equals_the_torch_rules(dtype, penalties, repetition, r
         biased = penalized(biased, counts[slots], in_prompt[slots] if repetition else None, values[slots])
     expected[picked] = biased
     edit(logits, picked, slots, counts, in_prompt, values, bias_ids, bias_values, width, penalties, repetition)
-    torch.testing.assert_close(logits, expected.to(dtype), rtol=1e-5, atol=1e-4)
+    tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else {}  # bfloat16: a rounding step apart
+    torch.testing.assert_close(logits, expected.to(dtype), **tolerance)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
