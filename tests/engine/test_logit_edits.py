@@ -41,7 +41,7 @@ request = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(st.lists(request, min_size=1, max_size=5), st.integers(0, 2**31))
 def test_edits_equal_the_reference_of_each_rule(requests, seed):
     gen = torch.Generator().manual_seed(seed)
