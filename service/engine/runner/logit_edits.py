@@ -1,6 +1,6 @@
-"""Everything that changes a step's logits before sampling, for the rows that ask, on the device, in this order:
-the logit bias, min_tokens' bans on stop tokens, then the penalties (presence and frequency over the output, as
-OpenAI defines them; repetition over prompt and output, as transformers does). The sampler calls `apply` on the
+"""Everything that changes a step's logits before sampling, for the rows that ask, on the device: the logit bias,
+then the penalties (repetition over prompt and output, as transformers defines it; frequency and presence over the
+output, as OpenAI does), and min_tokens' bans on stop tokens (a banned logit stays -inf whatever comes after). The sampler calls `apply` on the
 step's float32 logits before temperature, top-k and top-p, greedy rows alike, and `record` with the sampled tokens.
 
 What each sequence needs lives in a slot of device tensors, filled from the host once, when the sequence first
@@ -56,9 +56,9 @@ class LogitEdits:
     def apply(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
               banned: list[tuple[int, int]]) -> "_Plan | None":
         """Edit `logits` [rows, vocab] in place (float32; greedy steps: the model's dtype, the edits computed in
-        float32): the bans (row, token), then the bias and penalties of
-        `rows` (indexes into `seqs`, whose sequences carry them). A ban first changes nothing: a banned logit stays
-        -inf through the bias and the penalties. Returns what `record` needs, or None."""
+        float32): the bans (row, token), then the bias and penalties of `rows` (indexes into `seqs`, whose sequences
+        carry them). A ban first changes nothing: a banned logit stays -inf through the bias and the penalties.
+        Returns what `record` needs, or None."""
         if banned:
             r, t = zip(*banned)
             logits[to_device(r, torch.long, self.device), to_device(t, torch.long, self.device)] = float("-inf")
