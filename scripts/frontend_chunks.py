@@ -52,7 +52,7 @@ async def main(rounds):
         for t in range(TOKENS):  # each engine step: one row per request fed, then every body drained of its chunk
             reason = "length" if t == TOKENS - 1 else None
             for s in streams:
-                s.feed([s.request_id, [t + 5], reason, None, (0.0, 0) if t == 0 else None], 0.0)
+                s.feed([s.request_id, [t + 5], reason, None, (0.0, 0, None) if t == 0 else None], 0.0)
             for b in bodies:
                 await b.__anext__()
         per = (time.perf_counter() - start) / (TOKENS * REQUESTS) * 1e6

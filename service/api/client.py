@@ -81,9 +81,7 @@ class RequestStream:
         tokens, reason, logprobs, first = row[1], row[2], row[3], row[4]
         t = self.timings
         if first is not None:
-            t.first_scheduled, self.num_cached_tokens = first[0], first[1]
-            if len(first) > 2:
-                self.prompt_logprobs = first[2]
+            t.first_scheduled, self.num_cached_tokens, self.prompt_logprobs = first
         kept = 0
         for i, token in enumerate(tokens):
             self.token_ids.append(token)

@@ -76,20 +76,21 @@ def chat_logprobs(tokenizer, outs: list[RequestOutput]) -> dict:
     return {"content": content}
 
 
+def _usage(prompt: int, completion: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
 def usage(out: RequestOutput) -> dict:
-    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
-            "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+    return _usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
 
 
 def total_usage(streams: list, n: int) -> dict:
     """Usage of a request's samples (RequestStreams, prompt-major, n per prompt): each prompt counted once (its
     cached tokens those of its sample 0), every sample's completion tokens."""
     firsts = streams[::n]
-    prompt = sum(len(s.prompt_ids) for s in firsts)
-    completion = sum(len(s.token_ids) for s in streams)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(s.num_cached_tokens for s in firsts)}}
+    return _usage(sum(len(s.prompt_ids) for s in firsts), sum(len(s.token_ids) for s in streams),
+                  sum(s.num_cached_tokens for s in firsts))
 
 
 def timings(t: Timings) -> dict:

@@ -112,11 +112,16 @@ class LLMEngine:
         request) or now, so tokenization and validation count in its queue time and TTFT either way.
         """
         arrival = time.perf_counter() if arrival is None else arrival
-        params = dataclasses.replace(params) if params else SamplingParams()  # the engine fills in max_tokens
-        ids = self.tokenize(prompt)
-        check_request(ids, params, self.max_model_len, self.vocab_size, self.tokenizer is not None)
+        ids, params = self._checked(prompt, params)
         return self.new_sequence(request_id if request_id is not None else f"req-{next(self._ids)}", ids, params,
                                  arrival)
+
+    def _checked(self, prompt: str | list[int], params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+        """A request's token ids and its own copy of the params (the engine fills in max_tokens), validated."""
+        params = dataclasses.replace(params) if params else SamplingParams()
+        ids = self.tokenize(prompt)
+        check_request(ids, params, self.max_model_len, self.vocab_size, self.tokenizer is not None)
+        return ids, params
 
     def new_sequence(self, request_id: str, ids: list[int], params: SamplingParams, arrival: float) -> Sequence:
         """The sequence of a request already validated (check_request) and tokenized."""
@@ -332,9 +337,8 @@ class LLMEngine:
             params = [params or SamplingParams() for _ in prompts]
         seqs = []
         for p, sp in zip(prompts, params):
-            first = self.make_sequence(p, sp)
-            seqs += [first] if n == 1 else self.new_samples(first.request_id, first.prompt_token_ids, first.params,
-                                                            first.timings.arrival, n)
+            ids, sp = self._checked(p, sp)
+            seqs += self.new_samples(f"req-{next(self._ids)}", ids, sp, time.perf_counter(), n)
         for seq in seqs:
             self.add_sequence(seq)
         while any(not s.is_finished for s in seqs):

@@ -282,8 +282,7 @@ def test_disconnect_aborts_every_sample(server, body):
     async def leave_non_streaming():
         async with httpx.AsyncClient() as c:
             post = asyncio.create_task(c.post(server.url + "/v1/completions", json=body, timeout=120))
-            while server.engine.num_running < 4:
-                await asyncio.sleep(0.02)
+            await asyncio.to_thread(wait_until, lambda: server.engine.num_running >= 4, 60, "every sample running")
             post.cancel()  # the client leaves while every sample runs
             await asyncio.gather(post, return_exceptions=True)
     asyncio.run(leave_non_streaming())
@@ -311,11 +310,9 @@ def test_a_refused_prompt_gets_503_and_aborts_the_admitted_ones(default_model):
             async with httpx.AsyncClient(timeout=120) as c:
                 body = {"model": MODEL, "prompt": "Hi", **LONG}
                 running = asyncio.create_task(c.post(s.url + "/v1/completions", json=body))
-                while not s.engine.num_running:
-                    await asyncio.sleep(0.02)
+                await asyncio.to_thread(wait_until, lambda: s.engine.num_running, 60, "the first one running")
                 waiting = asyncio.create_task(c.post(s.url + "/v1/completions", json=body))
-                while not s.engine.num_waiting:
-                    await asyncio.sleep(0.02)
+                await asyncio.to_thread(wait_until, lambda: s.engine.num_waiting, 60, "the second one waiting")
                 # two prompts: the first fits in the queue (then two wait), the second does not; neither may stay
                 refused = await c.post(s.url + "/v1/completions", json={**body, "prompt": ["a", "b"]})
                 await asyncio.to_thread(wait_until, lambda: s.engine.num_waiting == 1, 60, "the first prompt's abort")
