@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 
 from service.engine.errors import InvalidRequestError
+from service.engine.structured import StructuredOutput, check as check_structured
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 SEED_RANGE = (-2**63, 2**64)  # what torch.Generator.manual_seed takes
@@ -31,6 +32,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the output, in [-2, 2]
     repetition_penalty: float = 1.0  # transformers': logits of prompt and output tokens divided (> 0) or multiplied
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, clamped to BIAS_RANGE
+    # the output must match a grammar (engine/structured.py); check_request validates it
+    structured: StructuredOutput | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -155,3 +158,8 @@ def check_request(ids: list[int], params: SamplingParams, max_model_len: int, vo
             f"completion). Please reduce the prompt or max_tokens.", param="max_tokens")
     if params.stop and not has_tokenizer:
         raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids", param="stop")
+    if params.structured is not None:
+        if not has_tokenizer:
+            raise InvalidRequestError("structured output needs a tokenizer (a random: model takes one with "
+                                      "--tokenizer)", param="response_format")
+        check_structured(params.structured)

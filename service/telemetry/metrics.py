@@ -33,6 +33,10 @@ STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.
 BATCH_TOKEN_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+CONSTRAINTS = ("json_object", "json_schema", "tools")  # what constrains a request's output (response_format, tools)
+# compiling a grammar against the vocabulary: about a millisecond cached, tens of ms for a large schema, the limit 10 s
+COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+MASK_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 PHASES = ("prefill", "decode", "mixed")
 
 
@@ -103,6 +107,20 @@ class Metrics:
                                 ["model", "dtype", "quantization", "kv_cache_dtype", "kv_block_size", "kv_blocks"],
                                 registry=r)
 
+        self.structured_requests = Counter("llm_structured_requests", "Requests whose output a grammar constrains, "
+                                           "by what asked for it: response_format json_object or json_schema, or "
+                                           "tools (tool_choice required or a named function; auto parses what the "
+                                           "model writes and counts here too).", ["model", "constraint"], registry=r)
+        self.tool_calls = Counter("llm_tool_calls", "Tool calls returned to clients (message.tool_calls entries).", m,
+                                  registry=r)
+        self.grammar_compile_seconds = histogram("llm_grammar_compile_seconds", "Time from a constrained request's "
+                                                 "arrival at the engine to its grammar being ready (compiled, or "
+                                                 "found in the cache: see cache_hits).", COMPILE_BUCKETS)
+        self.grammar_cache_hits = Counter("llm_grammar_cache_hits", "Constrained requests whose grammar was compiled "
+                                          "already (same response_format or tools).", m, registry=r)
+        self.grammar_mask_seconds = histogram("llm_grammar_mask_seconds", "Host time a step with constrained rows "
+                                              "spends advancing their grammars and filling and uploading their token "
+                                              "masks (steps without constrained rows record nothing).", MASK_BUCKETS)
         self.step_failures = Counter("llm_engine_step_failures", "Engine steps that raised (out of memory, NaN "
                                      "logits, any exception), by the exception's type; the requests of such a step "
                                      "finish with finish_reason error and the engine serves on.", ["model", "error"],
