@@ -19,6 +19,7 @@ from service.engine.config import EngineConfig, option
 OTLP_PROTOCOLS = ("http/protobuf", "grpc")
 OTLP_TEMPORALITIES = ("cumulative", "delta", "lowmemory")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+TOOL_CALL_PARSERS = ("hermes", "json")  # service/api/tools.py
 
 
 @dataclasses.dataclass
@@ -48,6 +49,13 @@ class ServerSettings:
                               "counted by the engine across every front end)")
     drain_timeout: float = option(30.0, "seconds SIGTERM waits for in-flight requests before the server exits")
     log_level: str = option("info", "the least severe log records printed", LOG_LEVELS)
+    # docs/api.md#tools says how tools reach the model and how calls are found
+    chat_template: str | None = option(None, "a Jinja chat template (a file's path, or the template itself) used "
+                                       "instead of the tokenizer's, e.g. one that renders tools",
+                                       shown="the tokenizer's own")
+    tool_call_parser: str = option("hermes", "how a chat answer's tool calls are found with tool_choice auto: "
+                                   "hermes, <tool_call>{...}</tool_call> blocks in the text; json, the whole answer "
+                                   "a call or a list of calls", TOOL_CALL_PARSERS)
 
 
 @dataclasses.dataclass
@@ -281,10 +289,12 @@ def from_namespace(args: argparse.Namespace) -> Settings:
 def parse(argv: list[str] | None = None, prog: str = "service serve") -> Settings:
     parser = build_parser(prog)
     settings = from_namespace(parser.parse_args(argv))
+    from service.api.chat import load_template
     from service.engine.quant.quantization import check_config
     try:
         check_config(settings.engine)
         check_otlp(settings.telemetry)
+        load_template(settings.server.chat_template)
     except ValueError as exc:  # refused at start, in one line, before the model loads
         parser.exit(2, f"{prog}: error: {exc}\n")
     return settings

@@ -45,8 +45,10 @@ async def metrics(request: Request, state: ServerState = Depends(get_state)):
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request, state: ServerState = Depends(get_state)):
     rid = f"gen-{uuid.uuid4().hex}"
-    stream = await state.submit(body.single_prompt(), body.sampling_params(body.max_tokens, body.logprobs), rid,
-                                "generate", arrival(request), body.stream)
+    params = body.sampling_params(body.max_tokens, body.logprobs)
+    stream = await state.submit(body.single_prompt(), params, rid, "generate", arrival(request), body.stream)
+    if params.structured is not None:
+        state.count_structured(params.structured.kind)
 
     def final(out) -> dict:
         return {"id": rid, "finish_reason": out.finish_reason, "usage": usage(out), "timings": timings(out.timings)}

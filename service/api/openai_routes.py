@@ -9,7 +9,9 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 
+from service.api import tools
 from service.api.arrival import arrival
+from service.api.chat import render
 from service.api.errors import bad_request, checked
 from service.api.schemas import ChatCompletionRequest, CompletionRequest
 from service.api.state import Choices, ServerState, collect, get_state
@@ -41,6 +43,7 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
     prompts, params = body.prompts(), body.completion_params()
     rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.n
     choices = await state.submit_all(prompts, params, rid, "text_completion", arrival(request), body.stream, n)
+    _count(state, params, None)
     tokenizer, streams = state.tokenizer, choices.streams
     echoes = [prompt_text(tokenizer, p) for p in prompts] if body.echo else None
     head = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
@@ -81,19 +84,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     state.check_model(body.model)
     body.check()
     tokenizer = state.tokenizer
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    try:
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # templates raise on roles or orders they do not accept
-        raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
+    if tokenizer is None:
+        raise bad_request("this model has no tokenizer, so no chat template; use /v1/completions", "messages")
+    tool_plan = body.tool_plan(state.settings.server.tool_call_parser)
+    prompt = render(tokenizer, state.chat_template, body.messages, tool_plan.tools if tool_plan else None)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = body.sampling_params(max_tokens, body.num_logprobs)
+    if tool_plan is not None and tool_plan.structured is not None:
+        params.structured = tool_plan.structured
     rid, created, n = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.n
     choices = await state.submit_all([prompt], params, rid, "chat", arrival(request), body.stream, n)
+    _count(state, params, tool_plan)
     streams = choices.streams
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model}
+    parsers = [tool_plan.new_parser() for _ in range(n)] if tool_plan else None
 
     if body.stream:
         async def chunks() -> AsyncIterator[dict]:
@@ -102,17 +106,43 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
                                             "logprobs": None, "finish_reason": None}]}
             async for out in choices.outputs:
                 i = choices.index(checked(out))
-                delta = {"content": out.text_delta} if out.text_delta else {}
                 logprobs = chat_logprobs(tokenizer, [out]) if body.logprobs else None
-                yield {**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
-                                            "finish_reason": out.finish_reason}]}
+                reason = out.finish_reason
+                if parsers is None:
+                    deltas = [{"content": out.text_delta}] if out.text_delta else [{}]
+                else:  # one output may hold content, a call's start and its arguments: a chunk each
+                    parser = parsers[i]
+                    events = parser.feed(out.text_delta) + (parser.finish() if out.finished else [])
+                    state.count_tool_calls(sum(e[0] == "call" for e in events))
+                    deltas = tools.deltas(parser, events) or [{}]
+                    reason = parser.finish_reason(reason)
+                for k, delta in enumerate(deltas):
+                    last = k == len(deltas) - 1
+                    yield {**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs if k == 0 else None,
+                                                "finish_reason": reason if last else None}]}
             if body.include_usage:
                 yield {**head, "choices": [], "usage": total_usage(streams, n)}
         return sse(chunks())
 
     outs = await _by_choice(request, choices)
-    return {**head, "object": "chat.completion", "choices": [{
-        "index": i, "message": {"role": "assistant", "content": "".join(o.text_delta for o in mine)},
-        "logprobs": chat_logprobs(tokenizer, mine) if body.logprobs else None,
-        "finish_reason": mine[-1].finish_reason} for i, mine in enumerate(outs)],
-        "usage": total_usage(streams, n)}
+    answers = []
+    for i, mine in enumerate(outs):
+        text, reason = "".join(o.text_delta for o in mine), mine[-1].finish_reason
+        message = {"role": "assistant", "content": text}
+        if parsers is not None:
+            parser = parsers[i]
+            parser.feed(text)
+            parser.finish()
+            message, reason = parser.message(), parser.finish_reason(reason)
+            state.count_tool_calls(len(parser.calls))
+        answers.append({"index": i, "message": message, "finish_reason": reason,
+                        "logprobs": chat_logprobs(tokenizer, mine) if body.logprobs else None})
+    return {**head, "object": "chat.completion", "choices": answers, "usage": total_usage(streams, n)}
+
+
+def _count(state: ServerState, params, tool_plan) -> None:
+    """llm_structured_requests: tools when they are on (tool_choice not none), else response_format's kind."""
+    if tool_plan is not None:
+        state.count_structured("tools")
+    elif params.structured is not None:
+        state.count_structured(params.structured.kind)

@@ -1,11 +1,14 @@
 """Request bodies of every route, as pydantic models (responses are plain dicts in OpenAI's shapes)."""
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.api.errors import bad_request
 from service.engine.sampling import SamplingParams
+from service.api.tools import ToolPlan, plan
+from service.engine.structured import StructuredOutput
 
 MAX_N = 128  # samples per prompt (OpenAI's own cap)
 MAX_PROMPTS = 2048  # prompts in one /v1/completions request (and prompts x n may not exceed --max-waiting)
@@ -13,6 +16,32 @@ MAX_PROMPTS = 2048  # prompts in one /v1/completions request (and prompts x n ma
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | bool = Field(alias="schema", description="the JSON Schema the output must match")
+    strict: bool | None = Field(None, description="accepted either way: the schema is always enforced")
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutput("json_object")
+        if self.json_schema is None:
+            raise bad_request("response_format json_schema needs json_schema: {name, schema}", "response_format")
+        try:
+            return StructuredOutput("json_schema", json.dumps(self.json_schema.schema_))
+        except (RecursionError, ValueError):  # nested deeper than json can write: far past the limit
+            raise bad_request("the JSON schema nests too deeply", "response_format") from None
 
 
 class _Sampling(BaseModel):
@@ -38,6 +67,8 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> added to its logit, "
                                                 "clamped to [-100, 100]; at most 1024 entries")
     user: str | dict | None = Field(None, description="ignored; a string, or an object as Open WebUI sends")
+    response_format: ResponseFormat | None = Field(None, description="text, json_object (any JSON object) or "
+                                                   "json_schema (an instance of its schema)")
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -69,7 +100,8 @@ class _Sampling(BaseModel):
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            logit_bias=self._logit_bias())
+            logit_bias=self._logit_bias(),
+            structured=self.response_format.structured() if self.response_format else None)
 
     @property
     def include_usage(self) -> bool:
@@ -111,16 +143,51 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCall(BaseModel):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls")
+    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+
+class FunctionSpec(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict | None = Field(None, description="a JSON Schema of type object (none: no arguments)")
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_Sampling):
@@ -130,16 +197,25 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict] | None = None
-    response_format: dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="auto when there are tools, else none")
+    parallel_tool_calls: bool | None = True
 
     def check(self) -> None:
-        if self.tools:
-            raise bad_request("tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise bad_request("only the text response_format is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+
+    def tool_plan(self, parser: str) -> ToolPlan | None:
+        """What the tools ask for (None: no tools, or tool_choice none); a 400 names what is wrong."""
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        found = plan(tools, choice, self.parallel_tool_calls is not False, parser)
+        if found is not None and found.structured is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise bad_request("response_format cannot be combined with tool_choice required or a named function "
+                              "(the output is then the calls)", "response_format")
+        return found
 
     @property
     def num_logprobs(self) -> int | None:

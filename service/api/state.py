@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
+from service.api.chat import load_template
 from service.api.client import EngineClient, RequestStream, merge
 from service.api.errors import APIError, bad_request, unavailable
 from service.api.streaming import total_usage
@@ -42,6 +43,7 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.draining = False
         self.fatal: str | None = None  # why the server must exit non-zero (the engine died)
+        self.chat_template = load_template(settings.server.chat_template)  # --chat-template, read once
 
     @property
     def loaded(self) -> bool:
@@ -120,6 +122,18 @@ class ServerState:
             await self.client.close()
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
+
+    def count_structured(self, constraint: str) -> None:
+        """A request whose output a grammar constrains (or whose tool calls are parsed): json_object, json_schema
+        or tools."""
+        if self.telemetry.requests is not None:  # None with --no-metrics
+            m = self.telemetry.requests.m
+            m.structured_requests.labels(m.model, constraint).inc()
+
+    def count_tool_calls(self, count: int) -> None:
+        if count and self.telemetry.requests is not None:
+            m = self.telemetry.requests.m
+            m.tool_calls.labels(m.model).inc(count)
 
     def check_model(self, name: str) -> None:
         if not self.loaded:
