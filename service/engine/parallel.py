@@ -168,7 +168,7 @@ def load_shard(config, world: int, rank: int):
     device = _rank_device(config, rank)
     where = device if config.model.startswith("random:") else torch.device("cpu")
     loaded = load_model(config.model, resolve_dtype(config.dtype, device), where, config.cache_dir,
-                        config.seed, config.trust_remote_code)
+                        config.seed, config.trust_remote_code, tokenizer=config.tokenizer)
     shard_model(loaded.model, world, rank)
     loaded.model.to(device)
     return loaded

@@ -73,6 +73,11 @@ class StepStats:
     # prompt tokens of the requests admitted in this step: to be computed, and found in the prefix cache
     prompt_tokens_computed: int = 0
     prompt_tokens_cached: int = 0
+    # structured output since the last report: each request's wait for its grammar, how many found it compiled,
+    # and the host seconds spent on grammar masks
+    grammar_waits: tuple[float, ...] = ()
+    grammar_hits: int = 0
+    mask_seconds: float = 0.0
 
 
 # Called on the engine's thread after every step and abort.

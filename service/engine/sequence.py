@@ -40,6 +40,11 @@ class Sequence:
     prompt_logprobs: list | None = None
     edits_logits: bool = False  # a bias or penalty edits its logits (params.edits_logits, read once)
     edit_slot: int = -1  # its slot in the sampler's LogitEdits, once it has one
+    # with params.structured (engine/structured.py): the grammar compiling (a Future) and since when, then the matcher
+    # that takes each token the host reads back
+    grammar: object = None
+    grammar_since: float = 0.0
+    matcher: object = None
     timings: Timings = field(default_factory=Timings)
     # detokenizer and stop-string state, owned by service.engine.detokenizer
     text: str = ""

@@ -13,8 +13,12 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from service.engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -84,3 +88,104 @@ def _reason(exc: Exception) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     head, sep, tail = text.partition(": ")
     return tail if sep and ".cc:" in head else text
+
+
+class Grammars:
+    """The engine process's side: a compiler over the tokenizer's vocabulary (built at first use), compiles in
+    threads beside the engine loop, the compiled grammars of recent requests (at most CACHE_ENTRIES), and the step's
+    token masks. A request's grammar is a Future on its sequence until the engine admits it (`poll`)."""
+
+    CACHE_ENTRIES = 256
+    WORKERS = 4  # a compile that never ends holds one; the others serve the rest
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, max_rows: int,
+                 timeout: float = COMPILE_TIMEOUT_S):
+        self.vocab_size, self.timeout = vocab_size, timeout
+        self._pool = ThreadPoolExecutor(self.WORKERS, thread_name_prefix="grammar")
+        self._compiler = self._pool.submit(self._new_compiler, tokenizer, vocab_size, sorted(stop_token_ids))
+        self._cache: dict[tuple, Future] = {}  # insertion-ordered: the oldest is dropped first
+        self._masks = None  # [max_rows, words] int32, pinned on CUDA, built with the first constrained step
+        self._max_rows = max_rows
+        self._batch = None
+        self._stop_words: list[tuple[int, int]] = []  # (word, bit) of each stop token, for `complete`
+
+    @staticmethod
+    def _new_compiler(tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        import xgrammar
+
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=stop_token_ids or None)
+        # one thread per compile: the pool runs several at once
+        return xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def start(self, seq) -> bool:
+        """Begin compiling `seq`'s grammar (or find it); True when it was compiled (or compiling) already."""
+        key = seq.params.structured.key
+        future = self._cache.pop(key, None)
+        hit = future is not None and not (future.done() and future.exception() is not None)
+        if not hit:
+            future = self._pool.submit(self._compile, seq.params.structured)
+        self._cache[key] = future  # now the newest
+        while len(self._cache) > self.CACHE_ENTRIES:
+            del self._cache[next(iter(self._cache))]
+        seq.grammar, seq.grammar_since = future, time.perf_counter()
+        return hit
+
+    def _compile(self, structured: StructuredOutput):
+        compiler = self._compiler.result()
+        if structured.kind == "json_object":
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=SEPARATORS)
+        return compiler.compile_json_schema(structured.schema, any_whitespace=False, separators=SEPARATORS)
+
+    def poll(self, seq, now: float) -> str | None:
+        """None while `seq`'s grammar compiles; "" once it is ready (the sequence gets its matcher); else why it
+        failed (an error from xgrammar, or the time limit)."""
+        future = seq.grammar
+        if not future.done():
+            if now - seq.grammar_since > self.timeout:
+                return f"its grammar took more than {self.timeout:g} s to compile"
+            return None
+        if future.exception() is not None:
+            return f"its grammar failed to compile: {_reason(future.exception())}"
+        import xgrammar
+
+        seq.matcher = xgrammar.GrammarMatcher(future.result())
+        seq.grammar = None
+        return ""
+
+    def complete(self, matcher) -> bool:
+        """Whether `matcher`'s grammar is complete and allows nothing more but a stop token: the output is done."""
+        if not matcher.is_completed():
+            return False
+        import numpy as np
+        import xgrammar
+
+        mask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(mask)
+        words = mask[0].numpy().view(np.uint32).copy()
+        for t in matcher.stop_token_ids:
+            words[t // 32] &= ~np.uint32(1 << (t % 32))
+        return not words.any()
+
+    def masks(self, seqs: list, device) -> tuple[list[int], "torch.Tensor"] | None:
+        """The token masks of the constrained rows of a step about to sample `seqs` (their matchers have taken every
+        token before): (rows, [rows, words] int32 on `device`, one bit per token, 1 where allowed), or None when
+        no row is constrained. A sequence that finished meanwhile gets no mask: its token will be dropped."""
+        rows = [i for i, s in enumerate(seqs) if s.matcher is not None and not s.is_finished]
+        if not rows:
+            return None
+        import torch
+        import xgrammar
+
+        if self._masks is None:
+            self._masks = xgrammar.allocate_token_bitmask(self._max_rows, self.vocab_size)
+            if device.type == "cuda":
+                self._masks = self._masks.pin_memory()
+            self._batch = xgrammar.BatchGrammarMatcher(max_threads="auto")
+        host = self._masks[:len(rows)]
+        self._batch.batch_fill_next_token_bitmask([seqs[i].matcher for i in rows], host)
+        # one pinned buffer is enough: the step before, which read it, has been read back before this fill
+        return rows, host.to(device, non_blocking=True) if device.type == "cuda" else host.clone()

@@ -157,6 +157,9 @@ class Metrics:
         self.prompt_computed_m, self.prompt_cached_m = self.prompt_computed.labels(model), \
             self.prompt_cached.labels(model)
         self.generation_tokens_m = self.generation_tokens.labels(model)
+        self.grammar_compile_m, self.grammar_hits_m, self.grammar_mask_m = self.grammar_compile_seconds.labels(
+            model), self.grammar_cache_hits.labels(model), self.grammar_mask_seconds.labels(model)
+        self.tool_calls_m = self.tool_calls.labels(model)
         self.preemptions_m = self.preemptions.labels(model)
         self.running_m, self.waiting_m, self.kv_usage_m = self.running.labels(model), self.waiting.labels(model), \
             self.kv_usage.labels(model)

@@ -134,6 +134,12 @@ class EngineRecorder:
                 m.prompt_computed_m.inc(step.prompt_tokens_computed)
             if step.prompt_tokens_cached:
                 m.prompt_cached_m.inc(step.prompt_tokens_cached)
+        for wait in step.grammar_waits:
+            m.grammar_compile_m.observe(wait)
+        if step.grammar_hits:
+            m.grammar_hits_m.inc(step.grammar_hits)
+        if step.mask_seconds:
+            m.grammar_mask_m.observe(step.mask_seconds)
         if step.error is not None:
             m.step_failures.labels(m.model, step.error).inc()
         if step.preempted:

@@ -125,15 +125,15 @@ def test_overlap_abort_mid_stream_drops_the_in_flight_token_and_frees_blocks(tin
 def test_overlap_failed_step_ends_its_requests_with_error_and_keeps_serving(tiny_case):
     loaded, prompts, references = tiny_case
     engine = make_engine(loaded, overlap=True)
-    execute, calls = engine.runner.execute, []
+    forward, calls = engine.runner.forward, []
 
     def third_fails(batch):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("injected")
-        return execute(batch)
+        return forward(batch)
 
-    engine.runner.execute = third_fails
+    engine.runner.forward = third_fails
     rids = [engine.add_request(p, greedy()) for p in prompts[:2]]
     outs = []
     while engine.has_unfinished():
@@ -180,7 +180,7 @@ def test_overlap_decode_steps_are_decode_steps(tiny_case):
     loaded, prompts, _ = tiny_case
     engine = make_engine(loaded, overlap=True)
     phases, launch = [], engine._launch
-    engine._launch = lambda batch, start: phases.append(batch.phase) or launch(batch, start)
+    engine._launch = lambda batch, *rest: phases.append(batch.phase) or launch(batch, *rest)
     for p in prompts[:3]:
         engine.add_request(p, greedy(6))
     while engine.has_unfinished():

@@ -92,6 +92,62 @@ def test_non_finite_and_non_integer_numbers_are_400s(server, raw, param):
     assert r.json()["error"]["param"] == param
 
 
+def nested(levels: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+# schemas a client may send to exhaust the grammar compiler or the matcher: (field, schema, accepted). Refused ones
+# get a 400 naming their field; accepted ones an answer within max_tokens. Either way the server serves on
+HOSTILE_SCHEMAS = [
+    ("response_format", {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}, False),
+    ("response_format", {"enum": [f"value number {i}" for i in range(2000)]}, False),  # over 32 KiB too
+    ("response_format", nested(30), False),
+    ("response_format", {"type": "string", "pattern": "(("}, False),
+    ("response_format", {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, False),
+    ("response_format", {"type": "string", "pattern": "(a*)*b" * 200}, True),
+    ("response_format", {"type": "string", "pattern": "|".join(f"w{i}x" for i in range(3000))}, True),
+    ("response_format", {"type": "string", "pattern": "(a{1,1000}){1,1000}"}, True),
+    ("response_format", {"type": "array", "minItems": 1000000, "items": {"type": "integer"}}, True),
+    ("response_format", {"type": "string", "minLength": 100000, "maxLength": 1000000}, True),
+    ("response_format", {"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}}},
+                         "$ref": "#/$defs/a"}, True),
+    ("tools", {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}, False),
+    ("tools", nested(30), False),
+    ("tools", {"type": "string", "pattern": "(a*)*b" * 200}, True),
+]
+
+
+@pytest.fixture(scope="module")
+def text_server(default_model):
+    """Grammars need a tokenizer, which random:tiny lacks: the default model."""
+    with LiveServer(default_model, {"max_num_seqs": 4}) as s:
+        yield s
+
+
+@pytest.mark.parametrize("field, schema, accepted", HOSTILE_SCHEMAS, ids=lambda v: str(v)[:24])
+def test_a_hostile_schema_is_refused_or_bounded_and_the_server_serves_on(text_server, field, schema, accepted):
+    if field == "tools":  # tool_choice required: the tools' arguments become the grammar
+        fields = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"x": schema}}}}], "tool_choice": "required"}
+    else:
+        fields = {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    body = {"model": text_server.engine.model_name, "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 4, "temperature": 0}
+    r = web.post(text_server.url + "/v1/chat/completions", json={**body, **fields}, timeout=120)
+    if accepted:
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] <= 4
+    else:
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field and r.json()["error"]["message"]
+    plain = web.post(text_server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert plain.status_code == 200 and plain.json()["choices"][0]["message"]["content"]
+    assert text_server.wait_idle()
+
+
 def test_an_unexpected_error_is_a_json_500_that_keeps_the_connection(server, monkeypatch):
     client = server.app.state.server.client
     monkeypatch.setattr(client, "submit", lambda *a, **k: 1 / 0)  # a bug in a route's path
@@ -195,19 +251,20 @@ def test_an_unreadable_key_file_stops_the_start_with_one_line(tiny_model, tmp_pa
 def inject_faults(engine, monkeypatch, faults: list):
     """The next len(faults) forward passes fail: an exception raised, or NaN logits handed to the sampler."""
     runner = engine.runner
-    execute, sample = runner.execute, runner.sampler
+    forward, sample = runner.forward, runner.sampler
 
-    def faulty_execute(batch):
+    def nan_once(logits, seqs, masks=None):
+        runner.sampler = sample
+        return sample(torch.full_like(logits, float("nan")), seqs, masks)
+
+    def faulty_forward(batch):
         fault = faults.pop(0) if faults else None
         if isinstance(fault, Exception):
             raise fault
         if fault == "nan":
-            runner.sampler = lambda logits, seqs: sample(torch.full_like(logits, float("nan")), seqs)
-        try:
-            return execute(batch)
-        finally:
-            runner.sampler = sample
-    monkeypatch.setattr(runner, "execute", faulty_execute)
+            runner.sampler = nan_once
+        return forward(batch)
+    monkeypatch.setattr(runner, "forward", faulty_forward)
 
 
 def test_forward_faults_fail_their_requests_and_the_engine_serves_on(tiny_model, monkeypatch):

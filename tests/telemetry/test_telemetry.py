@@ -40,7 +40,9 @@ CATALOG = {
     "llm_engine_step_failures": "counter", "llm_kv_cache_blocks_used": "gauge",
     "llm_process_threads": "gauge", "llm_asyncio_tasks": "gauge", "llm_event_loop_lag_seconds": "gauge",
     "llm_ipc_backlog": "gauge", "llm_otlp_metric_export_failures": "counter",
-    "llm_otlp_metric_points_dropped": "counter",
+    "llm_otlp_metric_points_dropped": "counter", "llm_structured_requests": "counter", "llm_tool_calls": "counter",
+    "llm_grammar_compile_seconds": "histogram", "llm_grammar_cache_hits": "counter",
+    "llm_grammar_mask_seconds": "histogram",
 }
 GPU_GAUGES = ["llm_gpu_utilization_ratio", "llm_gpu_memory_used_bytes", "llm_gpu_memory_total_bytes",
               "llm_gpu_power_watts", "llm_gpu_temperature_celsius", "llm_gpu_sm_clock_hertz"]
@@ -163,10 +165,10 @@ def test_aborts_and_failed_steps_are_counted_by_finish_reason(tiny_model):
     assert value(m, "llm_request_duration_seconds_count") == 1
     assert_at_rest(m)
 
-    run = engine.runner.execute
-    engine.runner.execute = lambda batch: 1 / 0  # a fault inside the forward pass
+    run = engine.runner.forward
+    engine.runner.forward = lambda batch: 1 / 0  # a fault inside the forward pass
     assert run_linked(engine, m, [[4, 5, 6]], SamplingParams(max_tokens=5))[0].finish_reason == "error"
-    engine.runner.execute = run
+    engine.runner.forward = run
     assert value(m, "llm_requests_total", finish_reason="error") == 1
     assert value(m, "llm_engine_step_failures_total", error="ZeroDivisionError") == 1
     assert run_linked(engine, m, [[7, 8]], SamplingParams(max_tokens=2))[0].finish_reason == "length"

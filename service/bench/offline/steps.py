@@ -76,9 +76,9 @@ def run_steps(engine: LLMEngine, prompts, output_lens, overlap: bool,
     torch.profiler as `LLMEngine.step`."""
     runner, launch, steps = engine.runner, engine._launch, []
 
-    def logged(batch, start):
+    def logged(batch, *rest):
         phase, eager = batch.phase, runner.eager_steps
-        launched = launch(batch, start)
+        launched = launch(batch, *rest)
         steps.append({"kind": f"{phase}, {'eager' if runner.eager_steps > eager else 'graph'}",
                       "tokens": sum(batch.num_new_tokens), "seqs": len(batch.seqs)})
         return launched

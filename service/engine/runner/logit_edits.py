@@ -53,15 +53,18 @@ class LogitEdits:
         self.bias_values = torch.zeros(n, MAX_LOGIT_BIAS, dtype=torch.float32, device=dev)
 
     # -- a step -----------------------------------------------------------------------------------------------
-    def apply(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
-              banned: list[tuple[int, int]]) -> "_Plan | None":
+    def apply(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], banned: list[tuple[int, int]],
+              masks: "tuple[list[int], torch.Tensor] | None" = None) -> "_Plan | None":
         """Edit `logits` [rows, vocab] in place (float32; greedy steps: the model's dtype, the edits computed in
-        float32): the bans (row, token), then the bias and penalties of `rows` (indexes into `seqs`, whose sequences
-        carry them). A ban first changes nothing: a banned logit stays -inf through the bias and the penalties.
+        float32): the bans (row, token), the grammars' `masks` (rows, bitmask [rows, words] on the device: -inf where
+        a bit is 0), then the bias and penalties of `rows` (indexes into `seqs`, whose sequences carry them). Bans
+        and masks first change nothing: a -inf logit stays -inf through the bias and the penalties.
         Returns what `record` needs, or None."""
         if banned:
             r, t = zip(*banned)
             logits[to_device(r, torch.long, self.device), to_device(t, torch.long, self.device)] = float("-inf")
+        if masks is not None:
+            self._mask(logits, *masks)
         if not rows:
             return None
         if self.vocab != logits.shape[1]:
@@ -88,6 +91,17 @@ class LogitEdits:
         if edited is not logits:
             logits.copy_(edited)
         return plan
+
+    def _mask(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+        index = to_device(rows, torch.long, self.device)
+        if self.triton:
+            from service.engine.runner.triton_sampling import mask
+            mask(logits, index, bitmask)
+            return
+        vocab = logits.shape[1]
+        bits = torch.arange(32, dtype=torch.int32, device=self.device)
+        allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().view(len(rows), -1)[:, :vocab]
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
     def record(self, tokens: torch.Tensor, plan: "_Plan") -> None:
         """The step's sampled `tokens` [rows] join the output counts of the penalized rows' sequences."""

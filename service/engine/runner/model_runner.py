@@ -84,12 +84,11 @@ class ModelRunner:
 
     # -- a step ------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult | None]:
-        """Launch one forward pass and its sampling; return the sequences that sample and their samples.
+    def forward(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor | None]:
+        """Launch one forward pass: the sequences that sample in it, and their rows of logits (None if none).
 
-        Nothing waits for the device: the samples stay there until the caller reads them, and a token that
-        the previous launch sampled and the host has not read back yet is fed to this step on the device.
-        """
+        Nothing waits for the device: a token that the previous launch sampled and the host has not read back yet
+        is fed to this step on the device, and `sample` leaves its samples there until the caller reads them."""
         sample_rows, sample_seqs, offset, scored = [], [], 0, []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq.prompt_logprobs is not None:
@@ -112,13 +111,22 @@ class ModelRunner:
             logits = self._eager(batch, decode_only, sample_rows)
             sample_rows = list(range(len(sample_rows)))
         if not sample_seqs:
-            self._fed = None
             return [], None
         if sample_rows != list(range(len(sample_rows))):  # a decode-only step with a one-token prefill chunk
             logits = logits.index_select(0, to_device(sample_rows, torch.long, self.device))
-        result = self.sampler(logits[:len(sample_seqs)], sample_seqs)
-        self._fed = (result.token_ids, {seq: row for row, seq in enumerate(sample_seqs)})
-        return sample_seqs, result
+        return sample_seqs, logits[:len(sample_seqs)]
+
+    @torch.inference_mode()
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor | None,
+               masks: "tuple[list[int], torch.Tensor] | None" = None) -> SampleResult | None:
+        """Launch the sampling of a forward pass's `logits` for `seqs`, with the grammars' token `masks` (rows,
+        bitmask) where some are constrained; the next forward pass takes these samples as inputs on the device."""
+        if not seqs:
+            self._fed = None
+            return None
+        result = self.sampler(logits, seqs, masks)
+        self._fed = (result.token_ids, {seq: row for row, seq in enumerate(seqs)})
+        return result
 
     def _eager(self, batch: ScheduledBatch, decode_only: bool, sample_rows: list[int],
                wanted: "prompt_logprobs.Wanted | None" = None) -> torch.Tensor | None:

@@ -1,6 +1,7 @@
 """Turns the last-position logits of a step into next tokens, per request parameters, on the device.
 
-First the rows that ask get their logits edited (runner/logit_edits.py: bias, min_tokens' bans, penalties).
+First the rows that ask get their logits edited (runner/logit_edits.py: min_tokens' bans, grammar masks, bias,
+penalties).
 Greedy rows take the argmax. Other rows apply temperature, top-k and top-p, then draw with the
 exponential race (argmax of p / Exp(1)), using the request's own generator when it has a seed so
 that its output does not depend on what else is in the batch. Nothing here waits for the device:
@@ -70,20 +71,23 @@ class Sampler:
             from service.engine.runner.triton_sampling import row_max
             self.row_max = row_max
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 masks: "tuple[list[int], torch.Tensor] | None" = None) -> SampleResult:
+        """Sample a token per row of `logits` [len(seqs), vocab]; `masks` (rows, bitmask): the grammars' allowed
+        tokens of constrained rows (engine/structured.py)."""
         banned, wanted, edited, all_greedy = self._scan(seqs)
         if all_greedy and not wanted:
             # argmax is the same in the model's dtype: skip the float copy of [rows, vocab], and edit the logits in
             # place (computed in float32, stored in the model's dtype). max propagates NaN, so the row maxima tell
             # whether any logit was NaN: one pass over the logits instead of two
-            recorded = self.edits.apply(logits, seqs, edited, banned) if edited or banned else None
+            recorded = self.edits.apply(logits, seqs, edited, banned, masks) if edited or banned or masks else None
             top, tokens = self.row_max(logits)
             if recorded is not None:
                 self.edits.record(tokens, recorded)
             return SampleResult(tokens, top, [], [], [], self.copy_stream)
         top = logits.amax(-1)  # NaN where a row holds one, read back with the tokens: no extra device sync
         logits = logits.float()
-        recorded = self.edits.apply(logits, seqs, edited, banned) if edited or banned else None
+        recorded = self.edits.apply(logits, seqs, edited, banned, masks) if edited or banned or masks else None
         tokens = logits.argmax(-1) if all_greedy else self._sample(logits, seqs, [s.params.greedy for s in seqs])
         if recorded is not None:
             self.edits.record(tokens, recorded)
@@ -105,7 +109,8 @@ class Sampler:
         bans, wanted, edited, all_greedy = [], [], [], True
         for i, s in enumerate(seqs):
             p = s.params
-            if p.min_tokens and s.num_tokens - s.num_prompt_tokens < p.min_tokens:  # tokens on the device count
+            # tokens on the device count; a grammar decides for itself when the output may end
+            if p.min_tokens and s.num_tokens - s.num_prompt_tokens < p.min_tokens and s.matcher is None:
                 stop = p.stop_token_ids if p.ignore_eos else [*p.stop_token_ids, *s.eos_token_ids]
                 bans += [(i, t) for t in set(stop)]
             if p.logprobs is not None:

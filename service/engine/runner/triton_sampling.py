@@ -1,4 +1,5 @@
-"""Triton kernels of the sampler on CUDA (engine/runner/sampler.py): the greedy row maximum, and the logit edits.
+"""Triton kernels of the sampler on CUDA (engine/runner/sampler.py): the greedy row maximum, the logit edits, and
+the grammars' token masks.
 
 `logits.max(-1)` gives each row to one block of 512 threads: a decode step of one sequence reads its 128,256 logits
 on one SM, 28-41 us on the H100 (a step there takes 1.2-1.5 ms). Here each row is cut into CHUNK-wide chunks, one
@@ -118,3 +119,29 @@ def edit(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, counts: 
             logits, logits.stride(0), rows, slots, counts, counts.stride(0), in_prompt, in_prompt.stride(0), values,
             bias_ids, bias_values, bias_ids.stride(0), width, vocab, BLOCK=EDIT_BLOCK, PENALTIES=penalties,
             REPETITION=repetition, num_warps=4)
+
+
+MASK_BLOCK = 4096  # logits per program of the mask kernel
+
+
+@triton.jit
+def _mask_kernel(LOGITS, stride_l, ROWS, MASK, words, n, BLOCK: tl.constexpr):
+    """-inf where a row's bitmask has a 0 bit (bit t of word t // 32: token t); other logits are not even read."""
+    i = tl.program_id(0)
+    row = tl.load(ROWS + i)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n
+    word = tl.load(MASK + i * words + cols // 32, mask=ok, other=-1)
+    banned = ((word >> (cols % 32)) & 1) == 0
+    tl.store(LOGITS + row * stride_l + cols, tl.full([BLOCK], float("-inf"), LOGITS.dtype.element_ty),
+             mask=ok & banned)
+
+
+def mask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place on `logits` [batch, vocab]: row rows[i] keeps only the tokens whose bit is set in bitmask[i] (int32
+    words, 32 tokens each, as xgrammar fills them)."""
+    vocab = logits.shape[1]
+    assert logits.stride(1) == 1 and bitmask.is_contiguous() and bitmask.dtype == torch.int32
+    if len(rows):
+        _mask_kernel[(len(rows), triton.cdiv(vocab, MASK_BLOCK))](
+            logits, logits.stride(0), rows, bitmask, bitmask.shape[1], vocab, BLOCK=MASK_BLOCK, num_warps=4)

@@ -1,6 +1,6 @@
 """Where the host's time goes in each engine step: the workload all at once, overlap as served, each
-engine call timed with perf_counter (no profiler): scheduling, the launch (input preparation, graph replay,
-sampler set-up), the wait for the step's tokens, and the read-back's own work; per decode step of the timed runs;
+engine call timed with perf_counter (no profiler): scheduling, the launch (input preparation, graph replay),
+the sampler's launch, the wait for the step's tokens, and the read-back's own work; per decode step of the timed runs;
 and the garbage collector's time per run.
 
 Usage (on a CUDA machine; on the CPU it runs random:tiny):
@@ -52,13 +52,14 @@ def main() -> None:
 
     launch = engine._launch
 
-    def launch_logged(batch, start):  # a step counts when it is a decode step
+    def launch_logged(batch, *rest):  # a step counts when it is a decode step
         decode[0] = batch.phase == "decode"
-        return launch(batch, start)
+        return launch(batch, *rest)
 
     engine._launch = launch_logged
     timed(engine.scheduler, "schedule", "schedule")
-    timed(engine.runner, "execute", "launch")
+    timed(engine.runner, "forward", "launch")
+    timed(engine.runner, "sample", "sample")
     timed(engine, "_read_back", "read back")
     timed(sampler_module.SampleResult, "read", "wait")  # inside "read back"
     if torch.cuda.is_available():  # the graph launch alone (cudaGraphLaunch), inside "launch"

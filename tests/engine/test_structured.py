@@ -1,0 +1,168 @@
+"""Structured output in the engine: grammars compiled beside the loop, masks on the logits, outputs that match and
+end with their grammar, batched and overlapped like any request, and nothing left behind."""
+
+import json
+import threading
+
+import jsonschema
+import pytest
+import torch
+
+from service.engine import SamplingParams
+from service.engine.errors import InvalidRequestError
+from service.engine.models import load_model
+from service.engine.runner.logit_edits import LogitEdits
+from service.engine.sequence import Sequence
+from service.engine.structured import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, StructuredOutput, check
+from tests.conftest import make_engine
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "city": {"enum": ["Paris", "Rome", "Oslo"]}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+
+
+def schema(value: dict) -> StructuredOutput:
+    return StructuredOutput("json_schema", json.dumps(value))
+
+
+@pytest.fixture(scope="module")
+def worded_tiny(default_model):
+    """Random weights with the default model's tokenizer: text, and grammars over a real vocabulary."""
+    return load_model("random:tiny", torch.float32, torch.device("cpu"), tokenizer=default_model.tokenizer_source)
+
+
+def chat(engine, question: str) -> list[int]:
+    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                                add_generation_prompt=True)
+    return engine.tokenize(text)
+
+
+def test_the_default_models_answer_matches_the_schema_and_ends_with_it(default_model):
+    engine = make_engine(default_model)
+    out = engine.generate([chat(engine, "Describe a person who lives in Rome, as JSON.")],
+                          SamplingParams(max_tokens=80, temperature=0, structured=schema(PERSON)))[0]
+    jsonschema.validate(json.loads(out["text"]), PERSON)
+    assert out["finish_reason"] == "stop" and out["text"].endswith("}")
+    assert ", " not in out["text"] and '": ' not in out["text"]  # compact: no whitespace between tokens of JSON
+    free = engine.generate([chat(engine, "Describe a person who lives in Rome, as JSON.")],
+                           SamplingParams(max_tokens=80, temperature=0))[0]
+    assert free["text"] != out["text"]  # the grammar changed the answer
+
+
+def test_json_object_gives_an_object_at_any_temperature(worded_tiny):
+    engine = make_engine(worded_tiny)
+    params = [SamplingParams(max_tokens=300, temperature=1.0, seed=s, structured=StructuredOutput("json_object"),
+                             presence_penalty=0.5, logit_bias={90: 5.0}) for s in range(4)]
+    for out in engine.generate(["an object, please"] * 4, params):
+        if out["finish_reason"] == "stop":  # random weights may wander for longer than max_tokens
+            assert isinstance(json.loads(out["text"]), dict)
+        else:
+            assert out["text"].startswith("{")
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_constrained_rows_give_the_same_tokens_alone_batched_and_preempted(worded_tiny, overlap):
+    ps = ["a", "tell me about a person", "b c d e f g", "x " * 30]
+    params = [SamplingParams(max_tokens=40, temperature=0, structured=schema(PERSON)),
+              SamplingParams(max_tokens=40, temperature=0.8, seed=3, structured=schema(PERSON)),
+              SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),  # unconstrained, in the same batch
+              SamplingParams(max_tokens=40, temperature=0.8, seed=5, structured=StructuredOutput("json_object"))]
+    alone = [make_engine(worded_tiny, overlap=overlap).generate([p], sp)[0] for p, sp in zip(ps, params)]
+    batched = make_engine(worded_tiny, overlap=overlap)
+    assert [o["token_ids"] for o in batched.generate(ps, params)] == [o["token_ids"] for o in alone]
+    tight = make_engine(worded_tiny, overlap=overlap, num_blocks=8)  # 7 usable blocks of 16: some are preempted
+    assert [o["token_ids"] for o in tight.generate(ps, params)] == [o["token_ids"] for o in alone]
+    assert tight.scheduler.num_preemptions > 0
+    for engine in (batched, tight):
+        assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
+        assert not engine._compiling and not engine.has_unfinished()
+    for out in alone[:2]:
+        if out["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(out["text"]), PERSON)
+
+
+def test_a_grammar_is_compiled_once_and_counted(worded_tiny):
+    engine = make_engine(worded_tiny)
+    reports = []
+    engine.observer = reports.append
+    engine.generate(["a", "b", "c"], SamplingParams(max_tokens=5, temperature=0, structured=schema(PERSON)))
+    engine.generate(["d"], SamplingParams(max_tokens=5, temperature=0, structured=schema(PERSON)))
+    assert sum(r.grammar_hits for r in reports) == 3  # the first of the four compiled it
+    assert len([w for r in reports for w in r.grammar_waits]) == 4
+    assert sum(r.mask_seconds for r in reports) > 0
+    workers = [t for t in threading.enumerate() if t.name.startswith("grammar")]
+    assert 0 < len(workers) <= engine.grammars.WORKERS
+    engine.close()
+
+
+def test_a_grammar_that_does_not_compile_in_time_fails_its_request_only(worded_tiny):
+    engine = make_engine(worded_tiny)
+    plain = engine.add_request("a", SamplingParams(max_tokens=3, temperature=0))
+    engine.add_request("b", SamplingParams(max_tokens=3, temperature=0, structured=schema(PERSON)),
+                       request_id="late")
+    engine.grammars.timeout = -1.0  # every wait is past it
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+    assert finished == {plain: "length", "late": "error"}
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
+    engine.grammars.timeout = 10.0
+    out = engine.generate(["b"], SamplingParams(max_tokens=3, temperature=0, structured=schema(PERSON)))[0]
+    assert out["finish_reason"] in ("stop", "length") and out["text"].startswith("{")
+
+
+def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing(worded_tiny):
+    engine = make_engine(worded_tiny)
+    engine.add_request("b", SamplingParams(max_tokens=3, structured=schema(PERSON)), request_id="gone")
+    assert engine.num_waiting == 1
+    out = engine.abort("gone")
+    assert out.finish_reason == "abort" and not engine._compiling and not engine.has_unfinished()
+
+
+def test_min_tokens_does_not_hold_a_complete_grammar(worded_tiny):
+    engine = make_engine(worded_tiny)
+    out = engine.generate(["a"], SamplingParams(max_tokens=60, min_tokens=60, temperature=0,
+                                                structured=schema({"enum": ["yes", "no"]})))[0]
+    assert out["text"] in ('"yes"', '"no"') and out["finish_reason"] == "stop"
+
+
+def test_masks_keep_only_allowed_tokens_in_their_rows():
+    edits = LogitEdits(torch.device("cpu"), capacity=2)
+    seqs = [Sequence(str(i), [1], SamplingParams()) for i in range(3)]
+    logits = torch.randn(3, 70)
+    before = logits.clone()
+    bitmask = torch.zeros(1, 3, dtype=torch.int32)
+    bitmask[0, 0] = 1 << 5
+    bitmask[0, 2] = -2**31  # bit 31 of word 2: token 95, outside the 70 logits
+    bitmask[0, 1] = (1 << 3) | (1 << 30)  # tokens 35 and 62
+    edits.apply(logits, seqs, [], [], ([1], bitmask))
+    finite = logits[1].isfinite().nonzero().flatten().tolist()
+    assert finite == [5, 35, 62] and torch.equal(logits[1, finite], before[1, finite])
+    assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
+
+
+@pytest.mark.parametrize("bad, says", [
+    (StructuredOutput("xml"), "unknown structured output kind"),
+    (StructuredOutput("json_schema", "{not json"), "not JSON"),
+    (StructuredOutput("json_schema", '"a string"'), "is an object"),
+    (StructuredOutput("json_schema", '{"type": "objekt"}'), "objekt"),
+    (StructuredOutput("json_schema", json.dumps({"type": "string", "pattern": "(unclosed"})), "invalid JSON schema"),
+    (StructuredOutput("json_schema", json.dumps({"enum": ["x" * MAX_SCHEMA_BYTES]})), "bytes"),
+    (StructuredOutput("json_schema", '{"items": ' * (MAX_SCHEMA_DEPTH + 1) + "{}" + "}" * (MAX_SCHEMA_DEPTH + 1)),
+     "deeper"),
+    (StructuredOutput("json_schema", '[' * 100_000 + ']' * 100_000), "bytes"),
+])
+def test_bad_schemas_are_refused_with_a_reason(bad, says):
+    with pytest.raises(InvalidRequestError) as err:
+        check(bad)
+    assert says in err.value.message and err.value.param == "response_format"
+    assert ".cc:" not in err.value.message  # xgrammar's source location is cut off
+
+
+def test_a_model_without_tokenizer_refuses_structured_output(tiny_model):
+    engine = make_engine(tiny_model)
+    with pytest.raises(InvalidRequestError, match="tokenizer"):
+        engine.add_request([1, 2], SamplingParams(structured=StructuredOutput("json_object")))
