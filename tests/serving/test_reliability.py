@@ -251,19 +251,20 @@ def test_an_unreadable_key_file_stops_the_start_with_one_line(tiny_model, tmp_pa
 def inject_faults(engine, monkeypatch, faults: list):
     """The next len(faults) forward passes fail: an exception raised, or NaN logits handed to the sampler."""
     runner = engine.runner
-    execute, sample = runner.execute, runner.sampler
+    forward, sample = runner.forward, runner.sampler
 
-    def faulty_execute(batch):
+    def nan_once(logits, seqs, masks=None):
+        runner.sampler = sample
+        return sample(torch.full_like(logits, float("nan")), seqs, masks)
+
+    def faulty_forward(batch):
         fault = faults.pop(0) if faults else None
         if isinstance(fault, Exception):
             raise fault
         if fault == "nan":
-            runner.sampler = lambda logits, seqs: sample(torch.full_like(logits, float("nan")), seqs)
-        try:
-            return execute(batch)
-        finally:
-            runner.sampler = sample
-    monkeypatch.setattr(runner, "execute", faulty_execute)
+            runner.sampler = nan_once
+        return forward(batch)
+    monkeypatch.setattr(runner, "forward", faulty_forward)
 
 
 def test_forward_faults_fail_their_requests_and_the_engine_serves_on(tiny_model, monkeypatch):
