@@ -107,16 +107,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
             async for out in choices.outputs:
                 i = choices.index(checked(out))
                 logprobs = chat_logprobs(tokenizer, [out]) if body.logprobs else None
-                reason = out.finish_reason
                 if parsers is None:
-                    deltas = [{"content": out.text_delta}] if out.text_delta else [{}]
-                else:  # one output may hold content, a call's start and its arguments: a chunk each
-                    parser = parsers[i]
-                    events = parser.feed(out.text_delta) + (parser.finish() if out.finished else [])
-                    state.count_tool_calls(sum(e[0] == "call" for e in events))
-                    deltas = tools.deltas(parser, events) or [{}]
-                    reason = parser.finish_reason(reason)
-                for k, delta in enumerate(deltas):
+                    deltas, reason = [{"content": out.text_delta}] if out.text_delta else [{}], out.finish_reason
+                else:
+                    deltas, reason = _tool_deltas(state, parsers[i], out)
+                    if not deltas and reason is None and logprobs is None:
+                        continue  # text held back (a call not yet named, a tag not yet closed)
+                    deltas = deltas or [{}]
+                for k, delta in enumerate(deltas):  # a chunk each: content, a call's start, its arguments
                     last = k == len(deltas) - 1
                     yield {**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs if k == 0 else None,
                                                 "finish_reason": reason if last else None}]}
@@ -130,14 +128,25 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         text, reason = "".join(o.text_delta for o in mine), mine[-1].finish_reason
         message = {"role": "assistant", "content": text}
         if parsers is not None:
-            parser = parsers[i]
-            parser.feed(text)
-            parser.finish()
-            message, reason = parser.message(), parser.finish_reason(reason)
-            state.count_tool_calls(len(parser.calls))
+            message, reason = _tool_answer(state, parsers[i], text, reason)
         answers.append({"index": i, "message": message, "finish_reason": reason,
                         "logprobs": chat_logprobs(tokenizer, mine) if body.logprobs else None})
     return {**head, "object": "chat.completion", "choices": answers, "usage": total_usage(streams, n)}
+
+
+def _tool_deltas(state: ServerState, parser: tools.Parser, out) -> tuple[list[dict], str | None]:
+    """A streamed output through its choice's tool-call parser: its deltas and finish reason."""
+    events = parser.feed(out.text_delta) + (parser.finish() if out.finished else [])
+    state.count_tool_calls(sum(e[0] == "call" for e in events))
+    return tools.deltas(parser, events), parser.finish_reason(out.finish_reason)
+
+
+def _tool_answer(state: ServerState, parser: tools.Parser, text: str, reason: str) -> tuple[dict, str]:
+    """A whole answer through its choice's tool-call parser: the message and finish reason."""
+    parser.feed(text)
+    parser.finish()
+    state.count_tool_calls(len(parser.calls))
+    return parser.message(), parser.finish_reason(reason)
 
 
 def _count(state: ServerState, params, tool_plan) -> None:

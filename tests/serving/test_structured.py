@@ -229,6 +229,8 @@ def test_tool_choice_required_streams_each_call_then_its_arguments(client):
         jsonschema.validate(json.loads(call["arguments"]), parameters(call["name"]))
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+    # after the role, no empty chunk for the text held back while a call is not yet named
+    assert all(c.choices[0].delta.tool_calls or c.choices[0].finish_reason for c in chunks[1:])
 
 
 def test_required_without_parallel_calls_makes_exactly_one(client):
