@@ -66,7 +66,7 @@ def plan(tools: list[dict] | None, tool_choice, parallel: bool, parser: str) -> 
     for f in functions:
         if not NAME.fullmatch(f["name"]):
             raise bad_request(f"tool name {f['name'][:80]!r} must be 1 to 64 letters, digits, _ or -", "tools")
-        if f.get("parameters") is None:
+        if not f.get("parameters"):  # none, or {}: no arguments
             f["parameters"] = {"type": "object", "properties": {}}
         elif f["parameters"].get("type") != "object":
             raise bad_request(f"the parameters of tool {f['name']!r} must be a JSON schema of type object", "tools")
@@ -259,10 +259,13 @@ class HermesParser(Parser):
         self._buffer, self._in_block = "", False
 
     def feed(self, text: str) -> list:
+        # a block's text grows delta by delta: look for its end only where it could newly be
+        since = max(0, len(self._buffer) - len(CLOSE))
         self._buffer += text
         while True:
             tag = CLOSE if self._in_block else OPEN
-            at = self._buffer.find(tag)
+            at = self._buffer.find(tag, since)
+            since = 0
             if at < 0:
                 break
             before, self._buffer = self._buffer[:at], self._buffer[at + len(tag):]

@@ -411,6 +411,9 @@ def test_a_tool_without_parameters_takes_an_empty_object():
     plan = tools.plan([{"type": "function", "function": {"name": "now"}}], {"type": "function", "function": {
         "name": "now"}}, True, "hermes")
     assert json.loads(plan.structured.schema) == {"type": "object", "properties": {}}
+    plan = tools.plan([{"type": "function", "function": {"name": "now", "parameters": {}}}], "required", True, "json")
+    assert json.loads(plan.structured.schema)["items"]["anyOf"][0]["properties"]["arguments"] == {
+        "type": "object", "properties": {}}
     assert tools.plan([{"type": "function", "function": {"name": "now"}}], "none", True, "hermes") is None
 
 
@@ -477,6 +480,15 @@ def test_chat_template_is_a_file_or_the_template_itself(tmp_path):
     assert load_template(None) is None
     with pytest.raises(ValueError, match="neither a file"):
         load_template(str(tmp_path / "missing.jinja"))
+
+
+def test_serve_refuses_a_chat_template_that_is_neither_file_nor_template(tmp_path, capsys):
+    from service import settings
+
+    with pytest.raises(SystemExit) as exit:
+        settings.parse(["--chat-template", str(tmp_path / "missing.jinja")])
+    assert exit.value.code == 2 and "neither a file nor a Jinja template" in capsys.readouterr().err
+    assert settings.parse(["--tool-call-parser", "json"]).server.tool_call_parser == "json"
 
 
 def test_a_model_without_a_chat_template_is_told_so():
