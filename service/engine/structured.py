@@ -184,7 +184,7 @@ class Grammars:
             self._masks = xgrammar.allocate_token_bitmask(self._max_rows, self.vocab_size)
             if device.type == "cuda":
                 self._masks = self._masks.pin_memory()
-            self._batch = xgrammar.BatchGrammarMatcher(max_threads="auto")
+            self._batch = xgrammar.BatchGrammarMatcher(max_threads=4)
         host = self._masks[:len(rows)]
         self._batch.batch_fill_next_token_bitmask([seqs[i].matcher for i in rows], host)
         # one pinned buffer is enough: the step before, which read it, has been read back before this fill

@@ -368,7 +368,7 @@ def test_cuda_prompt_logprobs_and_shared_samples_beside_graph_replayed_requests(
 @pytest.mark.parametrize("penalties, repetition", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("rows, vocab, width", [(1, 128256, 10), (37, 5000, 0), (5, 3000, 1024)])
 def test_cuda_edit_kernel_equals_the_torch_rules(dtype, penalties, repetition, rows, vocab, width):
-    from service.engine.runner.logit_edits import penalized
+    from service.engine.runner.logit_edits import pack_bits, penalized
     from service.engine.runner.triton_sampling import edit
     gen = torch.Generator(device="cuda").manual_seed(rows)
     slots_total = rows + 5
@@ -387,9 +387,78 @@ def test_cuda_edit_kernel_equals_the_torch_rules(dtype, penalties, repetition, r
     if penalties:
         biased = penalized(biased, counts[slots], in_prompt[slots] if repetition else None, values[slots])
     expected[picked] = biased
-    edit(logits, picked, slots, counts, in_prompt, values, bias_ids, bias_values, width, penalties, repetition)
+    edit(logits, picked, slots, counts, pack_bits(counts > 0), pack_bits(in_prompt), values, bias_ids, bias_values,
+         width, penalties, repetition)
     tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else {}  # bfloat16: a rounding step apart
     torch.testing.assert_close(logits, expected.to(dtype), **tolerance)
+
+
+def test_cuda_record_kernel_counts_tokens_and_sets_their_bits():
+    from service.engine.runner.logit_edits import pack_bits
+    from service.engine.runner.triton_sampling import record
+    vocab, gen = 50_000, torch.Generator(device="cuda").manual_seed(0)
+    counts = torch.randint(0, 3, (40, vocab), device="cuda", dtype=torch.int32, generator=gen)
+    seen = pack_bits(counts > 0)
+    tokens = torch.randint(0, vocab, (64,), device="cuda", generator=gen)
+    tokens[:4] = torch.tensor([0, 31, 32, vocab - 1])  # the ends of words
+    rows = torch.randperm(64, device="cuda", generator=gen)[:37]
+    slots = torch.randperm(40, device="cuda", generator=gen)[:37]
+    expected = counts.clone()
+    expected[slots, tokens[rows]] += 1
+    record(tokens, rows, slots, counts, seen)
+    assert torch.equal(counts, expected) and torch.equal(seen, pack_bits(expected > 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_mask_kernel_equals_the_torch_path(dtype):
+    from service.engine.runner.logit_edits import pack_bits, unpack_bits
+    from service.engine.runner.triton_sampling import mask
+    vocab, gen = 49_153, torch.Generator(device="cuda").manual_seed(1)
+    logits = torch.randn(9, vocab, device="cuda", generator=gen).to(dtype)
+    allowed = torch.rand(4, vocab, device="cuda", generator=gen) < 0.01
+    allowed[0, vocab - 1] = allowed[1, 31] = True
+    bitmask = pack_bits(allowed)
+    assert torch.equal(unpack_bits(bitmask, vocab), allowed)
+    rows = torch.tensor([7, 0, 3, 8], device="cuda")
+    expected = logits.clone()
+    expected[rows] = expected[rows].masked_fill(~allowed, float("-inf"))
+    mask(logits, rows, bitmask)
+    assert torch.equal(logits, expected)
+
+
+@pytest.fixture(scope="module")
+def worded_tiny_cuda():
+    from tests.conftest import tokenizer_folder
+    return load_model("random:tiny", torch.bfloat16, torch.device("cuda"), tokenizer=tokenizer_folder())
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_cuda_constrained_requests_match_their_grammar_alone_batched_and_preempted(worded_tiny_cuda, overlap):
+    import json
+
+    import jsonschema
+
+    from service.engine.structured import StructuredOutput
+    from tests.engine.test_structured import PERSON, schema
+    ps = ["a", "tell me about a person", "b c d e f g", "x " * 30] * 3
+    kinds = [dict(structured=schema(PERSON)), dict(temperature=0.8, seed=3, structured=schema(PERSON)),
+             dict(ignore_eos=True), dict(temperature=0.8, seed=5, structured=StructuredOutput("json_object"),
+                                         frequency_penalty=0.5)]
+    params = [SamplingParams(**{"max_tokens": 40, "temperature": 0, **kinds[i % 4]}) for i in range(len(ps))]
+    engine = lambda **kw: make_engine(worded_tiny_cuda, device="cuda", overlap=overlap, **kw)
+    alone = [engine().generate([p], sp)[0] for p, sp in zip(ps, params)]
+    batched = engine()
+    assert [o["token_ids"] for o in batched.generate(ps, params)] == [o["token_ids"] for o in alone]
+    assert batched.runner.graphs and batched.runner.mixed_graphs.replays > 0  # the graphs stay on
+    tight = engine(num_blocks=12)
+    assert [o["token_ids"] for o in tight.generate(ps, params)] == [o["token_ids"] for o in alone]
+    assert tight.scheduler.num_preemptions > 0
+    assert tight.blocks.num_free_blocks == tight.blocks.num_usable_blocks
+    for out, sp in zip(alone, params):
+        if sp.structured is not None and out["finish_reason"] == "stop":
+            value = json.loads(out["text"])
+            if sp.structured.kind == "json_schema":
+                jsonschema.validate(value, PERSON)
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -139,3 +139,16 @@ def test_bias_values_are_clamped_and_bad_ones_refused():
         with pytest.raises(InvalidRequestError) as err:
             SamplingParams(logit_bias=bad)
         assert err.value.param == "logit_bias"
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 100), st.data())
+def test_bits_pack_and_unpack_in_xgrammars_layout(rows, n, data):
+    from service.engine.runner.logit_edits import pack_bits, unpack_bits
+    flags = torch.tensor(data.draw(st.lists(st.lists(st.booleans(), min_size=n, max_size=n), min_size=rows,
+                                            max_size=rows)))
+    words = pack_bits(flags)
+    assert words.dtype == torch.int32 and words.shape == (rows, -(-n // 32))
+    assert torch.equal(unpack_bits(words, n), flags)
+    for r, t in flags.nonzero().tolist():  # token t: bit t % 32 of word t // 32, as xgrammar fills its masks
+        assert (words[r, t // 32].item() >> (t % 32)) & 1

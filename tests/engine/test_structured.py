@@ -14,7 +14,7 @@ from service.engine.models import load_model
 from service.engine.runner.logit_edits import LogitEdits
 from service.engine.sequence import Sequence
 from service.engine.structured import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, StructuredOutput, check
-from tests.conftest import make_engine
+from tests.conftest import make_engine, tokenizer_folder
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150},
@@ -27,9 +27,9 @@ def schema(value: dict) -> StructuredOutput:
 
 
 @pytest.fixture(scope="module")
-def worded_tiny(default_model):
+def worded_tiny():
     """Random weights with the default model's tokenizer: text, and grammars over a real vocabulary."""
-    return load_model("random:tiny", torch.float32, torch.device("cpu"), tokenizer=default_model.tokenizer_source)
+    return load_model("random:tiny", torch.float32, torch.device("cpu"), tokenizer=tokenizer_folder())
 
 
 def chat(engine, question: str) -> list[int]:

@@ -32,6 +32,10 @@ for dir in ${WHEELS-.whl .whl-fi}; do
   case ":${PYTHONPATH:-}:" in *":$site:"*) ;; *) export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} ;; esac
 done
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the project itself, installed or not
+# a real tokenizer for random weights (tests/conftest.py's tokenizer_folder), where wheels.sh saved one
+if [ -z "${LLM_TEST_TOKENIZER:-}" ] && [ -f .whl/tokenizer/tokenizer.json ]; then
+  export LLM_TEST_TOKENIZER=$PWD/.whl/tokenizer
+fi
 # quiet: a log without Python's and torch's warnings, blank lines, indented continuations and progress bars
 quiet() { grep -v -E 'Warning|warnings\.warn|^[WI][0-9]{4} |^\s*$|^  |it/s\]' ; }
 FAILED=()

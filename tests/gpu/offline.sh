@@ -16,6 +16,9 @@
 #              tokens x n 4 against 256, 128 out, two rounds (tests/gpu/engine/shared_prompts.py)
 #   penalties  256 x 128/128 with and without frequency and presence penalties and ten logit_bias entries each, one
 #              engine, five runs of each alternating (tests/gpu/engine/penalties.py)
+#   grammars   256 x 128/128 with none, 32, or all requests constrained by a JSON schema (one schema; 16), the 1B
+#              shape with the default model's tokenizer, step times like for like, and a 20-field schema's compile time
+#              (tests/gpu/engine/grammars.py)
 #   OFFLINE_TIMEOUT  seconds for each run (default 400)
 source "$(dirname "$0")/env.sh"
 T=${OFFLINE_TIMEOUT:-400}
@@ -25,7 +28,7 @@ offline() {  # NAME [bench offline's arguments...]
   shift
   step "$name" "$T" "$PYTHON" -m service bench offline "$@" --label "$name" --json "$RESULTS/$name.json"
 }
-phases "1b mixed 8b peers telemetry" "1b mixed 8b peers telemetry overlap scale samples penalties" "$@"
+phases "1b mixed 8b peers telemetry" "1b mixed 8b peers telemetry overlap scale samples penalties grammars" "$@"
 for phase in "${PHASES[@]}"; do
   case $phase in
     1b) offline 1b --model random:llama-1b --num-requests 1024 --max-num-seqs 256 --peers none ;;
@@ -42,6 +45,8 @@ for phase in "${PHASES[@]}"; do
         --input-len 2048 --output-len 128 --rounds 2 ;;
     penalties) step penalties "$T" "$PYTHON" tests/gpu/engine/penalties.py --model random:llama-1b --requests 256 \
         --rounds 5 ;;
+    grammars) step grammars "$T" "$PYTHON" tests/gpu/engine/grammars.py --model random:llama-1b \
+        --tokenizer "${LLM_TEST_TOKENIZER:?needs a tokenizer: bash tests/gpu/wheels.sh, then carry .whl}" --rounds 3 ;;
     overlap) step overlap "$T" "$PYTHON" -m service.bench.offline.overlap --runs 7 --json "$RESULTS/overlap.json" ;;
     scale)
       for seqs in 512 1024; do

