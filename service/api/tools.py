@@ -33,14 +33,15 @@ class Call:
 
 @dataclass
 class ToolPlan:
-    """What a request's tools ask for: `choice` is auto, required or the named function; `tools` go to the prompt
-    (as OpenAI sends them); `structured` is the grammar of required and of a named function."""
+    """What a request's tools ask for: `choice` is auto, required or function (then `function` names it); `tools` go
+    to the prompt (as OpenAI sends them); `structured` is the grammar of required and of a named function."""
 
     choice: str
     tools: list[dict]
     parallel: bool
     parser: str
     structured: StructuredOutput | None = None
+    function: str | None = None
 
     def new_parser(self) -> "Parser":
         names = {t["function"]["name"] for t in self.tools}
@@ -48,7 +49,7 @@ class ToolPlan:
             return ArrayParser(names, self.parallel)
         if self.choice == "auto":
             return (JSONParser if self.parser == "json" else HermesParser)(names, self.parallel)
-        return ArgumentsParser(self.choice)
+        return ArgumentsParser(self.function)
 
 
 def plan(tools: list[dict] | None, tool_choice, parallel: bool, parser: str) -> ToolPlan | None:
@@ -84,7 +85,7 @@ def plan(tools: list[dict] | None, tool_choice, parallel: bool, parser: str) -> 
         schema = required_schema(functions, parallel)
     structured = StructuredOutput("json_schema", _dumps(schema))
     check(structured, "tools")  # a 400 that names tools, before check_request would name response_format
-    return ToolPlan(named or "required", tools, parallel, parser, structured)
+    return ToolPlan("function" if named else "required", tools, parallel, parser, structured, named)
 
 
 def required_schema(functions: list[dict], parallel: bool) -> dict:

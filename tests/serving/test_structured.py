@@ -407,6 +407,12 @@ def test_required_makes_an_array_schema_of_the_tools_calls():
         jsonschema.validate([{"name": "get_time", "arguments": {"city": "Oslo", "unit": "celsius"}}], schema)
 
 
+def test_a_function_named_like_a_tool_choice_is_still_that_function():
+    auto = {"type": "function", "function": {"name": "auto", "parameters": {"type": "object", "properties": {}}}}
+    plan = tools.plan([auto], {"type": "function", "function": {"name": "auto"}}, True, "hermes")
+    assert isinstance(plan.new_parser(), tools.ArgumentsParser)
+
+
 def test_a_tool_without_parameters_takes_an_empty_object():
     plan = tools.plan([{"type": "function", "function": {"name": "now"}}], {"type": "function", "function": {
         "name": "now"}}, True, "hermes")
