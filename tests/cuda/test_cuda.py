@@ -436,8 +436,6 @@ def worded_tiny_cuda():
 def test_cuda_constrained_requests_match_their_grammar_alone_batched_and_preempted(worded_tiny_cuda, overlap):
     import json
 
-    import jsonschema
-
     from service.engine.structured import StructuredOutput
     from tests.engine.test_structured import PERSON, schema
     ps = ["a", "tell me about a person", "b c d e f g", "x " * 30] * 3
@@ -457,9 +455,11 @@ def test_cuda_constrained_requests_match_their_grammar_alone_batched_and_preempt
     assert tight.blocks.num_free_blocks == tight.blocks.num_usable_blocks
     for out, sp in zip(alone, params):
         if sp.structured is not None and out["finish_reason"] == "stop":
-            value = json.loads(out["text"])
+            value = json.loads(out["text"])  # (jsonschema is not on the GPU machine: the schema's rules by hand)
+            assert isinstance(value, dict)
             if sp.structured.kind == "json_schema":
-                jsonschema.validate(value, PERSON)
+                assert list(value) == ["name", "age", "city"] and value["city"] in PERSON["properties"]["city"]["enum"]
+                assert isinstance(value["age"], int) and 0 <= value["age"] <= 150 and len(value["name"]) <= 12
 
 
 @pytest.mark.parametrize("overlap", [True, False])

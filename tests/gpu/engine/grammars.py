@@ -22,6 +22,7 @@ import time
 import torch
 
 from service.engine import EngineConfig, LLMEngine, SamplingParams
+from service.engine.detokenizer import Detokenizer
 from service.engine.sequence import Sequence
 from service.engine.structured import Grammars, StructuredOutput
 
@@ -88,6 +89,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="runs of each kind, alternating")
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, tokenizer=args.tokenizer, max_num_seqs=args.requests))
+    engine.detokenizer = Detokenizer(None)  # as in the engine process: text is the front ends' work
     rng = random.Random(0)
     prompts = [[rng.randrange(100, min(engine.vocab_size, 30000)) for _ in range(args.input_len)]
                for _ in range(args.requests)]
