@@ -226,7 +226,7 @@ class LLMEngine:
             for seq in batch.preempted:
                 seq.timings.preempted.append(start)
             try:
-                launched = self._launch(batch, start, outputs)
+                launched = self._launch(batch, start)
             except EngineDeadError:  # a tensor-parallel rank is gone: no later step can run either
                 raise
             except Exception as exc:
@@ -253,17 +253,25 @@ class LLMEngine:
         step, self._in_flight = self._in_flight, None
         return self._read_back(step) if step is not None else []
 
-    def _launch(self, batch: ScheduledBatch, start: float, outputs: list) -> "_Launched":
-        """Launch the step. One that samples constrained rows is split: the forward pass is launched, then the step
-        in flight is read back (its outputs join `outputs`) so that the grammars take its tokens, then their masks
-        are filled, then the sampler is launched. Other steps launch forward pass and sampler at once."""
+    def _launch(self, batch: ScheduledBatch, start: float) -> "_Launched":
+        """Launch the step. One that samples constrained rows is split: the forward pass is launched, then the host
+        waits for the step in flight's tokens and the grammars take them, then their masks are filled, then the
+        sampler is launched; the rest of that step's read-back (stops, outputs) comes after, as for any step, while
+        the device samples. Other steps launch forward pass and sampler at once."""
         phase = batch.phase  # before num_computed_tokens moves
         sampled, logits = self.runner.forward(batch)
         self.scheduler.advance(batch, sampled)
         masks = None
         if self.grammars is not None and any(s.matcher is not None for s in sampled):
-            outputs += self._read_in_flight()
             begin = time.perf_counter()
+            previous = self._in_flight
+            if previous is not None and previous.result is not None:
+                try:
+                    tokens, _ = previous.result.read()
+                except Exception:  # NaN logits or a device fault: its read-back fails that step, next
+                    tokens = None
+                if tokens is not None:
+                    self.grammars.accept(previous.sampled, tokens)
             masks = self.grammars.masks(sampled, self.device)
             self._mask_seconds += time.perf_counter() - begin
         result = self.runner.sample(sampled, logits, masks)
@@ -367,8 +375,10 @@ class LLMEngine:
         if p.max_tokens == 0:  # the prompt only: its one sample is dropped
             seq.token_ids.pop()
             return "length"
-        if seq.matcher is not None:  # the grammar takes the token; a complete grammar ends the output
-            if not seq.matcher.accept_token(token):
+        if seq.matcher is not None:  # the grammar takes the token (or took it already); a complete grammar ends it
+            accepted = seq.matcher.accept_token(token) if seq.accepted is None else seq.accepted
+            seq.accepted = None
+            if not accepted:
                 log.error("request %s: token %d breaks its grammar", seq.request_id, token)
                 return "error"
             if seq.matcher.is_terminated():  # it took a stop token

@@ -45,6 +45,7 @@ class Sequence:
     grammar: object = None
     grammar_since: float = 0.0
     matcher: object = None
+    accepted: bool | None = None  # whether the matcher took the newest token, when it took it before the read-back
     timings: Timings = field(default_factory=Timings)
     # detokenizer and stop-string state, owned by service.engine.detokenizer
     text: str = ""

@@ -170,14 +170,24 @@ class Grammars:
             words[t // 32] &= ~np.uint32(1 << (t % 32))
         return not words.any()
 
+    @staticmethod
+    def accept(seqs: list, tokens: list[int]) -> None:
+        """The constrained sequences among `seqs` take their `tokens` (a step's samples, read back) before the rest
+        of the read-back, so that the next masks can be filled first; `_check_stop` then reads `seq.accepted`. A
+        sequence that finished since that step was launched drops its token, and takes none."""
+        for seq, token in zip(seqs, tokens):
+            if seq.matcher is not None and not seq.is_finished:
+                seq.accepted = seq.matcher.accept_token(token)
+
     def masks(self, seqs: list, device) -> tuple[list[int], "torch.Tensor"] | None:
         """The token masks of the constrained rows of a step about to sample `seqs` (their matchers have taken every
         token before): (rows, [rows, words] int32 on `device`, one bit per token, 1 where allowed), or None when
-        no row is constrained. A sequence that finished meanwhile gets no mask: its token will be dropped."""
-        rows = [i for i, s in enumerate(seqs) if s.matcher is not None and not s.is_finished]
+        no row is constrained. A sequence that finished, or whose grammar took its stop token, gets no mask: its
+        token will be dropped."""
+        rows = [i for i, s in enumerate(seqs)
+                if s.matcher is not None and not s.is_finished and not s.matcher.is_terminated()]
         if not rows:
             return None
-        import torch
         import xgrammar
 
         if self._masks is None:
@@ -186,6 +196,10 @@ class Grammars:
                 self._masks = self._masks.pin_memory()
             self._batch = xgrammar.BatchGrammarMatcher(max_threads=4)
         host = self._masks[:len(rows)]
-        self._batch.batch_fill_next_token_bitmask([seqs[i].matcher for i in rows], host)
+        if len(rows) < 16:  # a few rows: filled here, without waking the batch matcher's threads
+            for j, i in enumerate(rows):
+                seqs[i].matcher.fill_next_token_bitmask(host, j)
+        else:
+            self._batch.batch_fill_next_token_bitmask([seqs[i].matcher for i in rows], host)
         # one pinned buffer is enough: the step before, which read it, has been read back before this fill
         return rows, host.to(device, non_blocking=True) if device.type == "cuda" else host.clone()

@@ -368,7 +368,7 @@ def test_cuda_prompt_logprobs_and_shared_samples_beside_graph_replayed_requests(
 @pytest.mark.parametrize("penalties, repetition", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("rows, vocab, width", [(1, 128256, 10), (37, 5000, 0), (5, 3000, 1024)])
 def test_cuda_edit_kernel_equals_the_torch_rules(dtype, penalties, repetition, rows, vocab, width):
-    from service.engine.runner.logit_edits import pack_bits, penalized
+    from service.engine.runner.logit_edits import penalized
     from service.engine.runner.triton_sampling import edit
     gen = torch.Generator(device="cuda").manual_seed(rows)
     slots_total = rows + 5
@@ -387,32 +387,29 @@ def test_cuda_edit_kernel_equals_the_torch_rules(dtype, penalties, repetition, r
     if penalties:
         biased = penalized(biased, counts[slots], in_prompt[slots] if repetition else None, values[slots])
     expected[picked] = biased
-    edit(logits, picked, slots, counts, pack_bits(counts > 0), pack_bits(in_prompt), values, bias_ids, bias_values,
-         width, penalties, repetition)
+    edit(logits, picked, slots, counts, in_prompt, values, bias_ids, bias_values, width, penalties, repetition)
     tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else {}  # bfloat16: a rounding step apart
     torch.testing.assert_close(logits, expected.to(dtype), **tolerance)
 
 
-def test_cuda_record_kernel_counts_tokens_and_sets_their_bits():
-    from service.engine.runner.logit_edits import pack_bits
+def test_cuda_record_kernel_counts_the_sampled_tokens():
     from service.engine.runner.triton_sampling import record
     vocab, gen = 50_000, torch.Generator(device="cuda").manual_seed(0)
     counts = torch.randint(0, 3, (40, vocab), device="cuda", dtype=torch.int32, generator=gen)
-    seen = pack_bits(counts > 0)
     tokens = torch.randint(0, vocab, (64,), device="cuda", generator=gen)
     tokens[:4] = torch.tensor([0, 31, 32, vocab - 1])  # the ends of words
     rows = torch.randperm(64, device="cuda", generator=gen)[:37]
     slots = torch.randperm(40, device="cuda", generator=gen)[:37]
     expected = counts.clone()
     expected[slots, tokens[rows]] += 1
-    record(tokens, rows, slots, counts, seen)
-    assert torch.equal(counts, expected) and torch.equal(seen, pack_bits(expected > 0))
+    record(tokens, rows, slots, counts)
+    assert torch.equal(counts, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_mask_kernel_equals_the_torch_path(dtype):
-    from service.engine.runner.logit_edits import pack_bits, unpack_bits
     from service.engine.runner.triton_sampling import mask
+    from tests.engine.test_logit_edits import pack_bits, unpack_bits
     vocab, gen = 49_153, torch.Generator(device="cuda").manual_seed(1)
     logits = torch.randn(9, vocab, device="cuda", generator=gen).to(dtype)
     allowed = torch.rand(4, vocab, device="cuda", generator=gen) < 0.01

@@ -141,10 +141,26 @@ def test_bias_values_are_clamped_and_bad_ones_refused():
         assert err.value.param == "logit_bias"
 
 
+def pack_bits(flags: torch.Tensor) -> torch.Tensor:
+    """[rows, n] bool as [rows, ceil(n / 32)] int32 words, flag t in bit t % 32 of word t // 32: xgrammar's token
+    bitmask layout, which the grammar masks use (1: allowed)."""
+    rows, n = flags.shape
+    padded = torch.zeros(rows, -(-n // 32) * 32, dtype=torch.int32, device=flags.device)
+    padded[:, :n] = flags
+    bits = padded.view(rows, -1, 32)
+    low = (bits[..., :31] << torch.arange(31, dtype=torch.int32, device=flags.device)).sum(-1, dtype=torch.int32)
+    return low | (bits[..., 31] * torch.iinfo(torch.int32).min)  # bit 31: the sign bit
+
+
+def unpack_bits(words: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack_bits: [rows, words] int32 as [rows, n] bool."""
+    bits = torch.arange(32, dtype=torch.int32, device=words.device)
+    return ((words.unsqueeze(-1) >> bits) & 1).bool().view(words.shape[0], -1)[:, :n]
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.integers(1, 4), st.integers(1, 100), st.data())
 def test_bits_pack_and_unpack_in_xgrammars_layout(rows, n, data):
-    from service.engine.runner.logit_edits import pack_bits, unpack_bits
     flags = torch.tensor(data.draw(st.lists(st.lists(st.booleans(), min_size=n, max_size=n), min_size=rows,
                                             max_size=rows)))
     words = pack_bits(flags)

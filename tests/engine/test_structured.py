@@ -75,6 +75,8 @@ def test_constrained_rows_give_the_same_tokens_alone_batched_and_preempted(worde
     assert [o["token_ids"] for o in tight.generate(ps, params)] == [o["token_ids"] for o in alone]
     assert tight.scheduler.num_preemptions > 0
     for engine in (batched, tight):
+        while engine.has_unfinished():  # with overlap a last step may still be in flight (its tokens all dropped)
+            assert not engine.step()
         assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
         assert not engine._compiling and not engine.has_unfinished()
     for out in alone[:2]:

@@ -46,12 +46,8 @@ class LogitEdits:
     def _allocate(self, vocab: int) -> None:
         n, dev = self.capacity, self.device
         self.vocab = vocab
-        words = -(-vocab // 32)
         self.counts = torch.zeros(n, vocab, dtype=torch.int32, device=dev)  # output tokens, by token id
-        # one bit per token (bit t % 32 of word t // 32): the prompt's tokens (for the repetition penalty), and on
-        # CUDA those the output holds, so that the kernel reads logits and counts only where an edit falls
-        self.prompt = torch.zeros(n, words, dtype=torch.int32, device=dev)
-        self.seen = torch.zeros(n, words, dtype=torch.int32, device=dev) if self.triton else None
+        self.in_prompt = torch.zeros(n, vocab, dtype=torch.bool, device=dev)  # for the repetition penalty
         self.values = torch.zeros(n, 3, dtype=torch.float32, device=dev)  # presence, frequency, repetition
         self.bias_ids = torch.zeros(n, MAX_LOGIT_BIAS, dtype=torch.long, device=dev)  # padding: token 0, bias 0
         self.bias_values = torch.zeros(n, MAX_LOGIT_BIAS, dtype=torch.float32, device=dev)
@@ -79,8 +75,8 @@ class LogitEdits:
             plan = self._plan = self._make_plan(rows, mine, seqs)
         if self.triton:
             from service.engine.runner.triton_sampling import edit
-            edit(logits, plan.index[0], plan.index[1], self.counts, self.seen, self.prompt, self.values,
-                 self.bias_ids, self.bias_values, plan.width, plan.penalized is not None, plan.repetition)
+            edit(logits, plan.index[0], plan.index[1], self.counts, self.in_prompt, self.values, self.bias_ids,
+                 self.bias_values, plan.width, plan.penalized is not None, plan.repetition)
             return plan
         edited = logits if logits.dtype == torch.float32 else logits.float()
         if plan.width:
@@ -89,9 +85,9 @@ class LogitEdits:
                               self.bias_values[sl, :plan.width], accumulate=True)
         if plan.penalized is not None:
             r, sl = plan.penalized
-            in_prompt = unpack_bits(self.prompt.index_select(0, sl), self.vocab) if plan.repetition else None
             edited.index_copy_(0, r, penalized(edited.index_select(0, r), self.counts.index_select(0, sl),
-                                               in_prompt, self.values.index_select(0, sl)))
+                                               self.in_prompt.index_select(0, sl) if plan.repetition else None,
+                                               self.values.index_select(0, sl)))
         if edited is not logits:
             logits.copy_(edited)
         return plan
@@ -115,7 +111,7 @@ class LogitEdits:
         r, sl = plan.penalized
         if self.triton:
             from service.engine.runner.triton_sampling import record
-            record(tokens, r, sl, self.counts, self.seen)
+            record(tokens, r, sl, self.counts)
         else:
             self.counts.view(-1).index_add_(0, sl * self.vocab + tokens.index_select(0, r), plan.ones)
 
@@ -175,36 +171,28 @@ class LogitEdits:
         self.values[slots] = to_device([[s.params.presence_penalty, s.params.frequency_penalty,
                                          s.params.repetition_penalty] for s in seqs], torch.float32, dev)
         self.counts[slots] = 0
-        self.prompt[slots] = 0
-        if self.seen is not None:
-            self.seen[slots] = 0
+        self.in_prompt[slots] = False
         self.bias_values[slots] = 0.0
         counted, prompt, bias = [[], []], [[], []], [[], [], []]
-        for j, s in enumerate(seqs):
+        for s in seqs:
             slot = s.edit_slot
             outputs = s.output_token_ids  # a sequence back from a preemption has some
-            counted[0] += [j] * len(outputs)
+            counted[0] += [slot] * len(outputs)
             counted[1] += outputs
             if s.params.repetition_penalty != 1:
-                prompt[0] += [j] * s.num_prompt_tokens
+                prompt[0] += [slot] * s.num_prompt_tokens
                 prompt[1] += s.prompt_token_ids
             for k, (token, value) in enumerate((s.params.logit_bias or {}).items()):
                 bias[0].append(slot * MAX_LOGIT_BIAS + k)
                 bias[1].append(token)
                 bias[2].append(value)
-        if counted[1]:  # rows j of the new sequences, then into their slots
+        if counted[1]:
             index = to_device(counted, torch.long, dev)
-            counts = torch.zeros(len(seqs), self.vocab, dtype=torch.int32, device=dev)
-            counts.index_put_((index[0], index[1]), torch.ones(index.shape[1], dtype=torch.int32, device=dev),
-                              accumulate=True)
-            self.counts[slots] = counts
-            if self.seen is not None:
-                self.seen[slots] = pack_bits(counts > 0)
+            self.counts.index_put_((index[0], index[1]), torch.ones(index.shape[1], dtype=torch.int32, device=dev),
+                                   accumulate=True)
         if prompt[1]:
             index = to_device(prompt, torch.long, dev)
-            tokens = torch.zeros(len(seqs), self.vocab, dtype=torch.bool, device=dev)
-            tokens[index[0], index[1]] = True
-            self.prompt[slots] = pack_bits(tokens)
+            self.in_prompt[index[0], index[1]] = True
         if bias[0]:
             at = to_device(bias[0], torch.long, dev)
             self.bias_ids.view(-1)[at] = to_device(bias[1], torch.long, dev)
@@ -222,18 +210,3 @@ def penalized(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tenso
         logits = torch.where(logits > 0, logits / scale, logits * scale)
     return logits - values[:, 1:2] * c - torch.where(seen, values[:, 0:1], 0.0)
 
-
-def pack_bits(flags: torch.Tensor) -> torch.Tensor:
-    """[rows, n] bool as [rows, ceil(n / 32)] int32 words, flag t in bit t % 32 of word t // 32 (xgrammar's layout)."""
-    rows, n = flags.shape
-    padded = torch.zeros(rows, -(-n // 32) * 32, dtype=torch.int32, device=flags.device)
-    padded[:, :n] = flags
-    bits = padded.view(rows, -1, 32)
-    low = (bits[..., :31] << torch.arange(31, dtype=torch.int32, device=flags.device)).sum(-1, dtype=torch.int32)
-    return low | (bits[..., 31] * torch.iinfo(torch.int32).min)  # bit 31: the sign bit
-
-
-def unpack_bits(words: torch.Tensor, n: int) -> torch.Tensor:
-    """The inverse of pack_bits: [rows, words] int32 as [rows, n] bool."""
-    bits = torch.arange(32, dtype=torch.int32, device=words.device)
-    return ((words.unsqueeze(-1) >> bits) & 1).bool().view(words.shape[0], -1)[:, :n]

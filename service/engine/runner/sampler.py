@@ -30,6 +30,7 @@ class SampleResult:
         self.token_ids = token_ids  # [rows] int64 on the device
         # top: each row's largest logit, NaN where the row holds a NaN (the host looks, once it has the copy)
         self.logprob_rows, self.logprob_ks = logprob_rows, logprob_ks
+        self._read = None
         tensors = [token_ids, top, *logprob_tensors]
         if copy_stream is None:  # CPU: the values are already there
             self._host, self._event = tensors, None
@@ -44,7 +45,10 @@ class SampleResult:
             t.record_stream(copy_stream)
 
     def read(self) -> tuple[list[int], list[tuple[float, list[tuple[int, float]]] | None]]:
-        """Wait for the copy; the token ids, and (chosen logprob, top-k) per row where asked for."""
+        """Wait for the copy; the token ids, and (chosen logprob, top-k) per row where asked for (the same lists
+        again when called again)."""
+        if self._read is not None:
+            return self._read
         if self._event is not None:
             self._event.synchronize()
         tokens = self._host[0].tolist()
@@ -55,7 +59,8 @@ class SampleResult:
             chosen, top_v, top_i = (t.tolist() for t in self._host[2:])
             for j, (row, k) in enumerate(zip(self.logprob_rows, self.logprob_ks)):
                 logprobs[row] = (chosen[j], list(zip(top_i[j][:k], top_v[j][:k])))
-        return tokens, logprobs
+        self._read = tokens, logprobs
+        return self._read
 
 
 class Sampler:

@@ -79,80 +79,62 @@ EDIT_BLOCK = 2048  # logits per program of the edit kernel
 
 
 @triton.jit
-def _bit(WORDS, cols, ok):
-    """Whether bit `cols` is set in a row of int32 words (bit t % 32 of word t // 32)."""
-    return ((tl.load(WORDS + cols // 32, mask=ok, other=0) >> (cols % 32)) & 1) != 0
-
-
-@triton.jit
-def _edit_kernel(LOGITS, stride_l, ROWS, SLOTS, COUNTS, stride_c, SEEN, PROMPT, stride_w, VALUES, BIAS_IDS,
-                 BIAS_VALUES, stride_b, width, n, BLOCK: tl.constexpr, PENALTIES: tl.constexpr,
-                 REPETITION: tl.constexpr):
+def _edit_kernel(LOGITS, stride_l, ROWS, SLOTS, COUNTS, stride_c, IN_PROMPT, stride_p, VALUES, BIAS_IDS, BIAS_VALUES,
+                 stride_b, width, n, BLOCK: tl.constexpr, PENALTIES: tl.constexpr, REPETITION: tl.constexpr):
     """One pass over a row's logits: its bias entries, then the repetition penalty on tokens of its prompt or output,
-    then frequency and presence over its output counts (engine/runner/logit_edits.py's torch rules, fused). Only the
-    logits an edit falls on are read and written, and counts only where the output holds the token: the slot's bits
-    say where, so a step reads a few bits per token instead of every logit and count."""
+    then frequency and presence over its output counts (engine/runner/logit_edits.py's torch rules, fused)."""
     i = tl.program_id(0)
     row = tl.load(ROWS + i)
     slot = tl.load(SLOTS + i)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n
-    bias = tl.zeros([BLOCK], dtype=tl.float32)
-    touched = cols < 0
+    x = tl.load(LOGITS + row * stride_l + cols, mask=ok, other=0.0).to(tl.float32)
     for j in range(width):  # padding entries are token 0 with bias 0
         token = tl.load(BIAS_IDS + slot * stride_b + j)
-        hit = cols == token
-        bias += tl.where(hit, tl.load(BIAS_VALUES + slot * stride_b + j), 0.0)
-        touched = touched | hit
+        x = tl.where(cols == token, x + tl.load(BIAS_VALUES + slot * stride_b + j), x)
     if PENALTIES:
-        seen = _bit(SEEN + slot * stride_w, cols, ok)
-        touched = touched | seen
+        c = tl.load(COUNTS + slot * stride_c + cols, mask=ok, other=0).to(tl.float32)
+        seen = c > 0
         if REPETITION:
-            mine = seen | _bit(PROMPT + slot * stride_w, cols, ok)
-            touched = touched | mine
-    touched = touched & ok
-    x = tl.load(LOGITS + row * stride_l + cols, mask=touched, other=0.0).to(tl.float32) + bias
-    if PENALTIES:
-        if REPETITION:
-            scale = tl.where(mine, tl.load(VALUES + slot * 3 + 2), 1.0)
+            repetition = tl.load(VALUES + slot * 3 + 2)
+            mine = seen | (tl.load(IN_PROMPT + slot * stride_p + cols, mask=ok, other=0) != 0)
+            scale = tl.where(mine, repetition, 1.0)
             x = tl.where(x > 0, x / scale, x * scale)
-        c = tl.load(COUNTS + slot * stride_c + cols, mask=touched & seen, other=0).to(tl.float32)
         x = x - tl.load(VALUES + slot * 3 + 1) * c - tl.where(seen, tl.load(VALUES + slot * 3), 0.0)
-    tl.store(LOGITS + row * stride_l + cols, x.to(LOGITS.dtype.element_ty), mask=touched)
+    tl.store(LOGITS + row * stride_l + cols, x.to(LOGITS.dtype.element_ty), mask=ok)
 
 
-def edit(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor,
-         prompt: torch.Tensor, values: torch.Tensor, bias_ids: torch.Tensor, bias_values: torch.Tensor,
+def edit(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
+         in_prompt: torch.Tensor, values: torch.Tensor, bias_ids: torch.Tensor, bias_values: torch.Tensor,
          width: int, penalties: bool, repetition: bool) -> None:
     """In place on `logits` [batch, vocab] (float32, or the model's dtype for greedy rows; computed in float32) at
-    `rows`, each with its slot's state: the first `width` bias entries (`bias_ids`, `bias_values`), and with
-    `penalties` the output `counts`, the bits of the tokens the output holds (`seen`) and the prompt holds
-    (`prompt`, [slots, words] int32 each), and (presence, frequency, repetition) `values`."""
+    `rows`, each with its slot's state: the first `width` bias
+    entries (`bias_ids`, `bias_values`), and with `penalties` the output `counts`, prompt tokens `in_prompt` and
+    (presence, frequency, repetition) `values`."""
     vocab = logits.shape[1]
-    assert logits.stride(1) == counts.stride(1) == 1 and values.is_contiguous()
-    assert seen.stride() == prompt.stride() and seen.stride(1) == 1 and bias_ids.stride() == bias_values.stride()
+    assert logits.stride(1) == counts.stride(1) == in_prompt.stride(1) == 1 and values.is_contiguous()
+    assert bias_ids.stride() == bias_values.stride()
     if len(rows):
         _edit_kernel[(len(rows), triton.cdiv(vocab, EDIT_BLOCK))](
-            logits, logits.stride(0), rows, slots, counts, counts.stride(0), seen, prompt, seen.stride(0), values,
+            logits, logits.stride(0), rows, slots, counts, counts.stride(0), in_prompt, in_prompt.stride(0), values,
             bias_ids, bias_values, bias_ids.stride(0), width, vocab, BLOCK=EDIT_BLOCK, PENALTIES=penalties,
             REPETITION=repetition, num_warps=4)
 
 
 @triton.jit
-def _record_kernel(TOKENS, ROWS, SLOTS, COUNTS, stride_c, SEEN, stride_w, rows, BLOCK: tl.constexpr):
+def _record_kernel(TOKENS, ROWS, SLOTS, COUNTS, stride_c, rows, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     ok = i < rows
     slot = tl.load(SLOTS + i, mask=ok, other=0)
     token = tl.load(TOKENS + tl.load(ROWS + i, mask=ok, other=0), mask=ok, other=0)
     tl.atomic_add(COUNTS + slot * stride_c + token, 1, mask=ok)
-    tl.atomic_or(SEEN + slot * stride_w + token // 32, (1 << (token % 32)).to(tl.int32), mask=ok)
 
 
-def record(tokens: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
-           seen: torch.Tensor) -> None:
-    """The sampled `tokens` of `rows` join their slots' output `counts` and `seen` bits, in one launch."""
+def record(tokens: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor) -> None:
+    """The sampled `tokens` of `rows` join their slots' output `counts`, in one launch (torch's gather and index_add
+    are two, and twice the host time)."""
     if len(rows):
-        _record_kernel[(1,)](tokens, rows, slots, counts, counts.stride(0), seen, seen.stride(0), len(rows),
+        _record_kernel[(1,)](tokens, rows, slots, counts, counts.stride(0), len(rows),
                              BLOCK=max(16, triton.next_power_of_2(len(rows))), num_warps=4)
 
 
