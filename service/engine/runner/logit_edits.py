@@ -26,7 +26,7 @@ class _Plan(NamedTuple):
     sequences (steady decode), so such a step's host work is one comparison of the rows."""
     rows: list[int]
     mine: list[Sequence]
-    index: torch.Tensor  # [2, rows]: the rows, their slots
+    index: tuple[torch.Tensor, torch.Tensor]  # the rows, their slots
     width: int  # the most bias entries of any row
     biased: tuple[torch.Tensor, torch.Tensor] | None  # (rows, slots) with a bias (the torch path's)
     penalized: tuple[torch.Tensor, torch.Tensor] | None  # (rows, slots) with a penalty
@@ -69,13 +69,13 @@ class LogitEdits:
             return None
         if self.vocab != logits.shape[1]:
             self._allocate(logits.shape[1])
-        mine = [seqs[i] for i in rows]
+        mine = seqs if len(rows) == len(seqs) else [seqs[i] for i in rows]  # every row: rows is 0, 1, ...
         plan = self._plan
         if plan is None or plan.rows != rows or plan.mine != mine:  # steady decode: the same sequences, same rows
             plan = self._plan = self._make_plan(rows, mine, seqs)
         if self.triton:
             from service.engine.runner.triton_sampling import edit
-            edit(logits, plan.index[0], plan.index[1], self.counts, self.in_prompt, self.values, self.bias_ids,
+            edit(logits, *plan.index, self.counts, self.in_prompt, self.values, self.bias_ids,
                  self.bias_values, plan.width, plan.penalized is not None, plan.repetition)
             return plan
         edited = logits if logits.dtype == torch.float32 else logits.float()
@@ -118,11 +118,12 @@ class LogitEdits:
     def _make_plan(self, rows: list[int], mine: list[Sequence], step: list[Sequence]) -> "_Plan":
         slots = self._slots(mine, step)
         dev = self.device
-        index = to_device([rows, slots], torch.long, dev)
+        both = to_device([rows, slots], torch.long, dev)
+        index = both[0], both[1]
 
         def subset(which: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
             if len(which) == len(rows):
-                return index[0], index[1]
+                return index
             picked = to_device([[rows[j] for j in which], [slots[j] for j in which]], torch.long, dev)
             return picked[0], picked[1]
 
