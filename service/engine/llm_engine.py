@@ -263,15 +263,15 @@ class LLMEngine:
         self.scheduler.advance(batch, sampled)
         masks = None
         if self.grammars is not None and any(s.matcher is not None for s in sampled):
-            begin = time.perf_counter()
-            previous = self._in_flight
+            previous, tokens = self._in_flight, None
             if previous is not None and previous.result is not None:
                 try:
                     tokens, _ = previous.result.read()
                 except Exception:  # NaN logits or a device fault: its read-back fails that step, next
-                    tokens = None
-                if tokens is not None:
-                    self.grammars.accept(previous.sampled, tokens)
+                    pass
+            begin = time.perf_counter()  # the wait for the tokens is the device's time, not the masks'
+            if tokens is not None:
+                self.grammars.accept(previous.sampled, tokens)
             masks = self.grammars.masks(sampled, self.device)
             self._mask_seconds += time.perf_counter() - begin
         result = self.runner.sample(sampled, logits, masks)

@@ -106,7 +106,7 @@ class Grammars:
         self._cache: dict[tuple, Future] = {}  # insertion-ordered: the oldest is dropped first
         self._masks = None  # [max_rows, words] int32, pinned on CUDA, built with the first constrained step
         self._max_rows = max_rows
-        self._batch = None
+        self._batch = None  # xgrammar's batch matchers (few rows, many rows), made at the first step that needs them
         self._stop_words: list[tuple[int, int]] = []  # (word, bit) of each stop token, for `complete`
 
     @staticmethod
@@ -170,14 +170,26 @@ class Grammars:
             words[t // 32] &= ~np.uint32(1 << (t % 32))
         return not words.any()
 
-    @staticmethod
-    def accept(seqs: list, tokens: list[int]) -> None:
+    def accept(self, seqs: list, tokens: list[int]) -> None:
         """The constrained sequences among `seqs` take their `tokens` (a step's samples, read back) before the rest
         of the read-back, so that the next masks can be filled first; `_check_stop` then reads `seq.accepted`. A
-        sequence that finished since that step was launched drops its token, and takes none."""
-        for seq, token in zip(seqs, tokens):
-            if seq.matcher is not None and not seq.is_finished:
-                seq.accepted = seq.matcher.accept_token(token)
+        sequence that finished since that step was launched drops its token, and takes none. One call into xgrammar
+        for all of them: each call gives up the GIL, and getting it back behind another busy thread costs up to
+        Python's switch interval (5 ms)."""
+        taking = [(seq, token) for seq, token in zip(seqs, tokens) if seq.matcher is not None and not seq.is_finished]
+        if taking:
+            verdicts = self._matchers(len(taking)).batch_accept_token([s.matcher for s, _ in taking],
+                                                                       [t for _, t in taking])
+            for (seq, _), ok in zip(taking, verdicts):
+                seq.accepted = ok
+
+    def _matchers(self, rows: int):
+        """xgrammar's batch matcher: one thread for a few rows, four for many."""
+        import xgrammar
+
+        if self._batch is None:
+            self._batch = xgrammar.BatchGrammarMatcher(max_threads=1), xgrammar.BatchGrammarMatcher(max_threads=4)
+        return self._batch[rows >= 32]
 
     def masks(self, seqs: list, device) -> tuple[list[int], "torch.Tensor"] | None:
         """The token masks of the constrained rows of a step about to sample `seqs` (their matchers have taken every
@@ -194,12 +206,7 @@ class Grammars:
             self._masks = xgrammar.allocate_token_bitmask(self._max_rows, self.vocab_size)
             if device.type == "cuda":
                 self._masks = self._masks.pin_memory()
-            self._batch = xgrammar.BatchGrammarMatcher(max_threads=4)
         host = self._masks[:len(rows)]
-        if len(rows) < 16:  # a few rows: filled here, without waking the batch matcher's threads
-            for j, i in enumerate(rows):
-                seqs[i].matcher.fill_next_token_bitmask(host, j)
-        else:
-            self._batch.batch_fill_next_token_bitmask([seqs[i].matcher for i in rows], host)
+        self._matchers(len(rows)).batch_fill_next_token_bitmask([seqs[i].matcher for i in rows], host)
         # one pinned buffer is enough: the step before, which read it, has been read back before this fill
         return rows, host.to(device, non_blocking=True) if device.type == "cuda" else host.clone()
