@@ -276,6 +276,24 @@ def overview() -> dict:
                    "suffix: tok/s", w=24, h=7, stack=True),
         model_info(),
 
+        row("Structured output"),
+        timeseries("Constrained requests and tool calls", "Requests per second whose output a grammar constrains, "
+                   "by what asked for it (response_format json_object or json_schema, or tools); tool calls returned "
+                   "per second; and constrained requests whose grammar was compiled already (cache hits).",
+                   [target(f"sum by (constraint) (rate(llm_structured_requests_total{{{SEL}}}[$__rate_interval]))",
+                           "{{constraint}}"),
+                    target(f"sum(rate(llm_tool_calls_total{{{SEL}}}[$__rate_interval]))", "tool calls"),
+                    target(f"sum(rate(llm_grammar_cache_hits_total{{{SEL}}}[$__rate_interval]))", "cache hits")],
+                   "reqps"),
+        timeseries("Grammar compile time", "From a constrained request's arrival at the engine to its grammar "
+                   "being ready: compiled (milliseconds to tens of them for a large schema; the limit is 10 s), or "
+                   "found compiled (microseconds). The request waits outside the batch meanwhile.",
+                   quantiles("llm_grammar_compile_seconds", "$__rate_interval"), "s"),
+        timeseries("Grammar masks per step", "Host time a step with constrained rows spends having their grammars "
+                   "take the last tokens and filling and uploading their token masks. It runs while the device "
+                   "computes the step's forward pass; what exceeds that delays the step.",
+                   quantiles("llm_grammar_mask_seconds", "$__rate_interval"), "s"),
+
         row("Processes"),
         timeseries("Front-end event-loop lag", "How late each front end's event loop runs (label process: api-0 "
                    "...): every request on that front end waits this long for HTTP, JSON and token handling. "

@@ -160,6 +160,8 @@ class Metrics:
         self.grammar_compile_m, self.grammar_hits_m, self.grammar_mask_m = self.grammar_compile_seconds.labels(
             model), self.grammar_cache_hits.labels(model), self.grammar_mask_seconds.labels(model)
         self.tool_calls_m = self.tool_calls.labels(model)
+        for constraint in CONSTRAINTS:  # every series exists from the start (at zero): queries of it find data
+            self.structured_requests.labels(model, constraint)
         self.preemptions_m = self.preemptions.labels(model)
         self.running_m, self.waiting_m, self.kv_usage_m = self.running.labels(model), self.waiting.labels(model), \
             self.kv_usage.labels(model)
