@@ -434,7 +434,7 @@ def test_cuda_constrained_requests_match_their_grammar_alone_batched_and_preempt
     import json
 
     from service.engine.structured import StructuredOutput
-    from tests.engine.test_structured import PERSON, schema
+    from tests.engine.test_engine_grammars import PERSON, schema
     ps = ["a", "tell me about a person", "b c d e f g", "x " * 30] * 3
     kinds = [dict(structured=schema(PERSON)), dict(temperature=0.8, seed=3, structured=schema(PERSON)),
              dict(ignore_eos=True), dict(temperature=0.8, seed=5, structured=StructuredOutput("json_object"),
