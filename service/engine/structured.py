@@ -10,6 +10,7 @@ bitmask for the next sample; the sampler's LogitEdits applies the bitmask (runne
 
 import json
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -184,12 +185,14 @@ class Grammars:
                 seq.accepted = ok
 
     def _matchers(self, rows: int):
-        """xgrammar's batch matcher: one thread for a few rows, four for many."""
+        """xgrammar's batch matcher: one thread for a few rows; for more, up to 8 threads, half the machine's cores
+        (a row's mask takes from a few microseconds to tens of them, inside a string or a number)."""
         import xgrammar
 
         if self._batch is None:
-            self._batch = xgrammar.BatchGrammarMatcher(max_threads=1), xgrammar.BatchGrammarMatcher(max_threads=4)
-        return self._batch[rows >= 32]
+            threads = max(1, min(8, (os.cpu_count() or 2) // 2))
+            self._batch = xgrammar.BatchGrammarMatcher(max_threads=1), xgrammar.BatchGrammarMatcher(max_threads=threads)
+        return self._batch[rows >= 8]
 
     def masks(self, seqs: list, device) -> tuple[list[int], "torch.Tensor"] | None:
         """The token masks of the constrained rows of a step about to sample `seqs` (their matchers have taken every
