@@ -10,7 +10,6 @@ bitmask for the next sample; the sampler's LogitEdits applies the bitmask (runne
 
 import json
 import logging
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -185,14 +184,14 @@ class Grammars:
                 seq.accepted = ok
 
     def _matchers(self, rows: int):
-        """xgrammar's batch matcher: one thread for a few rows; for more, up to 8 threads, half the machine's cores
-        (a row's mask takes from a few microseconds to tens of them, inside a string or a number)."""
+        """xgrammar's batch matcher: one thread for fewer than 32 rows, four for more. A row's mask takes from a few
+        microseconds to tens of them (inside a number or a string); on the H200 machine (16 cores) eight threads
+        filled 256 rows slower than four (2.2 against 1.7 ms a step), and 32 rows too (0.70 against 0.55 ms)."""
         import xgrammar
 
         if self._batch is None:
-            threads = max(1, min(8, (os.cpu_count() or 2) // 2))
-            self._batch = xgrammar.BatchGrammarMatcher(max_threads=1), xgrammar.BatchGrammarMatcher(max_threads=threads)
-        return self._batch[rows >= 8]
+            self._batch = xgrammar.BatchGrammarMatcher(max_threads=1), xgrammar.BatchGrammarMatcher(max_threads=4)
+        return self._batch[rows >= 32]
 
     def masks(self, seqs: list, device) -> tuple[list[int], "torch.Tensor"] | None:
         """The token masks of the constrained rows of a step about to sample `seqs` (their matchers have taken every
