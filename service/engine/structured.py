@@ -170,18 +170,15 @@ class Grammars:
             words[t // 32] &= ~np.uint32(1 << (t % 32))
         return not words.any()
 
-    def accept(self, seqs: list, tokens: list[int]) -> None:
+    @staticmethod
+    def accept(seqs: list, tokens: list[int]) -> None:
         """The constrained sequences among `seqs` take their `tokens` (a step's samples, read back) before the rest
         of the read-back, so that the next masks can be filled first; `_check_stop` then reads `seq.accepted`. A
-        sequence that finished since that step was launched drops its token, and takes none. One call into xgrammar
-        for all of them: each call gives up the GIL, and getting it back behind another busy thread costs up to
-        Python's switch interval (5 ms)."""
-        taking = [(seq, token) for seq, token in zip(seqs, tokens) if seq.matcher is not None and not seq.is_finished]
-        if taking:
-            verdicts = self._matchers(len(taking)).batch_accept_token([s.matcher for s, _ in taking],
-                                                                       [t for _, t in taking])
-            for (seq, _), ok in zip(taking, verdicts):
-                seq.accepted = ok
+        sequence that finished since that step was launched drops its token, and takes none. (One call per matcher:
+        xgrammar's batch call took twice as long for 32 or 256 rows, most of it reading back its list of results.)"""
+        for seq, token in zip(seqs, tokens):
+            if seq.matcher is not None and not seq.is_finished:
+                seq.accepted = seq.matcher.accept_token(token)
 
     def _matchers(self, rows: int):
         """xgrammar's batch matcher: one thread for fewer than 32 rows, four for more. A row's mask takes from a few
