@@ -169,3 +169,16 @@ def test_a_model_without_tokenizer_refuses_structured_output(tiny_model):
     engine = make_engine(tiny_model)
     with pytest.raises(InvalidRequestError, match="tokenizer"):
         engine.add_request([1, 2], SamplingParams(structured=StructuredOutput("json_object")))
+
+
+def test_the_grammar_cache_keeps_the_newest_and_no_more(worded_tiny):
+    from service.engine.structured import Grammars
+    grammars = Grammars(worded_tiny.tokenizer, 49152, worded_tiny.eos_token_ids, 4)
+    seqs = [Sequence(str(i), [1], SamplingParams(structured=schema({"enum": [i]})))
+            for i in range(Grammars.CACHE_ENTRIES + 8)]
+    for seq in seqs:
+        assert not grammars.start(seq)
+    assert len(grammars._cache) == Grammars.CACHE_ENTRIES
+    seqs[-1].grammar.result()
+    assert grammars.start(seqs[-1]) and not grammars.start(seqs[0])  # the newest is kept, the oldest was dropped
+    grammars.close()
