@@ -500,3 +500,22 @@ def test_serve_refuses_a_chat_template_that_is_neither_file_nor_template(tmp_pat
 def test_a_model_without_a_chat_template_is_told_so():
     with pytest.raises(APIError, match="no chat template"):
         render(Tokenizer(""), None, messages(*ASK), None)
+
+
+def test_random_weights_with_a_tokenizer_serve_text_and_grammars():
+    """--tokenizer: a random: model gets a real tokenizer (its vocabulary sized to it), so text, chat templates and
+    grammars work on it (the GPU benchmarks of grammars run this way)."""
+    import torch
+
+    from service.engine.models import load_model
+    from tests.conftest import tokenizer_folder
+    loaded = load_model("random:tiny", torch.float32, torch.device("cpu"), tokenizer=tokenizer_folder())
+    assert loaded.model.config.vocab_size == len(loaded.tokenizer) and loaded.tokenizer_source == tokenizer_folder()
+    with LiveServer(loaded) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        out = c.chat.completions.create(model=s.engine.model_name, messages=ASK, max_tokens=40, temperature=0,
+                                        response_format={"type": "json_schema", "json_schema": {
+                                            "name": "b", "schema": BOUNDED}})
+        jsonschema.validate(json.loads(out.choices[0].message.content), BOUNDED)
+        text = c.completions.create(model=s.engine.model_name, prompt="Hello", max_tokens=5, temperature=0)
+        assert text.usage.completion_tokens == 5 and isinstance(text.choices[0].text, str)
