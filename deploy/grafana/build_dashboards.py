@@ -305,6 +305,12 @@ def overview() -> dict:
                    [target(f"sum by (instance, process) (rate(process_cpu_seconds_total{{{SEL}}}"
                            f"[$__rate_interval]))",
                            "{{instance}} {{process}}")], "percentunit"),
+        timeseries("Open connections per front end", "HTTP connections each front end holds (label process): a "
+                   "connection stays with the front end that accepted it, and the kernel spreads new ones over the "
+                   "front ends' sockets by a hash of their addresses and ports, so with many clients each front end "
+                   "holds about its share. One far above the others sets the pace of its requests.",
+                   [target(f"sum by (instance, process) (llm_http_connections{{{SEL}}})", "{{instance}} {{process}}")],
+                   "short"),
         timeseries("IPC backlog", "Requests each front end has sent to the engine process and not yet heard "
                    "back about: above zero for long, the engine's loop is not reading its inbox.",
                    [target(f"sum by (instance, process) (llm_ipc_backlog{{{SEL}}})", "{{instance}} {{process}}")],

@@ -39,7 +39,8 @@ def create_app(settings: Settings | None = None, engine: "LLMEngine | None" = No
             state.run_engine_here(engine)
         else:
             state.connect(folder, alive)
-        telemetry.watch_runtime(lambda: state.client.num_backlog if state.client else 0)
+        telemetry.watch_runtime(lambda: state.client.num_backlog if state.client else 0,
+                                lambda: state.open_connections())
         yield
         state.draining = True
         await state.stop()

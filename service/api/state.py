@@ -42,6 +42,7 @@ class ServerState:
         self.folder: str | None = None  # the sockets' folder when this process made it (the engine runs here)
         self.load_error: BaseException | None = None
         self.draining = False
+        self.open_connections = lambda: 0  # the server's count (DrainingServer sets it): llm_http_connections
         self.fatal: str | None = None  # why the server must exit non-zero (the engine died)
         self.chat_template = load_template(settings.server.chat_template)  # --chat-template, read once
 

@@ -71,12 +71,14 @@ class Telemetry:
             if self.otlp is not None and self.gpu.enabled:
                 self.otlp.observe_gpus(lambda: self.gpu.last)
 
-    def watch_runtime(self, client_backlog=lambda: 0) -> None:
-        """Per-process gauges of a front end: threads, tasks, IPC backlog, event-loop lag (call on its loop)."""
+    def watch_runtime(self, client_backlog=lambda: 0, connections=lambda: 0) -> None:
+        """Per-process gauges of a front end: threads, tasks, open connections, IPC backlog, event-loop lag (call on
+        its loop)."""
         loop = asyncio.get_running_loop()
         m = self.metrics
         m.threads.set_function(threading.active_count)
         m.asyncio_tasks.set_function(lambda: len(asyncio.all_tasks(loop)))
+        m.connections.set_function(connections)
         m.ipc_backlog.set_function(client_backlog)
 
         async def lag():

@@ -135,6 +135,9 @@ class Metrics:
         self.loop_lag = Gauge("llm_event_loop_lag_seconds", "How late the front end's event loop ran a timer "
                               "due 0.5 s earlier, at its last check: the time requests on it wait for the loop "
                               "(HTTP, JSON, text and token handling all run on it).", registry=local)
+        self.connections = Gauge("llm_http_connections", "HTTP connections open on the front end (each stays with "
+                                 "the front end that accepted it): their spread over the front ends is the "
+                                 "spread of the load.", registry=local)
         self.ipc_backlog = Gauge("llm_ipc_backlog", "Requests a front end has sent to the engine process and not "
                                  "yet heard back about (admitted or refused).", registry=local)
         self.otlp_export_failures = Counter("llm_otlp_metric_export_failures", "OTLP metric exports "

@@ -39,7 +39,7 @@ CATALOG = {
     "llm_batch_tokens": "histogram", "llm_tensor_parallel_forward_seconds": "counter", "llm_model_info": "gauge",
     "llm_engine_step_failures": "counter", "llm_kv_cache_blocks_used": "gauge",
     "llm_process_threads": "gauge", "llm_asyncio_tasks": "gauge", "llm_event_loop_lag_seconds": "gauge",
-    "llm_ipc_backlog": "gauge", "llm_otlp_metric_export_failures": "counter",
+    "llm_ipc_backlog": "gauge", "llm_http_connections": "gauge", "llm_otlp_metric_export_failures": "counter",
     "llm_otlp_metric_points_dropped": "counter", "llm_structured_requests": "counter", "llm_tool_calls": "counter",
     "llm_grammar_compile_seconds": "histogram", "llm_grammar_cache_hits": "counter",
     "llm_grammar_mask_seconds": "histogram",
