@@ -231,3 +231,23 @@ def test_connections_opened_at_once_spread_evenly_over_four_front_ends():
                 c.close()
         wait_until(lambda: sum(counts()) == 1, 60, "the closed connections to leave the counts")
         assert s.ready()  # and the server serves on
+
+
+def test_the_port_is_ours_alone_though_its_sockets_share_it():
+    import socket
+
+    from service.api.server import _bind
+    socks = _bind("127.0.0.1", 0, 3)
+    try:
+        port = socks[0].getsockname()[1]
+        assert {s.getsockname()[1] for s in socks} == {port}
+        with pytest.raises(OSError):  # a second server on the port: refused, not let in beside ours
+            _bind("127.0.0.1", port, 2)
+    finally:
+        for s in socks:
+            s.close()
+    with socket.socket() as plain:  # a port someone else listens on: refused
+        plain.bind(("127.0.0.1", 0))
+        plain.listen()
+        with pytest.raises(OSError):
+            _bind("127.0.0.1", plain.getsockname()[1], 2)
