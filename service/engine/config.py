@@ -48,6 +48,9 @@ class EngineConfig:
     quantization: str = option("none", "quantize the linear layers as the model loads: weights only (int8, int4, "
                                "fp8) or weights and activations (int8-w8a8, fp8-w8a8); fp8 modes need CUDA 8.9+",
                                QUANTIZATIONS)
+    smoothing: bool = option(True, "with int8-w8a8 or fp8-w8a8: SmoothQuant, per-channel factors calibrated at load "
+                             "on a built-in text and folded into the weights, so that activation outliers quantize "
+                             "better (random weights, and models not shaped like Llama, quantize without)")
     kv_cache_dtype: str = option("auto", KV_CACHE_DTYPE_HELP, ("auto", *KV_CACHE_DTYPES))
     device: str = option("auto", "where the model runs; auto: cuda when available, else cpu", DEVICES)
     block_size: int = option(16, "tokens per KV cache block")

@@ -52,7 +52,7 @@ class LLMEngine:
         elif loaded is None:
             loaded = load_model(config.model, resolve_dtype(config.dtype, self.device, config.quantization),
                                 self.device, config.cache_dir, config.seed, config.trust_remote_code,
-                                config.quantization, config.tokenizer)
+                                config.quantization, config.tokenizer, config.smoothing)
         self.model_name = loaded.name
         self.quantization = loaded.quantization
         self.tokenizer = loaded.tokenizer

@@ -70,9 +70,10 @@ def default_gguf_path() -> Path:
 
 def load_model(spec: str, dtype: torch.dtype, device: torch.device, cache_dir: str | None = None,
                seed: int = 0, trust_remote_code: bool = False, quantization: str = "none",
-               tokenizer: str | None = None) -> LoadedModel:
-    """Load a model; with `quantization`, its linear layers get weight-only quantized weights after loading. A
-    `tokenizer` gives random weights one (their vocabulary sized to it); a checkpoint brings its own."""
+               tokenizer: str | None = None, smoothing: bool = True) -> LoadedModel:
+    """Load a model; with `quantization`, its linear layers get quantized weights after loading (a W8A8 mode smooths
+    a checkpoint first, unless `smoothing` is off: quant/smoothing.py). A `tokenizer` gives random weights one
+    (their vocabulary sized to it); a checkpoint brings its own."""
     quant.check(quantization, device, dtype)
     if spec.startswith("random:"):
         loaded = _load_random(spec, dtype, device, seed, tokenizer)
@@ -81,7 +82,8 @@ def load_model(spec: str, dtype: torch.dtype, device: torch.device, cache_dir: s
     else:
         loaded = _load_pretrained(spec, dtype, device, cache_dir, trust_remote_code, quantization)
     if loaded.quantization == "none":
-        quant.quantize(loaded.model, quantization, device)
+        calibrate = smoothing and not spec.startswith("random:")  # random weights: no outliers worth keeping
+        quant.quantize(loaded.model, quantization, device, tokenizer=loaded.tokenizer if calibrate else None)
         loaded.quantization = quantization
     log.info("loaded %s on %s: dtype %s, quantization %s, weights %.1f MiB", loaded.name, device.type,
              dtype_name(dtype), loaded.quantization, quant.weight_bytes(loaded.model) / 2**20)

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from service.bench.offline.lengths import Lengths
-from service.bench.offline.quantization import scheme_entry
+from service.bench.offline.quantization import scheme_entry, smoothed
 from service.bench.store.provenance import stable_hash
 from service.engine.config import KV_CACHE_DTYPE_HELP, EngineConfig
 from service.engine.quant.quantization import check as check_quantization, check_config
@@ -153,7 +153,7 @@ def resolve(config: dict, cuda_available: bool) -> tuple[dict, str | None]:
     elif c["tensor_parallel_size"] > 1:
         return c, "quantization does not work with tensor parallelism yet"
     else:
-        c |= scheme_entry(c["quantization"])
+        c |= scheme_entry(c["quantization"], smoothed(c["model"], c["quantization"], True))
         if c["device"] != "cuda" or cuda_available:
             try:
                 check_quantization(c["quantization"], torch.device(c["device"]), getattr(torch, c["dtype"]))

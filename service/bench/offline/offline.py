@@ -312,15 +312,18 @@ def engine_settings(config: EngineConfig, *leave_out: str) -> dict:
     """The engine's settings as a stored run keeps them; an 8-bit KV cache only where asked for, so that runs stored
     before the option existed keep their configuration's hash."""
     return {k: v for k, v in config.__dict__.items()
-            if k not in leave_out and not (k == "kv_cache_dtype" and v == "auto")}
+            if k not in leave_out and not (k == "kv_cache_dtype" and v == "auto") and not (k == "tokenizer" and v is None)
+            and k != "smoothing"}  # smoothing: where it applies, quantization.scheme_entry says so
 
 
 def save(store, rows: list[dict], config: EngineConfig, args: argparse.Namespace, p: Plan, machine: str) -> None:
     """One run in the results store, and the JSON file when --json names one."""
+    smoothed = quantization.smoothed(p.model, config.quantization, config.smoothing)
     record(store, args.label, {"model": p.model, "device": p.device.type, "dtype": args.dtype,
                                "num_requests": p.num_requests, "input_len": str(args.input_len),
                                "output_len": str(p.output_len), "seed": args.seed,
-                               **engine_settings(config, "model", "device", "dtype")},
+                               **engine_settings(config, "model", "device", "dtype"),
+                               **({"smoothing": quantization.SMOOTHED} if smoothed else {})},
            rows)
     if args.json:
         with open(args.json, "w") as f:
@@ -366,10 +369,13 @@ def _compare_quantization(store, label: str | None, config: EngineConfig, modes:
     # every compiled engine adds its graphs of the same decoder-layer code to torch.dynamo's cache of it; past its
     # limit (8) a later engine would run eager without a word and lose the comparison
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(modes))
-    engines = {m: quantization.engine_for(config, m) for m in modes}
+    variants = quantization.variants(config.model, modes)
+    engines = {label: quantization.engine_for(config, m, smoothing) for label, m, smoothing in variants}
     engine = engines[modes[0]]
     prompts = random_prompts(num_requests, input_len, engine.runner.model.config.vocab_size, seed)
     rows = quantization.compare(engines, prompts, output_len.sample(num_requests, seed + 1), repeats, run_engine)
+    for row, (_, mode, smoothing) in zip(rows, variants):
+        row["quantization"], row["smoothed"] = mode, quantization.smoothed(config.model, mode, smoothing)
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     machine = torch.cuda.get_device_name() if engine.device.type == "cuda" else \
         f"{platform.processor() or 'cpu'}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
@@ -382,9 +388,9 @@ def _compare_quantization(store, label: str | None, config: EngineConfig, modes:
                   "input_len": str(input_len), "output_len": str(output_len), "seed": seed,
                   **engine_settings(config, "model", "device"),
                   "quantization": r["quantization"], "dtype": r["dtype"],
-                  **quantization.scheme_entry(r["quantization"])}
+                  **quantization.scheme_entry(r["quantization"], r["smoothed"])}
         with store.run(kind="offline", config=stored, label=label,
-                       name=f"offline-{config.model}-{r['quantization']}") as run:
+                       name=f"offline-{config.model}-{r['label'].replace(' ', '-')}") as run:
             for i, seconds in enumerate(r["runs"]):
                 run.measure("wall_seconds", seconds, unit="s", iteration=i)
                 run.measure("output_tokens_per_second", r["output_tokens"] / seconds, unit="tok/s", iteration=i)
@@ -394,6 +400,7 @@ def _compare_quantization(store, label: str | None, config: EngineConfig, modes:
                 run.measure("greedy_agreement_ratio", r["greedy_agreement"], unit="ratio")
             if r["perplexity"] is not None:
                 run.measure("perplexity", r["perplexity"], unit="ppl")
+                run.measure("forced_agreement_ratio", r["forced_agreement"], unit="ratio")
     print(f"stored {len(rows)} runs in {store.url}")
     if json_path:
         with open(json_path, "w") as f:

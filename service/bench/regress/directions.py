@@ -17,7 +17,7 @@ RULES = [
     # stored metrics: units in the name
     ("*_per_second", HIGHER), ("*_seconds", LOWER), ("*_bytes", LOWER), ("failed_requests", LOWER),
     ("*_error", LOWER), ("goodput_ratio", HIGHER), ("slo_attainment_ratio*", HIGHER),
-    ("greedy_agreement_ratio", HIGHER), ("perplexity", LOWER),  # bench offline --quantization
+    ("greedy_agreement_ratio", HIGHER), ("forced_agreement_ratio", HIGHER), ("perplexity", LOWER),  # bench offline --quantization
     # bench serve's summary keys (bench compare reads them from its JSON files)
     ("ttft_ms.*", LOWER), ("tpot_ms.*", LOWER), ("itl_ms.*", LOWER), ("e2e_ms.*", LOWER), ("errors.*", LOWER),
     ("requests.failed", LOWER), ("request_throughput", HIGHER), ("output_throughput", HIGHER),

@@ -97,8 +97,10 @@ def checkpoint_method(config) -> str | None:
     return str(getattr(method, "value", method) or "unknown")
 
 
-def quantize(model: torch.nn.Module, mode: str, device: torch.device, simulate: bool = False) -> None:
-    """Replace the weights of every linear layer but the output projection by quantized tensors, in place.
+def quantize(model: torch.nn.Module, mode: str, device: torch.device, simulate: bool = False,
+             tokenizer=None) -> None:
+    """Replace the weights of every linear layer but the output projection by quantized tensors, in place. With a
+    `tokenizer`, a W8A8 mode first smooths the model on its calibration text (engine/quant/smoothing.py).
 
     The output projection stays but in int8-w8a8 on CUDA (`_quantizes_head`): it is usually tied to the embedding,
     and a quantized copy adds memory instead of saving it (vLLM leaves it alone). `simulate` (W8A8 modes only, for
@@ -107,6 +109,9 @@ def quantize(model: torch.nn.Module, mode: str, device: torch.device, simulate: 
     if mode == "none":
         return
     output = model.get_output_embeddings()
+    if mode in W8A8_MODES and tokenizer is not None:
+        from service.engine.quant import smoothing
+        smoothing.smooth(model, tokenizer, mode)
     if mode in W8A8_MODES or _own_kernel(mode, device):
         head = _quantizes_head(mode, device, simulate)
         count = w8a8.quantize(model, mode, simulate, skip=None if head else output)
