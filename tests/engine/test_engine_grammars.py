@@ -171,8 +171,9 @@ def test_a_model_without_tokenizer_refuses_structured_output(tiny_model):
         engine.add_request([1, 2], SamplingParams(structured=StructuredOutput("json_object")))
 
 
-def test_the_grammar_cache_keeps_the_newest_and_no_more(worded_tiny):
+def test_the_grammar_cache_keeps_the_newest_and_no_more(worded_tiny, monkeypatch):
     from service.engine.structured import Grammars
+    monkeypatch.setattr(Grammars, "CACHE_ENTRIES", 16)  # the rule, at a size that compiles in a moment
     grammars = Grammars(worded_tiny.tokenizer, 49152, worded_tiny.eos_token_ids, 4)
     seqs = [Sequence(str(i), [1], SamplingParams(structured=schema({"enum": [i]})))
             for i in range(Grammars.CACHE_ENTRIES + 8)]
