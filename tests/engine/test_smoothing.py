@@ -22,7 +22,8 @@ def logits(model, ids: list[int]) -> torch.Tensor:
         model.set_attn_implementation(previous)
 
 
-def test_folding_the_factors_changes_nothing_in_float32():
+@pytest.mark.parametrize("mode", ["int8-w8a8", "fp8-w8a8"])  # the strengths' errors: int8 codes, fp8 codes
+def test_folding_the_factors_changes_nothing_in_float32(mode):
     """Random weights with a real tokenizer (two of them: one folded, one as drawn) and grouped-query heads: each
     place's factors go where they belong, or the output changes."""
     plain, folded = (load_model("random:tiny", torch.float32, CPU, tokenizer=tokenizer_folder()) for _ in range(2))
@@ -34,7 +35,7 @@ def test_folding_the_factors_changes_nothing_in_float32():
                     weight[3] *= 40.0
     config = plain.model.config
     assert config.num_attention_heads > config.num_key_value_heads  # o after v: factors tied over each group
-    chosen = smoothing.smooth(folded.model, folded.tokenizer, "int8-w8a8")
+    chosen = smoothing.smooth(folded.model, folded.tokenizer, mode)
     assert len(chosen) == 4 * config.num_hidden_layers and any(c["alpha"] is not None for c in chosen)
     assert {c["place"] for c in chosen if c["alpha"] is not None} == {"qkv", "gate_up", "down", "o"}
     assert all(c["smoothed_error"] <= c["error"] for c in chosen)
