@@ -86,7 +86,7 @@ def test_default_model_answers_paris(quantized, mode):
 
 
 def test_smoothing_brings_int8_w8a8_closer_to_float32_on_held_out_text(default_model, quantized):
-X (apart from the calibration text): the
+    """Teacher forcing over 512 tokens of the quality measurements' text (apart from the calibration text): the
     smoothed model's most likely next token agrees with float32's more often, and its perplexity lies closer."""
     ids = default_model.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)[:512]
     float_perplexity, top, _ = text_scores(default_model.model, ids)
