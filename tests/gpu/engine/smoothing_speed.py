@@ -42,7 +42,7 @@ def main() -> None:
         quantization.quantize(loaded.model, args.quantization, device)
         loaded.quantization = args.quantization
         engines[smoothed] = LLMEngine(EngineConfig(model=args.model, quantization=args.quantization,
-                                                   max_num_seqs=args.requests, gpu_memory_utilization=0.4,
+                                                   max_num_seqs=args.requests, num_blocks=4400,
                                                    compile=args.compile), loaded=loaded)
     prompts = [[(7 * i + j) % 30000 + 5 for j in range(128)] for i in range(args.requests)]
     params = [SamplingParams(max_tokens=128, min_tokens=128, ignore_eos=True, temperature=0)] * args.requests
