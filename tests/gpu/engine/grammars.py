@@ -17,7 +17,9 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -25,6 +27,9 @@ from service.engine import EngineConfig, LLMEngine, SamplingParams
 from service.engine.detokenizer import Detokenizer
 from service.engine.sequence import Sequence
 from service.engine.structured import Grammars, StructuredOutput
+
+sys.path.insert(0, str(Path(__file__).parent))
+from penalties import run as timed_run  # noqa: E402  (all requests at once, output tok/s)
 
 
 def array_schema(name: str, items: int) -> StructuredOutput:
@@ -43,22 +48,12 @@ def fields_schema(count: int) -> StructuredOutput:
 def run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
     steps = []
     engine.observer = steps.append
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for p, sp in zip(prompts, params):
-        engine.add_request(p, sp)
-    while engine.has_unfinished():
-        engine.step()
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    tok_s = timed_run(engine, prompts, params)
     engine.observer = None
     full = [s.duration for s in steps if s.phase == "decode" and s.num_seqs == len(prompts)]
     masks = [s.mask_seconds for s in steps if s.mask_seconds]
-    return {"output_tok_s": sum(sp.max_tokens for sp in params) / seconds,
-            "step_ms": 1e3 * statistics.median(full) if full else None, "full_steps": len(full),
-            "mask_ms": 1e3 * statistics.median(masks) if masks else 0.0}
+    return {"output_tok_s": tok_s, "step_ms": 1e3 * statistics.median(full) if full else None,
+            "full_steps": len(full), "mask_ms": 1e3 * statistics.median(masks) if masks else 0.0}
 
 
 def compile_times(engine: LLMEngine) -> dict:
