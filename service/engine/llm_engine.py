@@ -81,7 +81,7 @@ class LLMEngine:
         self._compiling: list[Sequence] = []
         # reported with the next step (_grammar_stats): grammars found compiled, each request's wait for its grammar,
         # host time spent on masks
-        self.grammar_hits, self._grammar_waits, self._mask_seconds = 0, [], 0.0
+        self._grammar_hits, self._grammar_waits, self._mask_seconds = 0, [], 0.0
 
     def _start_parallel(self, config: EngineConfig, loaded: LoadedModel | None) -> tuple[EngineConfig, LoadedModel]:
         from service.engine.parallel import TensorParallelGroup, load_shard
@@ -166,7 +166,7 @@ class LLMEngine:
             if self.grammars is None:
                 self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                          self.config.max_num_seqs)
-            self.grammar_hits += self.grammars.start(seq)
+            self._grammar_hits += self.grammars.start(seq)
             self._compiling.append(seq)
             return
         self.scheduler.add(seq)
@@ -365,9 +365,9 @@ class LLMEngine:
         """What structured output did since the last report (each is reported once)."""
         if self.grammars is None:
             return {}
-        stats = dict(grammar_waits=tuple(self._grammar_waits), grammar_hits=self.grammar_hits,
+        stats = dict(grammar_waits=tuple(self._grammar_waits), grammar_hits=self._grammar_hits,
                      mask_seconds=self._mask_seconds)
-        self._grammar_waits, self.grammar_hits, self._mask_seconds = [], 0, 0.0
+        self._grammar_waits, self._grammar_hits, self._mask_seconds = [], 0, 0.0
         return stats
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:

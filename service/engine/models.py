@@ -123,7 +123,7 @@ def _load_random(spec: str, dtype: torch.dtype, device: torch.device, seed: int,
         raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
     shape, tokenizer, eos = dict(PRESETS[preset]), None, None
     if tokenizer_source is not None:
-        tokenizer = load_tokenizer(tokenizer_source)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)  # a folder: tokenizer.json and its config
         shape["vocab_size"], eos = len(tokenizer), tokenizer.eos_token_id
     config = LlamaConfig(**shape, bos_token_id=None, eos_token_id=eos, pad_token_id=None)
     torch.manual_seed(seed)
@@ -132,11 +132,6 @@ def _load_random(spec: str, dtype: torch.dtype, device: torch.device, seed: int,
     loaded = _finish(model, tokenizer, display_name(spec))
     loaded.tokenizer_source = tokenizer_source
     return loaded
-
-
-def load_tokenizer(source: str):
-    """A tokenizer from a folder (its tokenizer.json and tokenizer_config.json are enough) or a hub id."""
-    return AutoTokenizer.from_pretrained(source)
 
 
 def _finish(model, tokenizer, name: str) -> LoadedModel:

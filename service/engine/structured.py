@@ -107,7 +107,6 @@ class Grammars:
         self._masks = None  # [max_rows, words] int32, pinned on CUDA, built with the first constrained step
         self._max_rows = max_rows
         self._batch = None  # xgrammar's batch matchers (few rows, many rows), made at the first step that needs them
-        self._stop_words: list[tuple[int, int]] = []  # (word, bit) of each stop token, for `complete`
 
     @staticmethod
     def _new_compiler(tokenizer, vocab_size: int, stop_token_ids: list[int]):
@@ -207,5 +206,6 @@ class Grammars:
                 self._masks = self._masks.pin_memory()
         host = self._masks[:len(rows)]
         self._matchers(len(rows)).batch_fill_next_token_bitmask([seqs[i].matcher for i in rows], host)
-        # one pinned buffer is enough: the step before, which read it, has been read back before this fill
+        # one pinned buffer is enough: the last step that read it has been waited for before this fill (the split step
+        # waits for the step in flight's tokens, which come after its masks' upload on the stream)
         return rows, host.to(device, non_blocking=True) if device.type == "cuda" else host.clone()
