@@ -286,10 +286,19 @@ def from_namespace(args: argparse.Namespace) -> Settings:
     return Settings(**{name: pick(cls) for name, cls in SECTIONS.items()})
 
 
+def load_template(value: str | None) -> str | None:
+    """--chat-template: a file's path, or the Jinja text itself."""
+    if not value or "{%" in value or "{{" in value:
+        return value or None
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return path.read_text()
+
+
 def parse(argv: list[str] | None = None, prog: str = "service serve") -> Settings:
     parser = build_parser(prog)
     settings = from_namespace(parser.parse_args(argv))
-    from service.api.chat import load_template
     from service.engine.quant.quantization import check_config
     try:
         check_config(settings.engine)

@@ -7,7 +7,6 @@ assistant's text, tool results as a user message of <tool_response> blocks.
 """
 
 import json
-from pathlib import Path
 
 from service.api.errors import bad_request
 from service.api.tools import CLOSE, OPEN
@@ -22,16 +21,6 @@ block per call:
 <tool_call>
 {{"name": <function-name>, "arguments": <args-json-object>}}
 </tool_call>"""
-
-
-def load_template(value: str | None) -> str | None:
-    """--chat-template: a file's path, or the Jinja text itself."""
-    if not value or "{%" in value or "{{" in value:
-        return value or None
-    path = Path(value).expanduser()
-    if not path.is_file():
-        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
-    return path.read_text()
 
 
 def takes_tools(template: str) -> bool:

@@ -15,13 +15,12 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
-from service.api.chat import load_template
 from service.api.client import EngineClient, RequestStream, merge
 from service.api.errors import APIError, bad_request, unavailable
 from service.api.streaming import total_usage
 from service.engine import RequestOutput, SamplingParams, messages
 from service.engine.errors import EngineDeadError
-from service.settings import Settings
+from service.settings import Settings, load_template
 from service.telemetry.hub import Telemetry
 from service.telemetry.tracing import traced
 

@@ -11,9 +11,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field
 
 from service.api import tools
-from service.api.chat import HERMES_SYSTEM, load_template, render
+from service.api.chat import HERMES_SYSTEM, render
 from service.api.errors import APIError
 from service.api.schemas import ChatMessage
+from service.settings import load_template
 from tests import web
 from tests.conftest import LiveServer
 
