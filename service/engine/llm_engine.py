@@ -239,13 +239,13 @@ class LLMEngine:
             # nothing to run but grammars compiling: wait for one a moment instead of spinning
             concurrent.futures.wait([s.grammar for s in self._compiling], timeout=0.001,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
-        previous = self._in_flight is not None
+        had_in_flight = self._in_flight is not None
         outputs += self._read_in_flight()
         if launched is not None and self.overlap:
             self._in_flight = launched
         elif launched is not None:
             outputs += self._read_back(launched)
-        elif not previous:
+        elif not had_in_flight:  # no step ran or was read back: report the engine's state all the same
             self._observe([], batch=batch)
         return outputs
 
