@@ -31,7 +31,8 @@ class ServerSettings:
     api_key_file: str | None = option(None, "a file of API keys, one a line (# starts a comment), taken with "
                                       "--api-key", shown="none")
     # off by default, as scrapers expect; Prometheus sends it with `authorization: {credentials: ...}`
-    metrics_token: str | None = option(None, "when set, /metrics needs the header Authorization: Bearer TOKEN",
+    metrics_token: str | None = option(None, "when set, /metrics and the dashboard's data need the header "
+                                       "Authorization: Bearer TOKEN",
                                        shown="none (/metrics is open)")
     # 8 MiB holds a 128k-token prompt even as JSON-escaped text (~24 bytes a token) or as token ids (~8 bytes)
     max_request_bytes: int = option(8 * 1024 * 1024, "request bodies larger than this get 413, unread",
@@ -70,6 +71,12 @@ class TelemetrySettings:
                                       "requests")
     trace_text: bool = option(False, "put prompt and output text in request spans")
     gpu_sample_interval: float = option(5.0, "seconds between NVML readings of the GPUs; 0: no GPU metrics")
+    # docs/telemetry.md#the-dashboard-page says what each chart shows and where its numbers come from
+    dashboard: bool = option(True, "serve a live page of the service's own numbers at /dashboard (its data guarded "
+                             "like /metrics)")
+    trace_url: str | None = option(None, "a link to a trace in your trace viewer, {trace_id} standing for the id "
+                                   "(the dashboard links its slowest requests' traces), e.g. "
+                                   "http://localhost:3000/explore?left=...{trace_id}...", shown="none (no links)")
     # the GenAI server instruments and the engine's state (docs/telemetry.md); each option below left unset reads
     # its standard OTEL_* variable
     otlp_metrics: bool = option(False, "also push metrics over OTLP, from every process")

@@ -4,7 +4,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
 
-from service.api import native_routes, openai_routes
+from service.api import dashboard_routes, native_routes, openai_routes
 from service.api.arrival import ArrivalClock
 from service.api.auth import load_api_keys, require_api_key
 from service.api.errors import install_handlers
@@ -36,6 +36,8 @@ def create_app(settings: Settings | None = None, engine: "LLMEngine | None" = No
     async def lifespan(app: FastAPI):
         if folder is None:
             telemetry.start()
+            if settings.telemetry.dashboard:
+                telemetry.keep_history()
             state.run_engine_here(engine)
         else:
             state.connect(folder, alive)
@@ -62,8 +64,11 @@ def create_app(settings: Settings | None = None, engine: "LLMEngine | None" = No
 
         trace.set_tracer_provider(telemetry.tracing.provider)  # for @traced; a no-op after the first server
         FastAPIInstrumentor.instrument_app(app, tracer_provider=telemetry.tracing.provider,
-                                           excluded_urls="/health,/ready,/metrics", exclude_spans=["receive", "send"])
+                                           excluded_urls="/health,/ready,/metrics,/dashboard", exclude_spans=["receive", "send"])
     app.include_router(native_routes.public)
+    if settings.telemetry.dashboard:
+        app.include_router(dashboard_routes.router)
+        app.mount("/dashboard/static", dashboard_routes.static_files())
     app.include_router(native_routes.router, dependencies=[Depends(require_api_key)])
     app.include_router(openai_routes.router, dependencies=[Depends(require_api_key)])
     return app

@@ -48,4 +48,4 @@ async def require_api_key(request: Request) -> None:  # async: a sync dependency
 async def require_metrics_token(request: Request) -> None:
     token = request.app.state.metrics_token
     if token and not bearer_matches(request, token):
-        raise APIError(401, "/metrics needs 'Authorization: Bearer <metrics token>'", code="invalid_api_key")
+        raise APIError(401, f"{request.url.path} needs 'Authorization: Bearer <metrics token>'", code="invalid_api_key")

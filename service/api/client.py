@@ -363,6 +363,8 @@ class EngineClient:
             self._drop(streams, admitted=len(refused) < len(adds))
             why = refused[0]
             raise unavailable(why, retry_after=1 if "waiting" in why else 5)
+        if self.recorder is not None:
+            self.recorder.received(len(streams))
         return streams
 
     def _checked(self, prompt: str | list[int], params: SamplingParams, index: int | None = None

@@ -181,6 +181,8 @@ def _supervise(settings: Settings, folder: str, n: int) -> int:
         sock.close()
     log.info("serving on http://%s:%d: engine process %d, %d front end(s) %s", settings.server.host,
              settings.server.port, engine.pid, n, [p.pid for p in fronts.values()])
+    gone: set[str] = set()  # processes that exited: the dashboard's history no longer asks them
+    keeper, answers = _keep_history(settings, folder, names, gone) if settings.telemetry.dashboard else (None, None)
     zctx = zmq.Context()
     control = zctx.socket(zmq.PUSH)
     control.setsockopt(zmq.LINGER, 1000)
@@ -201,6 +203,7 @@ def _supervise(settings: Settings, folder: str, n: int) -> int:
         while fronts:
             multiprocessing.connection.wait([engine.sentinel, *(p.sentinel for p in fronts.values())], timeout=1.0)
             if not engine.is_alive():
+                gone.add("engine")
                 log.error("the engine process exited (status %s): stopping the front ends", engine.exitcode)
                 status = 1
                 _stop(list(fronts.values()))
@@ -208,6 +211,7 @@ def _supervise(settings: Settings, folder: str, n: int) -> int:
             for i, p in list(fronts.items()):
                 if not p.is_alive():
                     del fronts[i]
+                    gone.add(names[i + 1])
                     if not draining:
                         log.error("front end api-%d exited (status %s): its requests are aborted; %d serve on",
                                   i, p.exitcode, len(fronts))
@@ -222,9 +226,22 @@ def _supervise(settings: Settings, folder: str, n: int) -> int:
                 engine.kill()
             status = status or (1 if engine.exitcode else 0)
     finally:
+        if keeper is not None:
+            keeper.stop()
+            answers.close()
         control.close(0)
         zctx.term()
     return status
+
+
+def _keep_history(settings: Settings, folder: str, names: tuple[str, ...], gone: set[str]):
+    """The dashboard's history, kept here: the supervisor sees every process and is on no request's path."""
+    from service.telemetry import dashboard
+
+    model = settings.server.served_model_name or display_name(settings.engine.model)
+    keeper = dashboard.Keeper(dashboard.asker(folder, lambda: [p for p in names if p not in gone]), model,
+                              settings.telemetry.trace_url).start()
+    return keeper, dashboard.Server(keeper, folder)
 
 
 def _stop(processes: list) -> None:

@@ -335,12 +335,13 @@ class LLMEngine:
         # with overlap, a step's span starts where the previous one's read-back ended, so steps do not overlap
         duration = end - max(step.start, self._last_read_back)
         self._last_read_back = end
-        self._observe(outputs, first_tokens, finished, step.batch, step.phase, duration)
+        self._observe(outputs, first_tokens, finished, step.batch, step.phase, duration,
+                      device_wait=step.result.waited if step.result else 0.0)
         return outputs
 
     def _observe(self, outputs: list, first_tokens: list = (), finished: list = (),
                  batch: ScheduledBatch | None = None, phase: str | None = None, duration: float = 0.0,
-                 error: str | None = None) -> None:
+                 error: str | None = None, device_wait: float = 0.0) -> None:
         if self.observer is None:
             return
         ids = lambda seqs: [s.request_id for s in seqs]
@@ -359,7 +360,8 @@ class LLMEngine:
             self.parallel.rank_seconds if self.parallel is not None else None, error,
             finished_ids=tuple(self._request_id(out) for out in finished),
             kv_blocks_used=blocks.num_used_blocks, kv_blocks_total=blocks.num_usable_blocks,
-            prompt_tokens_computed=computed, prompt_tokens_cached=cached, **self._grammar_stats()))
+            prompt_tokens_computed=computed, prompt_tokens_cached=cached, device_wait=device_wait,
+            **self._grammar_stats()))
 
     def _grammar_stats(self) -> dict:
         """What structured output did since the last report (each is reported once)."""

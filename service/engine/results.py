@@ -78,6 +78,7 @@ class StepStats:
     grammar_waits: tuple[float, ...] = ()
     grammar_hits: int = 0
     mask_seconds: float = 0.0
+    device_wait: float = 0.0  # seconds of `duration` the engine thread waited for the device's results
 
 
 # Called on the engine's thread after every step and abort.

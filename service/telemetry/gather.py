@@ -10,6 +10,7 @@ prometheus_client's multiprocess mode would merge files instead, but it drops ex
 import logging
 import os
 import threading
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -33,15 +34,20 @@ def dump(registry) -> list:
             for m in registry.collect()]
 
 
-def snapshot(metrics) -> bytes:
-    return msgspec.msgpack.encode([dump(metrics.registry), dump(metrics.local)])
+def snapshot(metrics, slowest: list[dict] = ()) -> bytes:
+    """A process's metric families, and the slowest requests it finished lately (for /dashboard)."""
+    return msgspec.msgpack.encode([dump(metrics.registry), dump(metrics.local), list(slowest)])
+
+
+def slowest(raw: bytes) -> list[dict]:
+    return msgspec.msgpack.decode(raw)[2]
 
 
 class Responder:
     """Answers every question on `address(folder, process)` with this process's snapshot, on its own thread."""
 
-    def __init__(self, metrics, folder: str, process: str):
-        self.metrics = metrics
+    def __init__(self, snapshot: Callable[[], bytes], folder: str, process: str):
+        self.snapshot = snapshot
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.REP)
         self.sock.bind(address(folder, process))
@@ -52,7 +58,7 @@ class Responder:
         try:
             while True:
                 self.sock.recv()
-                self.sock.send(snapshot(self.metrics))
+                self.sock.send(self.snapshot())
         except zmq.ContextTerminated:
             pass
         finally:
@@ -83,7 +89,7 @@ def merge(snapshots: dict[str, bytes], model: str) -> list[Metric]:
     families: dict[str, Metric] = {}
     sums: dict[str, dict] = {}  # family -> (sample name, labels) -> [value, exemplar]
     for process, raw in snapshots.items():
-        shared, local = msgspec.msgpack.decode(raw)
+        shared, local, _ = msgspec.msgpack.decode(raw)
         for name, doc, typ, unit, samples in shared:
             if name not in families:
                 families[name], sums[name] = Metric(name, doc, typ, unit), {}

@@ -17,7 +17,7 @@ import zmq.asyncio
 from service.engine import StepObserver, StepStats
 from service.engine.config import dtype_name
 from service.settings import TelemetrySettings
-from service.telemetry import gather, otlp
+from service.telemetry import dashboard, gather, otlp
 from service.telemetry.gpu import GPUSampler
 from service.telemetry.metrics import Metrics
 from service.telemetry.recorder import EngineRecorder, RequestRecorder
@@ -46,7 +46,8 @@ class Telemetry:
         self.observer: StepObserver | None = self._observe_both if self.recorder and self.tracing.trace_steps \
             else self.recorder or (self.tracing.step if self.tracing.enabled else None)
         self.gpu: GPUSampler | None = None
-        self.responder = gather.Responder(self.metrics, folder, process) if folder else None
+        self.responder = gather.Responder(self.snapshot, folder, process) if folder else None
+        self.keeper: dashboard.Keeper | None = None  # the dashboard's history, when this process keeps it
         self._ask_ctx: zmq.asyncio.Context | None = None
         self._lag_task: asyncio.Task | None = None
 
@@ -88,7 +89,27 @@ class Telemetry:
                 m.loop_lag.set(max(0.0, time.perf_counter() - due))
         self._lag_task = loop.create_task(lag(), name="event-loop-lag")
 
+    def snapshot(self) -> bytes:
+        """This process's metrics (and slowest requests) for /metrics and /dashboard, gathered elsewhere."""
+        return gather.snapshot(self.metrics, self.requests.slowest() if self.requests is not None else ())
+
+    def keep_history(self) -> None:
+        """Keep the dashboard's history here (one process serves everything: no `folder`)."""
+        self.keeper = dashboard.Keeper(lambda: {self.process: self.snapshot()}, self.metrics.model,
+                                       self.settings.trace_url).start()
+
+    async def dashboard(self, since: float | None, status: str) -> bytes | None:
+        """The dashboard page's data: from the history kept here, else from the supervisor's (None: no answer)."""
+        if self.keeper is not None:
+            return self.keeper.view(since, status)
+        if self.folder is None:
+            return None
+        self._ask_ctx = self._ask_ctx or zmq.asyncio.Context()
+        return await dashboard.ask(self._ask_ctx, self.folder, since, status)
+
     def shutdown(self) -> None:
+        if self.keeper is not None:
+            self.keeper.stop()
         if self._lag_task is not None:
             self._lag_task.cancel()
         if self.gpu is not None:
@@ -109,7 +130,7 @@ class Telemetry:
 
     async def render(self, accept: str | None) -> tuple[bytes, str]:
         """Every process's metrics, merged, in the format the scraper asks for."""
-        snapshots = {self.process: gather.snapshot(self.metrics)}
+        snapshots = {self.process: self.snapshot()}
         if self.folder and self.peers:
             self._ask_ctx = self._ask_ctx or zmq.asyncio.Context()
             answers = await asyncio.gather(*(gather.ask(self._ask_ctx, self.folder, p) for p in self.peers))

@@ -81,6 +81,8 @@ class Metrics:
                                      "request share their prompt this way).", m, registry=r)
         self.generation_tokens = Counter("llm_generation_tokens", "Output tokens generated (output throughput is "
                                          "its rate).", m, registry=r)
+        self.received = Counter("llm_requests_received", "Requests the engine admitted: arrivals (each sample of an "
+                                "n > 1 request is one, as in llm_requests).", m, registry=r)
         self.requests = Counter("llm_requests", "Finished requests, by why they finished: stop (stop token or "
                                 "string), length (max_tokens or context), abort (client gone), error.",
                                 ["model", "finish_reason"], registry=r)
@@ -100,6 +102,10 @@ class Metrics:
             registry=r)
         self.step_seconds = histogram("llm_engine_step_seconds", "Duration of one engine step (one forward pass and "
                                       "sampling), by phase.", STEP_BUCKETS, ["model", "phase"])
+        self.step_host_seconds = histogram("llm_engine_step_host_seconds", "Host time of one engine step: its "
+                                           "duration less the engine thread's wait for the device's results (on "
+                                           "a CPU, where the model runs on the host, the whole step).",
+                                           STEP_BUCKETS)
         self.batch_tokens = histogram("llm_batch_tokens", "Tokens computed in one engine step, by phase.",
                                       BATCH_TOKEN_BUCKETS, ["model", "phase"])
         self.model_info = Gauge("llm_model_info", "The served model and how it runs (always 1, set once the model "
@@ -166,6 +172,7 @@ class Metrics:
         for constraint in CONSTRAINTS:  # every series exists from the start (at zero): queries of it find data
             self.structured_requests.labels(model, constraint)
         self.preemptions_m = self.preemptions.labels(model)
+        self.received_m, self.step_host_m = self.received.labels(model), self.step_host_seconds.labels(model)
         self.running_m, self.waiting_m, self.kv_usage_m = self.running.labels(model), self.waiting.labels(model), \
             self.kv_usage.labels(model)
         self.finish_m = {reason: self.requests.labels(model, reason) for reason in FINISH_REASONS}

@@ -12,11 +12,14 @@ microsecond) first: sums of such values are exact in any order, so the Prometheu
 then across processes) and the OTLP ones (added per export interval) agree to the last bit.
 """
 
+import threading
+import time
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable
 
 from service.engine.results import StepStats
+from service.telemetry.dashboard import Slowest
 from service.telemetry.metrics import PROVIDER, Metrics, OTLPMetrics
 
 GRID = 2.0 ** 20  # ticks per second
@@ -46,6 +49,7 @@ class RequestRecorder:
         self._attributes: dict[str, dict] = {}  # operation -> the GenAI attributes of its requests
         model = {"gen_ai.request.model": metrics.model}
         self._input, self._output = ({"gen_ai.token.type": kind, **model} for kind in ("input", "output"))
+        self._slowest, self._lock = Slowest(), threading.Lock()  # the dashboard's table; read on another thread
 
     def _exemplar(self, request_id: str) -> dict[str, str] | None:
         trace_id = self.trace_id(request_id)
@@ -76,6 +80,15 @@ class RequestRecorder:
             if self.otlp is not None:
                 self.otlp.tokens.add(len(stream.prompt_ids), self._input)
 
+    def received(self, count: int) -> None:
+        """Requests (samples) the engine admitted."""
+        self.m.received_m.inc(count)
+
+    def slowest(self) -> list[dict]:
+        """The slowest requests of the last 15 minutes, end to end (the dashboard's table)."""
+        with self._lock:
+            return self._slowest.top(time.time())
+
     def tokens(self, count: int) -> None:
         self.m.generation_tokens_m.inc(count)
         if self.otlp is not None:
@@ -96,6 +109,13 @@ class RequestRecorder:
             m.decode_m.observe(t.finished - t.first_token)
         if self.otlp is not None:
             self._finished_genai(stream, reason, duration)
+        entry = {"request_id": stream.request_id, "finished": time.time(), "finish_reason": reason,
+                 "prompt_tokens": len(stream.prompt_ids), "output_tokens": len(stream.token_ids),
+                 "queue": None if t.first_scheduled is None else t.first_scheduled - t.arrival,
+                 "ttft": None if t.first_token is None else t.first_token - t.arrival, "e2e": duration,
+                 "trace_id": self.trace_id(stream.request_id)}
+        with self._lock:
+            self._slowest.add(entry)
 
     def _finished_genai(self, stream, reason: str, duration: float) -> None:
         """Duration of every request (error.type on a failed one); time per output token of a successful one: its
@@ -128,6 +148,7 @@ class EngineRecorder:
             duration = on_grid(step.duration)
             seconds.observe(duration)
             tokens.observe(step.num_tokens)
+            m.step_host_m.observe(max(0.0, step.duration - step.device_wait))
             if self.otlp is not None:
                 self.otlp.step.record(duration, self._phases[step.phase])
             if step.prompt_tokens_computed:

@@ -142,6 +142,17 @@ def test_two_front_ends_one_metrics_truth_and_one_waiting_limit():
             {"engine", "api-0", "api-1"}
         assert re.search(r'^process_resident_memory_bytes\{model="random:tiny",process="engine"\}', text, re.M)
         assert sample(text, "llm_engine_step_seconds_count") > 0 and sample(text, "llm_kv_cache_blocks_used") == 0
+        # the dashboard's history, kept by the supervisor: every front end answers the same counts as /metrics
+        expected = {"requests_received": ok, "requests_finished": ok, "requests_length": ok,
+                    "rejected_503": statuses.count(503), "output_tokens": sample(text, "llm_generation_tokens_total")}
+        data = lambda: web.get(s.url + "/dashboard/data", timeout=10).json()
+        wait_until(lambda: {k: data()["totals"][k] for k in expected} == expected, 30, "the history to catch up")
+        views = [data() for _ in range(8)]  # each on a new connection: the kernel spreads them over both
+        assert all({k: v["totals"][k] for k in expected} == expected for v in views)
+        assert all(v["processes"] == ["api-0", "api-1", "engine"] and v["status"] == "up" for v in views)
+        slowest = views[-1]["slowest"]  # from both front ends, slowest first
+        assert len(slowest) == 10 and {e["output_tokens"] for e in slowest} <= {4, 40}
+        assert [e["e2e"] for e in slowest] == sorted((e["e2e"] for e in slowest), reverse=True)
         # front ends do HTTP, JSON and text; torch is the engine's alone (it would cost each one ~2 s and ~200 MB)
         for pid in s.frontend_pids:
             with open(f"/proc/{pid}/maps") as maps:

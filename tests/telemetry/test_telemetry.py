@@ -42,7 +42,8 @@ CATALOG = {
     "llm_ipc_backlog": "gauge", "llm_http_connections": "gauge", "llm_otlp_metric_export_failures": "counter",
     "llm_otlp_metric_points_dropped": "counter", "llm_structured_requests": "counter", "llm_tool_calls": "counter",
     "llm_grammar_compile_seconds": "histogram", "llm_grammar_cache_hits": "counter",
-    "llm_grammar_mask_seconds": "histogram",
+    "llm_grammar_mask_seconds": "histogram", "llm_requests_received": "counter",
+    "llm_engine_step_host_seconds": "histogram",
 }
 GPU_GAUGES = ["llm_gpu_utilization_ratio", "llm_gpu_memory_used_bytes", "llm_gpu_memory_total_bytes",
               "llm_gpu_power_watts", "llm_gpu_temperature_celsius", "llm_gpu_sm_clock_hertz"]

@@ -10,6 +10,7 @@ stream of their own; `SampleResult.read` waits for that copy only when the host 
 """
 
 import functools
+import time
 
 import torch
 
@@ -31,6 +32,7 @@ class SampleResult:
         # top: each row's largest logit, NaN where the row holds a NaN (the host looks, once it has the copy)
         self.logprob_rows, self.logprob_ks = logprob_rows, logprob_ks
         self._read = None
+        self.waited = 0.0  # seconds `read` waited for the device (the host's idle time in the step)
         tensors = [token_ids, top, *logprob_tensors]
         if copy_stream is None:  # CPU: the values are already there
             self._host, self._event = tensors, None
@@ -50,7 +52,9 @@ class SampleResult:
         if self._read is not None:
             return self._read
         if self._event is not None:
+            begin = time.perf_counter()
             self._event.synchronize()
+            self.waited = time.perf_counter() - begin
         tokens = self._host[0].tolist()
         if self._host[1].isnan().any():  # a NaN makes the argmax meaningless: fail the step rather than emit garbage
             raise NonFiniteLogitsError(f"the model produced NaN logits for {len(tokens)} sequences")
