@@ -11,6 +11,8 @@
 #   scale      2 and 4 front ends, 1,024 x 256 non-streaming and streaming; 4 with --stream-interval 4 and 16
 #   penalties  one front end, 1,024 x 256 concurrent streams with and without frequency and presence penalties and ten
 #              logit_bias entries in every request, three runs of each alternating
+#   dashboard  one front end, 4,096 x 256 concurrent streams with no /dashboard page open and with five open
+#              (tests/gpu/serving/pages.py polls as the page does), three runs of each alternating
 #   SERVING_TIMEOUT  seconds for each client run (default 300); SERVE_TIMEOUT for a server's start (default 900)
 source "$(dirname "$0")/env.sh"
 T=${SERVING_TIMEOUT:-300}
@@ -24,7 +26,7 @@ streams() {
   curl -s "$URL/metrics" | grep -E '^llm_(time_to_first_token_seconds|engine_step_seconds)_(sum|count)' | head -8
 }
 warm() { STEP_LINES=0 load "warm-$1" --requests 256; }  # compiles and fills what the first load would
-phases reference "reference latency scale penalties" "$@"
+phases reference "reference latency scale penalties dashboard" "$@"
 for phase in "${PHASES[@]}"; do
   case $phase in
     reference)
@@ -48,6 +50,18 @@ for phase in "${PHASES[@]}"; do
       for i in 1 2 3; do
         load "plain-$i" --requests 1024 --concurrency 256 --stream
         load "penalized-$i" --requests 1024 --concurrency 256 --stream --extra "$bias"
+      done
+      unserve ;;
+    dashboard)
+      serve 1 || continue
+      warm 1
+      for i in 1 2 3; do
+        load "no-pages-$i" --requests 4096 --concurrency 256 --stream
+        "$PYTHON" tests/gpu/serving/pages.py "$URL" --pages 5 --seconds 600 > "$RESULTS/pages-$i.json" 2>&1 &
+        pages=$!
+        sleep 3  # the pages have opened and fetched their history
+        load "five-pages-$i" --requests 4096 --concurrency 256 --stream
+        kill -INT "$pages"; wait "$pages"; cat "$RESULTS/pages-$i.json"
       done
       unserve ;;
     scale)
