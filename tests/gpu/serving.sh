@@ -63,6 +63,8 @@ for phase in "${PHASES[@]}"; do
         load "five-pages-$i" --requests 4096 --concurrency 256 --stream
         kill -INT "$pages"; wait "$pages"; cat "$RESULTS/pages-$i.json"
       done
+      # the engine's host time per step beside the step's duration, over all the runs
+      curl -s "$URL/metrics" | grep -E '^llm_engine_step(_host)?_seconds_(sum|count)'
       unserve ;;
     scale)
       for n in 2 4; do
