@@ -12,7 +12,8 @@
 #   penalties  one front end, 1,024 x 256 concurrent streams with and without frequency and presence penalties and ten
 #              logit_bias entries in every request, three runs of each alternating
 #   dashboard  one front end, 4,096 x 256 concurrent streams with no /dashboard page open and with five open
-#              (tests/gpu/serving/pages.py polls as the page does), three runs of each alternating
+#              (tests/gpu/serving/pages.py polls as the page does), DASHBOARD_ROUNDS (default 3) runs of each in
+#              the order ABBA ABBA ... (no drift favours either)
 #   SERVING_TIMEOUT  seconds for each client run (default 300); SERVE_TIMEOUT for a server's start (default 900)
 source "$(dirname "$0")/env.sh"
 T=${SERVING_TIMEOUT:-300}
@@ -55,13 +56,19 @@ for phase in "${PHASES[@]}"; do
     dashboard)
       serve 1 || continue
       warm 1
-      for i in 1 2 3; do
-        load "no-pages-$i" --requests 4096 --concurrency 256 --stream
-        "$PYTHON" tests/gpu/serving/pages.py "$URL" --pages 5 --seconds 600 > "$RESULTS/pages-$i.json" 2>&1 &
-        pages=$!
+      with_pages() {
+        "$PYTHON" tests/gpu/serving/pages.py "$URL" --pages 5 --seconds 600 > "$RESULTS/pages-$1.json" 2>&1 &
+        local pages=$!
         sleep 3  # the pages have opened and fetched their history
-        load "five-pages-$i" --requests 4096 --concurrency 256 --stream
-        kill -INT "$pages"; wait "$pages"; cat "$RESULTS/pages-$i.json"
+        load "five-pages-$1" --requests 4096 --concurrency 256 --stream
+        kill -INT "$pages"; wait "$pages"; cat "$RESULTS/pages-$1.json"
+      }
+      for i in $(seq "${DASHBOARD_ROUNDS:-3}"); do
+        if [ $((i % 2)) -eq 1 ]; then
+          load "no-pages-$i" --requests 4096 --concurrency 256 --stream; with_pages "$i"
+        else
+          with_pages "$i"; load "no-pages-$i" --requests 4096 --concurrency 256 --stream
+        fi
       done
       # the engine's host time per step beside the step's duration, over all the runs
       curl -s "$URL/metrics" | grep -E '^llm_engine_step(_host)?_seconds_(sum|count)'
