@@ -12,6 +12,7 @@ interpolated in the histogram's buckets as Prometheus's histogram_quantile does.
 the charts are read from the rule file the alerts use (thresholds.yml, a link to deploy/rules/llm-thresholds.yml).
 """
 
+import asyncio
 import bisect
 import heapq
 import logging
@@ -376,15 +377,28 @@ class Server:
         self.ctx.term()
 
 
-async def ask(ctx, folder: str, since: float | None, status: str) -> bytes | None:
-    """A front end's question to the supervisor; None when it does not answer in time."""
-    sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address(folder))
-    try:
-        await sock.send(msgspec.msgpack.encode([since, status]))
-        if await sock.poll(gather.ASK_TIMEOUT_MS):
-            return (await sock.recv()) or None
-        return None
-    finally:
-        sock.close(0)
+class Asker:
+    """A front end's questions to the supervisor, one at a time over one socket (a new socket per question costs a
+    page's poll twice the CPU); a question not answered in time gets None, and the socket is made anew."""
+
+    def __init__(self, ctx, folder: str):
+        self.ctx, self.folder = ctx, folder
+        self.sock = None
+        self.lock = asyncio.Lock()
+
+    async def ask(self, since: float | None, status: str) -> bytes | None:
+        async with self.lock:
+            if self.sock is None:
+                self.sock = self.ctx.socket(zmq.REQ)
+                self.sock.setsockopt(zmq.LINGER, 0)
+                self.sock.connect(address(self.folder))
+            await self.sock.send(msgspec.msgpack.encode([since, status]))
+            if await self.sock.poll(gather.ASK_TIMEOUT_MS):
+                return (await self.sock.recv()) or None
+            self.close()  # a REQ socket waits for its answer forever: start again
+            return None
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None

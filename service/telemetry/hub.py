@@ -49,6 +49,7 @@ class Telemetry:
         self.responder = gather.Responder(self.snapshot, folder, process) if folder else None
         self.keeper: dashboard.Keeper | None = None  # the dashboard's history, when this process keeps it
         self._ask_ctx: zmq.asyncio.Context | None = None
+        self._asker: dashboard.Asker | None = None  # the dashboard's questions to the supervisor
         self._lag_task: asyncio.Task | None = None
 
     def _observe_both(self, step: StepStats) -> None:
@@ -104,8 +105,10 @@ class Telemetry:
             return self.keeper.view(since, status)
         if self.folder is None:
             return None
-        self._ask_ctx = self._ask_ctx or zmq.asyncio.Context()
-        return await dashboard.ask(self._ask_ctx, self.folder, since, status)
+        if self._asker is None:
+            self._ask_ctx = self._ask_ctx or zmq.asyncio.Context()
+            self._asker = dashboard.Asker(self._ask_ctx, self.folder)
+        return await self._asker.ask(since, status)
 
     def shutdown(self) -> None:
         if self.keeper is not None:
@@ -116,6 +119,8 @@ class Telemetry:
             self.gpu.stop()
         if self.responder is not None:
             self.responder.close()
+        if self._asker is not None:
+            self._asker.close()
         if self._ask_ctx is not None:
             self._ask_ctx.term()
         self.tracing.shutdown()
