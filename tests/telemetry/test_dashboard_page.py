@@ -1,5 +1,6 @@
 """/dashboard in a real browser: Debian's Chromium, headless, driven through Selenium and Debian's chromedriver (no
-browser download), against `python -m service serve` with two front ends on the default model.
+browser download), against `python -m service serve` on the default model (tests/serving/test_processes.py checks
+that every front end answers the same data).
 
 The page must draw every chart from the service's own numbers, show the counts /metrics shows, keep its console
 clean, and say the service is down when the engine process is killed. The screenshot goes to
@@ -80,7 +81,7 @@ async def load(url: str, model: str, seconds: float = 0.0) -> int:
 
 @needs_tools(CHROMIUM, DRIVER)
 def test_the_page_draws_the_services_own_numbers_and_says_when_it_is_down(tmp_path):
-    with Served("--api-servers", "2", model=None, timeout=300) as s:
+    with Served(model=None, timeout=300) as s:
         driver = browser()
         try:
             driver.get(s.url + "/dashboard")
