@@ -33,7 +33,9 @@ class Mix:
         self.seed = seed
         rest = [kind for kind, share in MIX.items() for _ in range(share - 1)]
         random.Random(seed).shuffle(rest)
-        self.order = ["burst"] if burst else list(MIX) + rest
+        # the kinds whose point is a failure first: sent at once, before any burst can answer them with a 503
+        first = sorted(MIX, key=lambda kind: kind not in INTENDED)
+        self.order = ["burst"] if burst else first + rest
 
     def request(self, i: int) -> tuple[Sample, str, int]:
         """Request i: its shape, its name in the tally, and the status it must get (besides a 503)."""
