@@ -5,6 +5,9 @@ import json
 import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
+
+import msgspec
 
 import pytest
 import yaml
@@ -14,7 +17,8 @@ from hypothesis import strategies as st
 
 from service.telemetry import dashboard, gather
 from service.telemetry.dashboard import History, Keeper, Slowest, quantile
-from service.telemetry.metrics import Metrics
+from service.telemetry.metrics import GPUMetrics, Metrics
+from service.telemetry.recorder import RequestRecorder
 from tests import web
 from tests.conftest import LiveServer, wait_until
 
@@ -114,6 +118,35 @@ def test_per_process_and_per_gpu_series_are_named_by_process_and_gpu():
     assert point["loop_lag:api-0"] == 0.002 and "loop_lag:engine" not in point  # the engine has no event loop
     assert point["cpu:engine"] is not None and point["cpu:api-0"] is not None
     assert history.processes == ["api-0", "engine"] and history.gpus == []
+
+
+def test_gpu_readings_are_series_per_gpu():
+    registry = CollectorRegistry()
+    gpus = GPUMetrics(registry)
+    for index, (util, power) in enumerate([(0.93, 610.0), (0.1, 120.0)]):
+        gpus.utilization.labels(str(index)).set(util)
+        gpus.power.labels(str(index)).set(power)
+        gpus.memory_used.labels(str(index)).set(2e9)
+    history = History()
+    history.add(registry.collect(), [], 1.0)
+    point = history.points[-1][1]
+    assert history.gpus == ["0", "1"]
+    assert point["gpu_util:0"] == 0.93 and point["gpu_power_watts:1"] == 120.0 and point["gpu_memory_used_bytes:1"] == 2e9
+
+
+def test_a_finished_request_enters_the_slowest_with_its_timings_and_trace_id():
+    m = Metrics(MODEL)
+    recorder = RequestRecorder(m, trace_id=lambda rid: "ab" * 16 if rid == "traced" else None)
+    for rid, e2e in (("traced", 2.0), ("plain", 1.0)):
+        t = SimpleNamespace(arrival=10.0, first_scheduled=10.1, first_token=10.25, finished=10.0 + e2e, submitted=10.01)
+        recorder.finished(SimpleNamespace(request_id=rid, timings=t, prompt_ids=[1] * 5, token_ids=[2] * 7,
+                                          operation="chat"), "length")
+    slow = recorder.slowest()
+    assert [e["request_id"] for e in slow] == ["traced", "plain"] and slow[0]["trace_id"] == "ab" * 16
+    assert slow[1]["trace_id"] is None
+    assert slow[0]["queue"] == pytest.approx(0.1) and slow[0]["ttft"] == pytest.approx(0.25)
+    assert slow[0]["e2e"] == pytest.approx(2.0) and (slow[0]["prompt_tokens"], slow[0]["output_tokens"]) == (5, 7)
+    assert msgspec.msgpack.decode(gather.snapshot(m, slow))[2] == slow  # as the history gathers it
 
 
 entries = st.lists(st.tuples(st.floats(0, 3000), st.floats(0, 100)), max_size=200)
