@@ -13,7 +13,7 @@
 #              logit_bias entries in every request, three runs of each alternating
 #   dashboard  one front end, 4,096 x 256 concurrent streams with no /dashboard page open and with five open
 #              (tests/gpu/serving/pages.py polls as the page does), DASHBOARD_ROUNDS (default 3) runs of each in
-#              the order ABBA ABBA ... (no drift favours either)
+#              the order ABBA ABBA ... (no drift favours either), DASHBOARD_REQUESTS (default 4,096) requests a run
 #   SERVING_TIMEOUT  seconds for each client run (default 300); SERVE_TIMEOUT for a server's start (default 900)
 source "$(dirname "$0")/env.sh"
 T=${SERVING_TIMEOUT:-300}
@@ -60,18 +60,21 @@ for phase in "${PHASES[@]}"; do
         "$PYTHON" tests/gpu/serving/pages.py "$URL" --pages 5 --seconds 600 > "$RESULTS/pages-$1.json" 2>&1 &
         local pages=$!
         sleep 3  # the pages have opened and fetched their history
-        load "five-pages-$1" --requests 4096 --concurrency 256 --stream
+        load "five-pages-$1" --requests "${DASHBOARD_REQUESTS:-4096}" --concurrency 256 --stream
         kill -INT "$pages"; wait "$pages"; cat "$RESULTS/pages-$1.json"
       }
       for i in $(seq "${DASHBOARD_ROUNDS:-3}"); do
         if [ $((i % 2)) -eq 1 ]; then
-          load "no-pages-$i" --requests 4096 --concurrency 256 --stream; with_pages "$i"
+          load "no-pages-$i" --requests "${DASHBOARD_REQUESTS:-4096}" --concurrency 256 --stream; with_pages "$i"
         else
-          with_pages "$i"; load "no-pages-$i" --requests 4096 --concurrency 256 --stream
+          with_pages "$i"; load "no-pages-$i" --requests "${DASHBOARD_REQUESTS:-4096}" --concurrency 256 --stream
         fi
       done
-      # the engine's host time per step beside the step's duration, over all the runs
+      # the engine's host time per step beside the step's duration, over all the runs; what the page got last
       curl -s "$URL/metrics" | grep -E '^llm_engine_step(_host)?_seconds_(sum|count)'
+      curl -s "$URL/dashboard/data" | "$PYTHON" -c 'import json, sys; d = json.load(sys.stdin); p = d["points"]
+print("dashboard:", d["status"], "gpus", d["gpus"], "processes", d["processes"], "points", len(p["t"]), "totals", d["totals"])
+print("newest point:", {k: v[-1] for k, v in p.items() if k != "t"})'
       unserve ;;
     scale)
       for n in 2 4; do
