@@ -82,6 +82,7 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         """Add the running sequences in admission order while the budget lasts; return the budget left."""
         running, seqs, counts = self.running, batch.seqs, batch.num_new_tokens
+        block_size = self.blocks.block_size
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -89,7 +90,9 @@ class Scheduler:
                 i += 1
                 continue
             n = self.chunk_size(seq, budget)
-            if not self.make_room(seq, n, batch):
+            # most decode steps need no block: make_room only when they do (the same test as blocks_needed's)
+            if -(-(seq.num_computed_tokens + n) // block_size) > len(seq.block_table) and \
+                    not self.make_room(seq, n, batch):
                 break  # it was preempted itself: those after it in `running` were already
             seqs.append(seq)
             counts.append(n)
@@ -226,9 +229,11 @@ class Scheduler:
                 seq.token_ids.append(token)
                 seq.num_pending_tokens -= 1
         if self.blocks.enable_prefix_caching:  # register full blocks: every token they hold is known now
-            for seq in batch.seqs:
-                if seq.status is not done:
-                    self.blocks.commit(seq)
+            block_size, commit = self.blocks.block_size, self.blocks.commit
+            for seq in batch.seqs:  # (most steps fill no block: commit only where one is full and unregistered)
+                if seq.status is not done and \
+                        min(seq.num_computed_tokens, len(seq.token_ids)) // block_size > seq.num_hashed_blocks:
+                    commit(seq)
         taken = []
         for row, (seq, token) in enumerate(zip(sampled, tokens)):
             if seq.status is done:

@@ -153,3 +153,43 @@ def test_long_prefill_steps_take_long_tiles_and_nothing_else_does():
     assert long.block_m == LONG_PREFILL_ROWS
     assert long.tile_qstart.tolist().count(0) == 3 and len(long.tile_qstart) == 4 + context // whole + 1
     assert meta([(context - 100, 100), (0, context), (4000, 1)]).block_m == 64  # a decode token among them
+
+
+def reference_host_inputs(batch: ScheduledBatch, block_size: int):
+    """host_inputs written plainly, one sequence and one token at a time."""
+    ids, positions, slots, tables, q_lens, seq_lens = [], [], [], [], [], []
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+            ids.append(seq.token_ids[pos] if pos < len(seq.token_ids) else 0)
+            positions.append(pos)
+            slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
+        tables.append(seq.block_table)
+        q_lens.append(n)
+        seq_lens.append(seq.num_computed_tokens + n)
+    width = max(map(len, tables))
+    return ids, positions, slots, [t + [0] * (width - len(t)) for t in tables], q_lens, seq_lens, \
+        [sum(q_lens[:i]) for i in range(len(q_lens) + 1)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), decode=st.booleans(), block_size=st.sampled_from([1, 16, 64]))
+def test_host_inputs_equal_a_plain_per_token_reading(data, decode, block_size):
+    seqs, counts = [], []
+    for i in range(data.draw(st.integers(1, 24))):
+        total = data.draw(st.integers(1, 200))
+        computed = data.draw(st.integers(0, total - 1))
+        n = 1 if decode else data.draw(st.integers(1, total - computed))
+        on_device = data.draw(st.booleans()) and computed + n == total  # its last token not read back yet
+        seq = Sequence(f"s{i}", list(range(7, 7 + total - on_device)), SamplingParams())
+        seq.num_computed_tokens = computed
+        seq.block_table = data.draw(st.lists(st.integers(1, 5000), min_size=-(-(computed + n) // block_size),
+                                             max_size=-(-(computed + n) // block_size) + 2))
+        seqs.append(seq)
+        counts.append(n)
+    host = host_inputs(ScheduledBatch(seqs, counts, []), block_size)
+    expected = reference_host_inputs(ScheduledBatch(seqs, counts, []), block_size)
+    got = (host.ids, host.positions, host.slots, host.tables, host.q_lens, host.seq_lens, host.starts)
+    for name, a, b in zip(("ids", "positions", "slots", "tables", "q_lens", "seq_lens", "starts"), got, expected):
+        assert np.asarray(a).tolist() == b, name
+    assert host.positions.dtype == host.slots.dtype == np.int64
+    assert host.tables.dtype == host.q_lens.dtype == host.seq_lens.dtype == host.starts.dtype == np.int32
