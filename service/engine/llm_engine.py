@@ -310,11 +310,12 @@ class LLMEngine:
             self._observe(failed, finished=failed, batch=step.batch, error=type(exc).__name__)
             return failed
         now = time.perf_counter()
-        outputs, first_tokens, finished = [], [], []
+        outputs, first_tokens, finished, rows = [], [], [], self.rows
         for row, reason in self.scheduler.postprocess(step.batch, step.sampled, tokens, self._check_stop):
             seq, token, lp = step.sampled[row], tokens[row], logprobs[row]
             timings = seq.timings
-            timings.token_times.append(now)
+            if not rows:  # the engine process: the front end keeps the token times, where the client's clock is
+                timings.token_times.append(now)
             first = timings.first_token is None
             if first:
                 timings.first_token = now
@@ -373,7 +374,7 @@ class LLMEngine:
         return stats
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
-        p, produced = seq.params, seq.num_output_tokens
+        p, produced = seq.params, len(seq.token_ids) - len(seq.prompt_token_ids)  # seq.num_output_tokens
         if p.max_tokens == 0:  # the prompt only: its one sample is dropped
             seq.token_ids.pop()
             return "length"
@@ -391,7 +392,7 @@ class LLMEngine:
         if produced >= p.min_tokens and (
                 token in p.stop_token_ids or (not p.ignore_eos and token in seq.eos_token_ids)):
             return "stop"
-        if self.detokenizer.append(seq):
+        if self.detokenizer.tokenizer is not None and self.detokenizer.append(seq):
             return "stop"
         if produced >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"

@@ -33,8 +33,8 @@ class ScheduledBatch:
         """prefill, decode or mixed; read before the step updates num_computed_tokens."""
         decode = prefill = False
         for s, n in zip(self.seqs, self.num_new_tokens):
-            total = s.num_tokens
-            if n == 1 and total > s.num_prompt_tokens and s.num_computed_tokens + 1 == total:
+            total = len(s.token_ids) + s.num_pending_tokens  # s.num_tokens (no calls: a step's host time)
+            if n == 1 and total > len(s.prompt_token_ids) and s.num_computed_tokens + 1 == total:
                 decode = True
             else:
                 prefill = True
@@ -84,12 +84,16 @@ class Scheduler:
         running, seqs, counts = self.running, batch.seqs, batch.num_new_tokens
         block_size = self.blocks.block_size
         i = 0
+        chunk_size = self.chunk_size
         while i < len(running) and budget > 0:
             seq = running[i]
-            if seq.num_pending_tokens and self._sampled_last_token(seq):
+            pending = seq.num_pending_tokens
+            # its max_tokens-th token is still on the device (overlap): the host ends it on reading it back (written
+            # without calls: this runs for every sequence of every step)
+            if pending and len(seq.token_ids) + pending - len(seq.prompt_token_ids) >= seq.params.max_tokens:
                 i += 1
                 continue
-            n = self.chunk_size(seq, budget)
+            n = chunk_size(seq, budget)
             # most decode steps need no block: make_room only when they do (the same test as blocks_needed's)
             if -(-(seq.num_computed_tokens + n) // block_size) > len(seq.block_table) and \
                     not self.make_room(seq, n, batch):
@@ -243,11 +247,6 @@ class Scheduler:
                 self.finish(seq, reason)
             taken.append((row, reason))
         return taken
-
-    @staticmethod
-    def _sampled_last_token(seq: Sequence) -> bool:
-        """Its max_tokens-th token is still on the device (overlap): the host ends it on reading it back."""
-        return seq.num_pending_tokens > 0 and seq.num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free_sequence(seq)
