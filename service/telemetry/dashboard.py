@@ -241,12 +241,12 @@ class History:
         while self.frames and self.frames[0].t < t - max(RATE_WINDOW, QUANTILE_WINDOW) - 1e-6:
             self.frames.popleft()
         # the percentiles of a point whose frames reach back less than the window are those of what there is
-        self.points.append((t, point(f, self._back(t, RATE_WINDOW), self._back(t, QUANTILE_WINDOW)
-                                     or (self.frames[0] if len(self.frames) > 1 else None))))
+        self.points.append((t, point(f, self._back(t, RATE_WINDOW), self._back(t, QUANTILE_WINDOW))))
         self.totals = totals(f)
         self.slowest = heapq.nlargest(SLOWEST, slowest, key=lambda e: e["e2e"])  # each process sent its own
-        self.processes = sorted({k.split(":", 1)[1] for k in f.counters if k.startswith("cpu:")})
-        self.gpus = sorted({k.split(":", 1)[1] for k in f.gauges if k.startswith("gpu_util:")}, key=str)
+        natural = lambda name: (len(name), name)  # api-2 before api-10, GPU 2 before 10
+        self.processes = sorted({k.split(":", 1)[1] for k in f.counters if k.startswith("cpu:")}, key=natural)
+        self.gpus = sorted({k.split(":", 1)[1] for k in f.gauges if k.startswith("gpu_util:")}, key=natural)
 
     def view(self, since: float | None = None) -> dict:
         chosen = [(t, p) for t, p in self.points if since is None or t > since]
