@@ -2,8 +2,9 @@
 browser download), against `python -m service serve` on the default model (tests/serving/test_processes.py checks
 that every front end answers the same data).
 
-The page must draw every chart from the service's own numbers, show the counts /metrics shows, keep its console
-clean, and say the service is down when the engine process is killed. The screenshot goes to
+The service guards its metrics with a token: the page must ask for it (and ask again for a wrong one), then draw
+every chart from the service's own numbers, show the counts /metrics shows, keep its console clean, and say the
+service is down when the engine process is killed. The screenshot goes to
 $DASHBOARD_SCREENSHOT when set, else into the test's folder; $DASHBOARD_LOAD_SECONDS keeps a load of four
 streams going that long first (docs/img/dashboard.png: DASHBOARD_LOAD_SECONDS=120).
 """
@@ -22,6 +23,7 @@ from tests.conftest import needs_tools, wait_until
 from tests.served import Served
 
 CHROMIUM, DRIVER = "chromium", "chromedriver"
+TOKEN = "dashboard-test-token"
 
 
 def browser():
@@ -40,7 +42,8 @@ def browser():
 def metrics(url: str) -> dict[tuple, float]:
     """/metrics as {(sample name, frozen labels): value}."""
     found = {}
-    for family in text_string_to_metric_families(web.get(url + "/metrics", timeout=30).text):
+    scrape = web.get(url + "/metrics", timeout=30, headers={"Authorization": f"Bearer {TOKEN}"})
+    for family in text_string_to_metric_families(scrape.text):
         for s in family.samples:
             found[(s.name, frozenset(s.labels.items()))] = s.value
     return found
@@ -81,10 +84,22 @@ async def load(url: str, model: str, seconds: float = 0.0) -> int:
 
 @needs_tools(CHROMIUM, DRIVER)
 def test_the_page_draws_the_services_own_numbers_and_says_when_it_is_down(tmp_path):
-    with Served(model=None, timeout=300) as s:
+    with Served("--metrics-token", TOKEN, model=None, timeout=300) as s:
         driver = browser()
         try:
             driver.get(s.url + "/dashboard")
+            state = lambda: driver.find_element("id", "status").get_attribute("data-state")
+            for token in ("wrong", TOKEN):  # the page asks for the token, and again when it is refused
+                wait_until(lambda: state() == "auth" and driver.find_element("id", "auth").is_displayed(), 30,
+                           "the page to ask for the token")
+                field = driver.find_element("id", "token")
+                field.clear()
+                field.send_keys(token + "\n")
+                if token == "wrong":
+                    wait_until(lambda: "refused" in driver.find_element("id", "auth-msg").text, 30,
+                               "the page to say the token was refused")
+            wait_until(lambda: state() == "up", 30, "the page to be let in")
+            driver.get_log("browser")  # the 401s of the wrong token are Chrome's own console errors: drop them
             model = web.get(s.url + "/v1/models").json()["data"][0]["id"]
             seconds = float(os.environ.get("DASHBOARD_LOAD_SECONDS", 0))
             requests = asyncio.run(load(s.url, model, seconds))
