@@ -64,7 +64,8 @@ def create_app(settings: Settings | None = None, engine: "LLMEngine | None" = No
 
         trace.set_tracer_provider(telemetry.tracing.provider)  # for @traced; a no-op after the first server
         FastAPIInstrumentor.instrument_app(app, tracer_provider=telemetry.tracing.provider,
-                                           excluded_urls="/health,/ready,/metrics,/dashboard", exclude_spans=["receive", "send"])
+                                           excluded_urls="/health,/ready,/metrics,/dashboard",
+                                           exclude_spans=["receive", "send"])
     app.include_router(native_routes.public)
     if settings.telemetry.dashboard:
         app.include_router(dashboard_routes.router)

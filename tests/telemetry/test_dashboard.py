@@ -131,7 +131,8 @@ def test_gpu_readings_are_series_per_gpu():
     history.add(registry.collect(), [], 1.0)
     point = history.points[-1][1]
     assert history.gpus == ["0", "1"]
-    assert point["gpu_util:0"] == 0.93 and point["gpu_power_watts:1"] == 120.0 and point["gpu_memory_used_bytes:1"] == 2e9
+    assert point["gpu_util:0"] == 0.93 and point["gpu_power_watts:1"] == 120.0
+    assert point["gpu_memory_used_bytes:1"] == 2e9
 
 
 def test_a_finished_request_enters_the_slowest_with_its_timings_and_trace_id():

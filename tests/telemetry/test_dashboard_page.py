@@ -125,8 +125,9 @@ def test_the_page_draws_the_services_own_numbers_and_says_when_it_is_down(tmp_pa
             assert counts["requests_finished"] == requests and counts["output_tokens"] > requests
             # latencies: each percentile shown (over the last minute) lies in the bucket /metrics (since the start)
             # puts the same percentile in: the same observations, unless a longer load began over a minute ago
-            for key, name in [] if seconds > 30 else (("ttft", "llm_time_to_first_token_seconds"), ("e2e", "llm_request_duration_seconds"),
-                              ("itl", "llm_time_per_output_token_seconds")):
+            latencies = (("ttft", "llm_time_to_first_token_seconds"), ("e2e", "llm_request_duration_seconds"),
+                         ("itl", "llm_time_per_output_token_seconds"))
+            for key, name in latencies if seconds <= 30 else ():
                 buckets = sorted((float(dict(ls)["le"]), v) for (n, ls), v in m.items() if n == name + "_bucket")
                 bounds = [le for le, _ in buckets]
                 for label, q in (("p50", 0.5), ("p99", 0.99)):

@@ -4,8 +4,8 @@
 
 Each page does what dashboard.js does: load the HTML and every asset it names, fetch the whole history
 (/dashboard/data), then every second the points after its last one (?since=T), each on its own connection
-as a browser tab keeps its own. Runs until --seconds pass or SIGINT/SIGTERM comes (within a second), then prints one JSON line: polls,
-failures, bytes and the slowest answer.
+as a browser tab keeps its own. Runs until --seconds pass or SIGINT/SIGTERM comes (within a second), then prints
+one JSON line: polls, failures, bytes and the slowest answer.
 """
 
 import argparse
