@@ -236,12 +236,12 @@ def _supervise(settings: Settings, folder: str, n: int) -> int:
 
 def _keep_history(settings: Settings, folder: str, names: tuple[str, ...], gone: set[str]):
     """The dashboard's history, kept here: the supervisor sees every process and is on no request's path."""
-    from service.telemetry import dashboard
+    from service.telemetry import dashboard, gather
 
     model = settings.server.served_model_name or display_name(settings.engine.model)
     keeper = dashboard.Keeper(dashboard.asker(folder, lambda: [p for p in names if p not in gone]), model,
                               settings.telemetry.trace_url).start()
-    return keeper, dashboard.Server(keeper, folder)
+    return keeper, gather.Responder(keeper.answer, dashboard.address(folder), "dashboard-server")
 
 
 def _stop(processes: list) -> None:

@@ -3,7 +3,8 @@
 Every INTERVAL the keeper gathers every process's metrics (the same snapshots /metrics merges: one truth), turns
 them into one point (rates, latency percentiles, gauges) and appends it to a ring of WINDOW seconds: bounded
 memory, no database. The supervisor of a served server keeps it (it sees every process and is on no request's
-path) and answers the front ends on an `ipc://` socket, so that every front end shows the same view; a
+path) and answers the front ends on an `ipc://` socket (gather's Responder and Asker, as /metrics asks the
+processes), so that every front end shows the same view; a
 server whose engine runs on a thread of its one process keeps it there. The page asks for the points after the
 last one it has (`view(since)`), so a poll carries one point, not fifteen minutes.
 
@@ -25,7 +26,7 @@ from importlib import resources
 
 import msgspec
 import yaml
-import zmq
+import zmq.asyncio
 
 from service.telemetry import gather
 
@@ -276,9 +277,8 @@ class Keeper:
         self._thread: threading.Thread | None = None
 
     def sample(self) -> None:
-        snapshots = self.collect()
-        families = gather.merge(snapshots, self.model)
-        slowest = [e for raw in snapshots.values() for e in gather.slowest(raw)]
+        slowest = []
+        families = gather.merge(self.collect(), self.model, slowest)
         with self._lock:
             self.history.add(families, slowest, self.clock())
 
@@ -313,92 +313,37 @@ class Keeper:
                     trace_url=self.trace_url)
         return msgspec.json.encode(body)
 
+    def answer(self, question: bytes) -> bytes:
+        """A front end's question (msgpack [since, status], as `ask` sends it): the view."""
+        return self.view(*msgspec.msgpack.decode(question))
+
 
 # -- a served server: the supervisor keeps the history, the front ends ask it ------------------------------------
 def address(folder: str) -> str:
+    """Where the supervisor answers the front ends (gather.Responder, gather.Asker)."""
     return f"ipc://{folder}/dashboard"
 
 
+def question(since: float | None, status: str) -> bytes:
+    return msgspec.msgpack.encode([since, status])
+
+
 def asker(folder: str, processes: Callable[[], list[str]]) -> Callable[[], dict[str, bytes]]:
-    """A `collect` for the supervisor: ask each live process for its snapshot, at once, waiting
-    gather.ASK_TIMEOUT_MS at most for all (a process that does not answer is left out of that point)."""
-    ctx = zmq.Context.instance()
+    """A `collect` for the supervisor, called on the keeper's thread: asks each live process for its snapshot at
+    once, each over its kept gather.Asker, on an event loop of that thread (a process that does not answer in
+    gather.ASK_TIMEOUT_MS is left out of that point)."""
+    loop, ctx, askers = None, zmq.asyncio.Context(), {}
+
+    async def ask_all() -> dict[str, bytes]:
+        names = processes()
+        for p in names:
+            if p not in askers:
+                askers[p] = gather.Asker(ctx, gather.address(folder, p))
+        answers = await asyncio.gather(*(askers[p].ask() for p in names))
+        return {p: raw for p, raw in zip(names, answers) if raw is not None}
 
     def collect() -> dict[str, bytes]:
-        socks = {}
-        poller = zmq.Poller()
-        for p in processes():
-            sock = ctx.socket(zmq.REQ)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(gather.address(folder, p))
-            sock.send(b"")
-            poller.register(sock, zmq.POLLIN)
-            socks[sock] = p
-        answers, deadline = {}, time.monotonic() + gather.ASK_TIMEOUT_MS / 1000
-        try:
-            while len(answers) < len(socks) and (left := deadline - time.monotonic()) > 0:
-                for sock, _ in poller.poll(left * 1000):
-                    answers[socks[sock]] = sock.recv()
-                    poller.unregister(sock)
-        finally:
-            for sock in socks:
-                sock.close(0)
-        return answers
+        nonlocal loop
+        loop = loop or asyncio.new_event_loop()
+        return loop.run_until_complete(ask_all())
     return collect
-
-
-class Server:
-    """The supervisor's answers to the front ends: [since, status] in, the page's JSON out, on its own thread."""
-
-    def __init__(self, keeper: Keeper, folder: str):
-        self.keeper = keeper
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.REP)
-        self.sock.bind(address(folder))
-        self.thread = threading.Thread(target=self._serve, name="dashboard-server", daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        try:
-            while True:
-                since, status = msgspec.msgpack.decode(self.sock.recv())
-                try:
-                    answer = self.keeper.view(since, status)
-                except Exception:
-                    log.exception("dashboard: a view failed")
-                    answer = b""
-                self.sock.send(answer)
-        except zmq.ContextTerminated:
-            pass
-        finally:
-            self.sock.close(0)
-
-    def close(self) -> None:
-        self.ctx.term()
-
-
-class Asker:
-    """A front end's questions to the supervisor, one at a time over one socket (a new socket per question costs a
-    page's poll twice the CPU); a question not answered in time gets None, and the socket is made anew."""
-
-    def __init__(self, ctx, folder: str):
-        self.ctx, self.folder = ctx, folder
-        self.sock = None
-        self.lock = asyncio.Lock()
-
-    async def ask(self, since: float | None, status: str) -> bytes | None:
-        async with self.lock:
-            if self.sock is None:
-                self.sock = self.ctx.socket(zmq.REQ)
-                self.sock.setsockopt(zmq.LINGER, 0)
-                self.sock.connect(address(self.folder))
-            await self.sock.send(msgspec.msgpack.encode([since, status]))
-            if await self.sock.poll(gather.ASK_TIMEOUT_MS):
-                return (await self.sock.recv()) or None
-            self.close()  # a REQ socket waits for its answer forever: start again
-            return None
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close(0)
-            self.sock = None

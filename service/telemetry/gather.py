@@ -7,6 +7,7 @@ others hold zeros), keeping an exemplar where one process has it; per-process se
 prometheus_client's multiprocess mode would merge files instead, but it drops exemplars.
 """
 
+import asyncio
 import logging
 import os
 import threading
@@ -39,26 +40,28 @@ def snapshot(metrics, slowest: list[dict] = ()) -> bytes:
     return msgspec.msgpack.encode([dump(metrics.registry), dump(metrics.local), list(slowest)])
 
 
-def slowest(raw: bytes) -> list[dict]:
-    return msgspec.msgpack.decode(raw)[2]
-
-
 class Responder:
-    """Answers every question on `address(folder, process)` with this process's snapshot, on its own thread."""
+    """Answers every question on the `ipc://` socket `where` with `answer(question)`, on its own thread: a process's
+    snapshot for /metrics, the supervisor's history for /dashboard."""
 
-    def __init__(self, snapshot: Callable[[], bytes], folder: str, process: str):
-        self.snapshot = snapshot
+    def __init__(self, answer: Callable[[bytes], bytes], where: str, name: str = "metrics-responder"):
+        self.answer = answer
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.REP)
-        self.sock.bind(address(folder, process))
-        self.thread = threading.Thread(target=self._serve, name="metrics-responder", daemon=True)
+        self.sock.bind(where)
+        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
         try:
             while True:
-                self.sock.recv()
-                self.sock.send(self.snapshot())
+                question = self.sock.recv()
+                try:
+                    answer = self.answer(question)
+                except Exception:
+                    log.exception("%s: an answer failed", self.thread.name)
+                    answer = b""
+                self.sock.send(answer)
         except zmq.ContextTerminated:
             pass
         finally:
@@ -68,28 +71,43 @@ class Responder:
         self.ctx.term()
 
 
-async def ask(ctx: zmq.asyncio.Context, folder: str, process: str) -> bytes | None:
-    sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address(folder, process))
-    try:
-        await sock.send(b"")
-        if await sock.poll(ASK_TIMEOUT_MS):
-            return await sock.recv()
-        log.warning("metrics: process %s did not answer in %d ms; left out of this scrape", process,
-                    ASK_TIMEOUT_MS)
-        return None
-    finally:
-        sock.close(0)
+class Asker:
+    """Questions to one Responder, one at a time over one kept socket (a socket per question doubled the CPU of a
+    dashboard poll); a question not answered in ASK_TIMEOUT_MS, or answered empty, gets None."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, where: str):
+        self.ctx, self.where = ctx, where
+        self.sock = None
+        self.lock = asyncio.Lock()
+
+    async def ask(self, question: bytes = b"") -> bytes | None:
+        async with self.lock:
+            if self.sock is None:
+                self.sock = self.ctx.socket(zmq.REQ)
+                self.sock.setsockopt(zmq.LINGER, 0)
+                self.sock.connect(self.where)
+            await self.sock.send(question)
+            if await self.sock.poll(ASK_TIMEOUT_MS):
+                return (await self.sock.recv()) or None
+            self.close()  # a REQ socket waits for its answer forever: start again
+            return None
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
 
 
-def merge(snapshots: dict[str, bytes], model: str) -> list[Metric]:
+def merge(snapshots: dict[str, bytes], model: str, slowest: list[dict] | None = None) -> list[Metric]:
     """Families from every process's snapshot: shared ones summed, local ones labelled by process (and by the
-    served model, as every other series is, so that one dashboard selector fits all)."""
+    served model, as every other series is, so that one dashboard selector fits all). With a `slowest` list, each
+    process's slowest requests are added to it."""
     families: dict[str, Metric] = {}
     sums: dict[str, dict] = {}  # family -> (sample name, labels) -> [value, exemplar]
     for process, raw in snapshots.items():
-        shared, local, _ = msgspec.msgpack.decode(raw)
+        shared, local, slow = msgspec.msgpack.decode(raw)
+        if slowest is not None:
+            slowest += slow
         for name, doc, typ, unit, samples in shared:
             if name not in families:
                 families[name], sums[name] = Metric(name, doc, typ, unit), {}

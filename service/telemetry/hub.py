@@ -46,10 +46,11 @@ class Telemetry:
         self.observer: StepObserver | None = self._observe_both if self.recorder and self.tracing.trace_steps \
             else self.recorder or (self.tracing.step if self.tracing.enabled else None)
         self.gpu: GPUSampler | None = None
-        self.responder = gather.Responder(self.snapshot, folder, process) if folder else None
+        self.responder = gather.Responder(lambda _: self.snapshot(), gather.address(folder, process)) if folder \
+            else None
         self.keeper: dashboard.Keeper | None = None  # the dashboard's history, when this process keeps it
         self._ask_ctx: zmq.asyncio.Context | None = None
-        self._asker: dashboard.Asker | None = None  # the dashboard's questions to the supervisor
+        self._askers: dict[str, gather.Asker] = {}  # a kept socket to each peer, and to the supervisor's history
         self._lag_task: asyncio.Task | None = None
 
     def _observe_both(self, step: StepStats) -> None:
@@ -105,10 +106,13 @@ class Telemetry:
             return self.keeper.view(since, status)
         if self.folder is None:
             return None
-        if self._asker is None:
+        return await self._asker(dashboard.address(self.folder)).ask(dashboard.question(since, status))
+
+    def _asker(self, where: str) -> gather.Asker:
+        if where not in self._askers:
             self._ask_ctx = self._ask_ctx or zmq.asyncio.Context()
-            self._asker = dashboard.Asker(self._ask_ctx, self.folder)
-        return await self._asker.ask(since, status)
+            self._askers[where] = gather.Asker(self._ask_ctx, where)
+        return self._askers[where]
 
     def shutdown(self) -> None:
         if self.keeper is not None:
@@ -119,8 +123,8 @@ class Telemetry:
             self.gpu.stop()
         if self.responder is not None:
             self.responder.close()
-        if self._asker is not None:
-            self._asker.close()
+        for asker in self._askers.values():
+            asker.close()
         if self._ask_ctx is not None:
             self._ask_ctx.term()
         self.tracing.shutdown()
@@ -131,13 +135,20 @@ class Telemetry:
         """A process of the server has died: later scrapes no longer ask it (each would wait gather.ASK_TIMEOUT_MS
         for it)."""
         self.peers = tuple(p for p in self.peers if p != process)
+        if (asker := self._askers.pop(gather.address(self.folder, process), None)) is not None:
+            asker.close()
         log.info("%s is gone: its metrics are left out of /metrics from now on", process)
 
     async def render(self, accept: str | None) -> tuple[bytes, str]:
         """Every process's metrics, merged, in the format the scraper asks for."""
         snapshots = {self.process: self.snapshot()}
         if self.folder and self.peers:
-            self._ask_ctx = self._ask_ctx or zmq.asyncio.Context()
-            answers = await asyncio.gather(*(gather.ask(self._ask_ctx, self.folder, p) for p in self.peers))
-            snapshots.update((p, raw) for p, raw in zip(self.peers, answers) if raw is not None)
+            peers = self.peers
+            answers = await asyncio.gather(*(self._asker(gather.address(self.folder, p)).ask() for p in peers))
+            for p, raw in zip(peers, answers):
+                if raw is None:
+                    log.warning("metrics: process %s did not answer in %d ms; left out of this scrape", p,
+                                gather.ASK_TIMEOUT_MS)
+                else:
+                    snapshots[p] = raw
         return gather.render(gather.merge(snapshots, self.metrics.model), accept)
