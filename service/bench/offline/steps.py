@@ -181,7 +181,8 @@ def host_profile(engine: LLMEngine, prompts, output_lens, overlap: bool, top: in
     steps, seconds = run_steps(engine, prompts, output_lens, overlap)
     prof.disable()
     print(f"host profile: {len(steps)} steps in {seconds:.3f} s under cProfile")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+    for key in ("tottime", "cumtime"):  # each function's own time, then the time under it
+        pstats.Stats(prof).sort_stats(key).print_stats(top)
 
 
 def summarise(served: list[dict], plain: list[dict], profiled: list[dict]) -> list[dict]:
