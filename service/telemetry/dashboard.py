@@ -233,7 +233,7 @@ class History:
 
     def _back(self, t: float, seconds: float) -> Frame | None:
         """The oldest frame within `seconds` before `t` (None if there is only the newest)."""
-        i = bisect.bisect_left([f.t for f in self.frames], t - seconds - 1e-6)
+        i = bisect.bisect_left(self.frames, t - seconds - 1e-6, key=lambda f: f.t)
         return self.frames[i] if i < len(self.frames) - 1 else None
 
     def add(self, families, slowest: list[dict], t: float) -> None:
