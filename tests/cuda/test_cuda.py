@@ -407,6 +407,47 @@ def test_cuda_record_kernel_counts_the_sampled_tokens():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("penalties, repetition", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("rows, vocab, width", [(1, 128256, 10), (37, 5000, 0), (6, 3000, 64)])
+def test_cuda_row_max_with_edits_equals_the_torch_rules_then_max(dtype, penalties, repetition, rows, vocab, width):
+    """A greedy step's fused path: the row maximum of the edited logits (float32, the logits left alone) and its first
+    index, the chosen tokens of the edited rows counted when penalized; rows without a slot read as they are."""
+    from service.engine.runner.logit_edits import penalized
+    from service.engine.runner.triton_sampling import Fused, row_max
+    gen = torch.Generator(device="cuda").manual_seed(rows + width)
+    slots_total = rows + 5
+    logits = (torch.randn(rows, vocab, device="cuda", generator=gen) * 4).to(dtype)
+    logits[0, :7] = float("-inf")  # banned tokens stay banned
+    before = logits.clone()
+    counts = torch.randint(0, 3, (slots_total, vocab), device="cuda", dtype=torch.int32, generator=gen)
+    in_prompt = torch.rand(slots_total, vocab, device="cuda", generator=gen) < 0.1
+    values = torch.rand(slots_total, 3, device="cuda", generator=gen) * torch.tensor([4.0, 4.0, 2.0], device="cuda") \
+        - torch.tensor([2.0, 2.0, -0.1], device="cuda")
+    bias_ids = torch.randint(0, vocab, (slots_total, 64), device="cuda", generator=gen)
+    bias_values = torch.rand(slots_total, 64, device="cuda", generator=gen) * 200 - 100
+    row_slots = torch.randperm(slots_total, device="cuda", generator=gen)[:rows]
+    row_slots[1::3] = -1  # rows without edits in the same step
+    edited = (row_slots >= 0).nonzero().squeeze(1)
+    slots = row_slots[edited]
+    expected = logits.float()
+    biased = expected[edited].scatter_add(1, bias_ids[slots, :width], bias_values[slots, :width])
+    if penalties:
+        biased = penalized(biased, counts[slots], in_prompt[slots] if repetition else None, values[slots])
+    expected[edited] = biased
+    top_expected = expected.amax(-1)
+    first = torch.where(expected == top_expected.unsqueeze(1), torch.arange(vocab, device="cuda"), vocab).amin(-1)
+    counted = counts.clone()
+    if penalties:
+        counted[slots, first[edited]] += 1
+    top, tokens = row_max(logits, Fused(row_slots, counts, in_prompt, values, bias_ids, bias_values, width, penalties,
+                                        repetition))
+    assert torch.equal(tokens, first)
+    torch.testing.assert_close(top, top_expected, rtol=1e-5, atol=1e-4)
+    assert torch.equal(counts, counted)
+    assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_mask_kernel_equals_the_torch_path(dtype):
     from service.engine.runner.triton_sampling import mask
     from tests.engine.test_logit_edits import pack_bits, unpack_bits

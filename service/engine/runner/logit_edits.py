@@ -7,7 +7,9 @@ What each sequence needs lives in a slot of device tensors, filled from the host
 samples (or again after its slot went to another: a preempted sequence's output counts are rebuilt from its tokens):
 its penalties, its bias entries, which tokens its prompt holds, and how often each token appears in its output.
 `record` adds each sampled token to its row's counts on the device, so the counts are right for the next step
-even before the host has read the token back (overlap scheduling). Per step the host uploads only the rows' slot
+even before the host has read the token back (overlap scheduling). A greedy step takes `argmax` instead: on CUDA the
+row maximum's own kernels apply the bias and penalties as they read the logits and count the chosen tokens, so the
+edits add no launch to the step (runner/triton_sampling.py). Per step the host uploads only the rows' slot
 indices; a step with no such row costs nothing here. Slots are reused on demand: a sequence that finished or waits
 (preempted) gives its slot up when one is needed, never a sequence of the step being sampled.
 """
@@ -29,7 +31,9 @@ class _Plan(NamedTuple):
     sequences (steady decode), so such a step's host work is one comparison of the rows."""
     rows: list[int]
     mine: list[Sequence]
+    size: int  # the step's rows, edited or not
     index: tuple[torch.Tensor, torch.Tensor]  # the rows, their slots
+    row_slots: torch.Tensor | None  # [size] int64: each row's slot, -1 for a row without edits (CUDA: `argmax`)
     width: int  # the most bias entries of any row
     biased: tuple[torch.Tensor, torch.Tensor] | None  # (rows, slots) with a bias (the torch path's)
     penalized: tuple[torch.Tensor, torch.Tensor] | None  # (rows, slots) with a penalty
@@ -56,13 +60,29 @@ class LogitEdits:
         self.bias_values = torch.zeros(n, MAX_LOGIT_BIAS, dtype=torch.float32, device=dev)
 
     # -- a step -----------------------------------------------------------------------------------------------
+    def argmax(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], banned: list[tuple[int, int]],
+               masks: "tuple[list[int], torch.Tensor] | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A greedy step: each row's largest logit once edited as `apply` says (NaN if the row holds one, float32)
+        and the first token with it; the tokens of penalized rows counted. On CUDA the bias and penalties are
+        applied by the row maximum's own two kernels (the edited logits are not stored; bans and masks still are)."""
+        plan = self.apply(logits, seqs, rows, banned, masks, defer=self.triton)
+        if self.triton:
+            from service.engine.runner.triton_sampling import Fused, row_max
+            return row_max(logits, None if plan is None else Fused(
+                plan.row_slots, self.counts, self.in_prompt, self.values, self.bias_ids, self.bias_values, plan.width,
+                plan.penalized is not None, plan.repetition))
+        top, tokens = logits.max(-1)
+        if plan is not None:
+            self.record(tokens, plan)
+        return top, tokens
+
     def apply(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], banned: list[tuple[int, int]],
-              masks: "tuple[list[int], torch.Tensor] | None" = None) -> "_Plan | None":
-        """Edit `logits` [rows, vocab] in place (float32; greedy steps: the model's dtype, the edits computed in
-        float32): the bans (row, token), the grammars' `masks` (rows, bitmask [rows, words] on the device: -inf where
-        a bit is 0), then the bias and penalties of `rows` (indexes into `seqs`, whose sequences carry them). Bans
-        and masks first change nothing: a -inf logit stays -inf through the bias and the penalties.
-        Returns what `record` needs, or None."""
+              masks: "tuple[list[int], torch.Tensor] | None" = None, defer: bool = False) -> "_Plan | None":
+        """Edit `logits` [rows, vocab] in place (float32, or the model's dtype with the edits computed in float32):
+        the bans (row, token), the grammars' `masks` (rows, bitmask [rows, words] on the device: -inf where a bit is
+        0), then the bias and penalties of `rows` (indexes into `seqs`, whose sequences carry them). Bans and masks
+        first change nothing: a -inf logit stays -inf through the bias and the penalties. `defer`: leave the bias
+        and penalties to the caller's kernel (`argmax`). Returns what `record` needs, or None."""
         if banned:
             r, t = zip(*banned)
             logits[to_device(r, torch.long, self.device), to_device(t, torch.long, self.device)] = float("-inf")
@@ -74,8 +94,10 @@ class LogitEdits:
             self._allocate(logits.shape[1])
         mine = seqs if len(rows) == len(seqs) else [seqs[i] for i in rows]  # every row: rows is 0, 1, ...
         plan = self._plan
-        if plan is None or plan.rows != rows or plan.mine != mine:  # steady decode: the same sequences, same rows
-            plan = self._plan = self._make_plan(rows, mine, seqs)
+        if plan is None or plan.rows != rows or plan.mine != mine or plan.size != len(seqs):  # steady decode: the same
+            plan = self._plan = self._make_plan(rows, mine, seqs)                         # sequences in the same rows
+        if defer:
+            return plan
         if self.triton:
             from service.engine.runner.triton_sampling import edit
             edit(logits, *plan.index, self.counts, self.in_prompt, self.values, self.bias_ids,
@@ -138,7 +160,14 @@ class LogitEdits:
         penalized_rows = [j for j, s in enumerate(mine) if s.params.presence_penalty or s.params.frequency_penalty
                           or s.params.repetition_penalty != 1]
         penalized = subset(penalized_rows) if penalized_rows else None
-        return _Plan(rows, mine, index, width, subset(biased) if biased and not self.triton else None, penalized,
+        row_slots = None
+        if self.triton:
+            row_slots = [-1] * len(step)
+            for row, slot in zip(rows, slots):
+                row_slots[row] = slot
+            row_slots = to_device(row_slots, torch.long, dev)
+        return _Plan(rows, mine, len(step), index, row_slots, width,
+                     subset(biased) if biased and not self.triton else None, penalized,
                      any(mine[j].params.repetition_penalty != 1 for j in penalized_rows),
                      torch.ones(len(penalized_rows), dtype=torch.int32, device=dev))
 

@@ -86,13 +86,11 @@ class Sampler:
         tokens of constrained rows (engine/structured.py)."""
         banned, wanted, edited, all_greedy = self._scan(seqs)
         if all_greedy and not wanted:
-            # argmax is the same in the model's dtype: skip the float copy of [rows, vocab], and edit the logits in
-            # place (computed in float32, stored in the model's dtype). max propagates NaN, so the row maxima tell
-            # whether any logit was NaN: one pass over the logits instead of two
-            recorded = self.edits.apply(logits, seqs, edited, banned, masks) if edited or banned or masks else None
-            top, tokens = self.row_max(logits)
-            if recorded is not None:
-                self.edits.record(tokens, recorded)
+            # argmax is the same in the model's dtype: skip the float copy of [rows, vocab] (edits are computed in
+            # float32 as the logits are read). max propagates NaN, so the row maxima tell whether any logit was NaN:
+            # one pass over the logits instead of two
+            top, tokens = self.edits.argmax(logits, seqs, edited, banned, masks) if edited or banned or masks \
+                else self.row_max(logits)
             return SampleResult(tokens, top, [], [], [], self.copy_stream)
         top = logits.amax(-1)  # NaN where a row holds one, read back with the tokens: no extra device sync
         logits = logits.float()
