@@ -13,7 +13,7 @@ from service.engine.block_manager import BlockManager
 from service.engine.config import EngineConfig, for_device, resolve_dtype
 from service.engine.detokenizer import Detokenizer
 from service.engine.errors import EngineDeadError, InvalidRequestError
-from service.engine.models import LoadedModel, load_model
+from service.engine.models import LoadedModel, load_model, memory_limit
 from service.engine.results import RequestOutput, StepObserver, StepStats, Timings
 from service.engine.runner.model_runner import ModelRunner
 from service.engine.runner.sampler import SampleResult
@@ -52,7 +52,8 @@ class LLMEngine:
         elif loaded is None:
             loaded = load_model(config.model, resolve_dtype(config.dtype, self.device, config.quantization),
                                 self.device, config.cache_dir, config.seed, config.trust_remote_code,
-                                config.quantization, config.tokenizer, config.smoothing)
+                                config.quantization, config.tokenizer, config.smoothing,
+                                memory_limit=memory_limit(config.gpu_memory_utilization, self.device))
         self.model_name = loaded.name
         self.quantization = loaded.quantization
         self.tokenizer = loaded.tokenizer

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
+from service.engine import random_weights
 from service.engine.config import DEFAULT_MODEL, display_name, dtype_name
 from service.engine.quant import quantization as quant
 
@@ -29,6 +30,11 @@ _LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32
                  tie_word_embeddings=False)
 
 
+_LLAMA_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                  tie_word_embeddings=False)
+
+
 def _sized(hidden, inter, layers, heads):
     return dict(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
                 num_key_value_heads=heads, vocab_size=10000, max_position_embeddings=4096)
@@ -40,6 +46,7 @@ PRESETS = {
                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024),
     "llama-1b": _LLAMA_1B,
     "llama-8b": _LLAMA_8B,
+    "llama-70b": _LLAMA_70B,  # 141 GB of bf16 weights: two GPUs, or one in fp8-w8a8
     "small": _sized(768, 3072, 12, 12),
     "medium": _sized(1024, 4096, 24, 16),
     "large": _sized(1280, 5120, 36, 20),
@@ -70,17 +77,22 @@ def default_gguf_path() -> Path:
 
 def load_model(spec: str, dtype: torch.dtype, device: torch.device, cache_dir: str | None = None,
                seed: int = 0, trust_remote_code: bool = False, quantization: str = "none",
-               tokenizer: str | None = None, smoothing: bool = True) -> LoadedModel:
+               tokenizer: str | None = None, smoothing: bool = True, shard=None,
+               memory_limit: int | None = None) -> LoadedModel:
     """Load a model; with `quantization`, its linear layers get quantized weights after loading (a W8A8 mode smooths
     a checkpoint first, unless `smoothing` is off: quant/smoothing.py). A `tokenizer` gives random weights one
-    (their vocabulary sized to it); a checkpoint brings its own."""
+    (their vocabulary sized to it); a checkpoint brings its own. `shard` (a tensor-parallel rank's
+    parallel.shard_model) keeps the rank's slices: random weights draw only those. Random weights that would take
+    more than `memory_limit` bytes are refused before any is drawn."""
     quant.check(quantization, device, dtype)
     if spec.startswith("random:"):
-        loaded = _load_random(spec, dtype, device, seed, tokenizer)
+        loaded = _load_random(spec, dtype, device, seed, tokenizer, shard, quantization, memory_limit)
     elif tokenizer is not None:
         raise ValueError("--tokenizer is for random: weights; a checkpoint brings its own tokenizer")
     else:
         loaded = _load_pretrained(spec, dtype, device, cache_dir, trust_remote_code, quantization)
+        if shard is not None:
+            shard(loaded.model)
     if loaded.quantization == "none":
         calibrate = smoothing and not spec.startswith("random:")  # random weights: no outliers worth keeping
         quant.quantize(loaded.model, quantization, device, tokenizer=loaded.tokenizer if calibrate else None)
@@ -116,8 +128,8 @@ def _load_pretrained(spec: str, dtype: torch.dtype, device: torch.device, cache_
     return loaded
 
 
-def _load_random(spec: str, dtype: torch.dtype, device: torch.device, seed: int,
-                 tokenizer_source: str | None = None) -> LoadedModel:
+def _load_random(spec: str, dtype: torch.dtype, device: torch.device, seed: int, tokenizer_source: str | None = None,
+                 shard=None, quantization: str = "none", memory_limit: int | None = None) -> LoadedModel:
     preset = spec.split(":", 1)[1]
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
@@ -126,12 +138,49 @@ def _load_random(spec: str, dtype: torch.dtype, device: torch.device, seed: int,
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)  # a folder: tokenizer.json and its config
         shape["vocab_size"], eos = len(tokenizer), tokenizer.eos_token_id
     config = LlamaConfig(**shape, bos_token_id=None, eos_token_id=eos, pad_token_id=None)
-    torch.manual_seed(seed)
-    with torch.device(device):
+    with torch.device("meta"):  # shapes only: nothing is allocated until a rank draws its own slices
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    rotary = model.model.rotary_emb
+    with torch.device(device):  # its frequencies, made at construction
+        model.model.rotary_emb = type(rotary)(config=model.config)
+    slices = shard(model) if shard is not None else {}
+    layered = quantization in quant.W8A8_MODES  # quantized layer by layer as drawn: no unquantized copy of the model
+    _check_fits(spec, model, dtype, layered, memory_limit)
+    random_weights.draw(model, seed, device, slices, config.initializer_range,
+                        lambda layer: w8a8_layer(layer, quantization) if layered else None)
     loaded = _finish(model, tokenizer, display_name(spec))
     loaded.tokenizer_source = tokenizer_source
     return loaded
+
+
+def memory_limit(share: float, device: torch.device) -> int | None:
+    """The bytes of a GPU the engine may fill (`share`: --gpu-memory-utilization); None on a CPU."""
+    if device.type != "cuda":
+        return None
+    return int(share * torch.cuda.get_device_properties(device).total_memory)
+
+
+def _check_fits(spec: str, model: torch.nn.Module, dtype: torch.dtype, layered: bool, limit: int | None) -> None:
+    """Refuse random weights that would not fit in `limit` bytes (a GPU's share for the engine), before drawing."""
+    if limit is None:
+        return
+    output = model.get_output_embeddings()
+    need = 0
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            one_byte = layered and isinstance(module, torch.nn.Linear) and module is not output
+            need += p.numel() * (1 if one_byte else p.element_size())
+    if need > limit:
+        raise ValueError(f"{spec} needs {need / 2**30:.1f} GiB for its weights here ({dtype_name(dtype)}"
+                         f"{', linear layers in 8 bits' if layered else ''}), more than the {limit / 2**30:.1f} GiB "
+                         "this GPU gives the engine (--gpu-memory-utilization of its memory, weights, activations "
+                         "and KV cache together): split it over GPUs with --tensor-parallel-size, or quantize it "
+                         "with --quantization fp8-w8a8")
+
+
+def w8a8_layer(layer: torch.nn.Module, mode: str) -> None:
+    from service.engine.quant import w8a8
+    w8a8.quantize(layer, mode)
 
 
 def _finish(model, tokenizer, name: str) -> LoadedModel:

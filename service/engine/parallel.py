@@ -7,12 +7,11 @@ and the query heads of their groups), so each rank's paged KV cache holds only i
 do not divide evenly are spread as evenly as whole groups allow (the default model's 3 KV heads: 2 + 1).
 
 Lockstep: rank 0 runs the whole engine - API, scheduler, sampler, telemetry - and before each forward
-pass broadcasts that pass's inputs (token ids, positions, attention metadata, which cache). The other
-ranks only run forward passes. Broadcasting the inputs, rather than running identical schedulers on
+pass broadcasts that pass's inputs (token ids, positions, attention metadata, which cache) as tensors: a
+header and one byte buffer, no pickled objects (`send_forward`). The other ranks only run forward passes. Broadcasting the inputs, rather than running identical schedulers on
 every rank, means nothing can drift: seeds, aborts, disconnects and timing decisions happen once.
 """
 
-import dataclasses
 import fnmatch
 import importlib
 import logging
@@ -60,8 +59,9 @@ def head_ranges(config, world: int, rank: int) -> tuple[tuple[int, int], tuple[i
 REPLICATED = {"embedding_rowwise", "colwise_rep", "colwise_gather_output", "gather", "replicate"}
 
 
-def shard_model(model: torch.nn.Module, world: int, rank: int) -> None:
-    """Keep this rank's slice of every projection in the model's tensor-parallel plan, in place."""
+def shard_model(model: torch.nn.Module, world: int, rank: int) -> dict[int, tuple[int, int, int, int]]:
+    """Keep this rank's slice of every projection in the model's tensor-parallel plan, in place (a model on the meta
+    device too). Returns, by the id of each sliced parameter, (dim, start, end, full size): which slice it holds."""
     config = model.config.get_text_config()
     plan = getattr(config, "base_model_tp_plan", None) or getattr(model.config, "base_model_tp_plan", None)
     if not plan:
@@ -70,6 +70,17 @@ def shard_model(model: torch.nn.Module, world: int, rank: int) -> None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     (q0, q1), (k0, k1) = head_ranges(config, world, rank)
     base = model.base_model
+    slices = {}
+
+    def keep(module: torch.nn.Module, dim: int, lo: int, hi: int) -> None:
+        for key in ("weight", "bias"):
+            p = getattr(module, key)
+            if p is None or p.dim() <= dim:
+                continue
+            kept = torch.nn.Parameter(p.narrow(dim, lo, hi - lo).contiguous(), requires_grad=False)
+            setattr(module, key, kept)
+            slices[id(kept)] = (dim, lo, hi, p.shape[dim])
+
     for name, module in list(base.named_modules()):
         style = next((s for pattern, s in plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
         if style is None or style in REPLICATED:
@@ -84,13 +95,11 @@ def shard_model(model: torch.nn.Module, world: int, rank: int) -> None:
                 lo, hi = lo * head_dim, hi * head_dim
             else:
                 lo, hi = _split(module.out_features, world, rank)
-            module.weight = torch.nn.Parameter(module.weight[lo:hi].contiguous(), requires_grad=False)
-            if module.bias is not None:
-                module.bias = torch.nn.Parameter(module.bias[lo:hi].contiguous(), requires_grad=False)
+            keep(module, 0, lo, hi)
             module.out_features = hi - lo
         else:
             lo, hi = (q0 * head_dim, q1 * head_dim) if attn else _split(module.in_features, world, rank)
-            module.weight = torch.nn.Parameter(module.weight[:, lo:hi].contiguous(), requires_grad=False)
+            keep(module, 1, lo, hi)  # (a bias is 1-D: whole)
             if module.bias is not None and rank != 0:
                 module.bias = None  # added once, on rank 0, before the partial outputs are summed
             module.in_features = hi - lo
@@ -99,6 +108,7 @@ def shard_model(model: torch.nn.Module, world: int, rank: int) -> None:
     config.head_dim = head_dim
     config.num_attention_heads = q1 - q0
     config.num_key_value_heads = k1 - k0
+    return slices
 
 
 _driver: "TensorParallelGroup | None" = None  # rank 0's group, which explains a collective that failed
@@ -114,24 +124,72 @@ def _all_reduce_output(module, inputs, output):
     return output
 
 
-# -- what rank 0 sends before each forward pass ---------------------------------------------------------
-@dataclasses.dataclass
-class ForwardCall:
-    kwargs: dict  # the model's keyword arguments (tensors on the CPU)
-    meta: AttentionMetadata  # tensors on the CPU
-    num_blocks: int  # which KV cache: the engine's, or a throwaway one (a memory-profiling dry run)
-    backend: tuple[str, str]  # module and name of the attention backend
-    report: bool  # gather every rank's time in forward passes after this one
+# -- what rank 0 sends before each forward pass: two tensor broadcasts, nothing pickled ---------------------
+# A header of HEADER int64 (what kind of message, which KV cache, the metadata's integers, each tensor's dtype and
+# shape), then one byte buffer holding the tensors one after another (each padded to 8 bytes, so that each views
+# as its dtype). On CUDA both stay on the device: rank 0 packs its inputs there, NCCL moves them; only the other
+# ranks read the header back, and they wait for rank 0 anyway.
+TENSORS = ("input_ids", "position_ids", "slot_mapping", "block_tables", "seq_lens", "query_start_loc", "query_index",
+           "query_valid", "query_pos", "tile_seq", "tile_qstart")  # model keyword arguments, then AttentionMetadata
+DTYPES = (torch.int64, torch.int32, torch.bool)
+BACKENDS = ((attention.__name__, "torch_paged_attention"),
+            ("service.engine.runner.triton_attention", "triton_paged_attention"))
+FIELDS = 7  # op, num_blocks, report, backend, max_query_len, max_seq_len, block_m; then 3 per tensor
+HEADER = FIELDS + 3 * len(TENSORS)
+STOP, FORWARD = 0, 1
 
 
-def _to(obj, device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if dataclasses.is_dataclass(obj):
-        return dataclasses.replace(obj, **{f.name: _to(getattr(obj, f.name), device) for f in dataclasses.fields(obj)})
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    return obj
+def send_forward(kwargs: dict, ctx: ForwardContext, report: bool, device: torch.device) -> None:
+    """Rank 0: broadcast a forward pass's inputs (`kwargs` input_ids and position_ids, the attention metadata, which
+    cache, which backend)."""
+    meta = ctx.meta
+    backend = BACKENDS.index((ctx.backend.__module__, ctx.backend.__name__))
+    header = [FORWARD, ctx.kv_caches[0][0].shape[0], int(report), backend, meta.max_query_len, meta.max_seq_len,
+              meta.block_m]
+    parts = []
+    for name in TENSORS:
+        t = kwargs[name] if name in ("input_ids", "position_ids") else getattr(meta, name)
+        if t is None:
+            header += [-1, 0, 0]
+            continue
+        assert t.dim() <= 2, name
+        header += [DTYPES.index(t.dtype), t.shape[0], t.shape[1] if t.dim() == 2 else -1]
+        data = t.contiguous().view(-1).view(torch.uint8)
+        parts += [data, torch.zeros(-len(data) % 8, dtype=torch.uint8, device=data.device)]
+    dist.broadcast(torch.tensor(header, dtype=torch.int64, device=device), src=0)
+    dist.broadcast(torch.cat(parts).to(device), src=0)
+
+
+def send_stop(device: torch.device) -> None:
+    dist.broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64, device=device), src=0)
+
+
+def receive_forward(device: torch.device) -> tuple[dict, AttentionMetadata, int, bool, object] | None:
+    """Another rank: the next forward pass's (kwargs, metadata, cache's blocks, report, backend), or None: stop."""
+    header = torch.empty(HEADER, dtype=torch.int64, device=device)
+    dist.broadcast(header, src=0)
+    h = header.tolist()
+    if h[0] == STOP:
+        return None
+    shapes = []
+    for k in range(len(TENSORS)):
+        code, rows, cols = h[FIELDS + 3 * k:FIELDS + 3 * k + 3]
+        shapes.append(None if code < 0 else (DTYPES[code], (rows,) if cols < 0 else (rows, cols)))
+    sizes = [0 if s is None else -(-torch.Size(s[1]).numel() * s[0].itemsize // 8) * 8 for s in shapes]
+    payload = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    dist.broadcast(payload, src=0)
+    tensors, at = {}, 0
+    for name, shape, size in zip(TENSORS, shapes, sizes):
+        if shape is not None:
+            dtype, dims = shape
+            n = torch.Size(dims).numel() * dtype.itemsize
+            tensors[name] = payload[at:at + n].view(dtype).view(dims)
+        at += size
+    kwargs = {"input_ids": tensors.pop("input_ids"), "position_ids": tensors.pop("position_ids")}
+    meta = AttentionMetadata(**{name: tensors.get(name) for name in TENSORS[2:]}, max_query_len=h[4],
+                             max_seq_len=h[5], block_m=h[6])
+    module, name = BACKENDS[h[3]]
+    return kwargs, meta, h[1], bool(h[2]), getattr(importlib.import_module(module), name)
 
 
 def _rank_device(config, rank: int) -> torch.device:
@@ -158,20 +216,22 @@ def _store(world: int, port: int = 0) -> dist.TCPStore:
 
 
 def load_shard(config, world: int, rank: int):
-    """Load the whole model, keep this rank's shard, move it to the rank's device.
+    """Load this rank's shard of the model onto the rank's device.
 
-    A checkpoint is read on the CPU; random weights are drawn on the rank's GPU (the same seed gives every
-    device the same numbers, and drawing billions of them on a CPU takes minutes)."""
+    Random weights: the rank draws its own slices only, on its GPU (engine/random_weights.py: every tensor-parallel
+    size gets the same numbers), and a shard that would not fit is refused first. A checkpoint is read whole on the
+    CPU, then sliced."""
     from service.engine.config import resolve_dtype
-    from service.engine.models import load_model
+    from service.engine.models import load_model, memory_limit
 
     device = _rank_device(config, rank)
     where = device if config.model.startswith("random:") else torch.device("cpu")
     loaded = load_model(config.model, resolve_dtype(config.dtype, device), where, config.cache_dir,
-                        config.seed, config.trust_remote_code, tokenizer=config.tokenizer)
-    shard_model(loaded.model, world, rank)
+                        config.seed, config.trust_remote_code, tokenizer=config.tokenizer,
+                        shard=lambda model: shard_model(model, world, rank), memory_limit=memory_limit(config.gpu_memory_utilization, device))
     loaded.model.to(device)
     return loaded
+
 
 
 # -- rank 0 ---------------------------------------------------------------------------------------------
@@ -215,14 +275,10 @@ class TensorParallelGroup:
     def _before_forward(self, module, args, kwargs):
         if self.failure:
             raise RankFailedError(self.failure)
-        ctx = attention._context
         self._calls += 1
         self._report = self._calls % self.REPORT_EVERY == 0
-        backend = (ctx.backend.__module__, ctx.backend.__name__)
-        call = ForwardCall(_to({**kwargs, "logits_to_keep": 1}, "cpu"), _to(ctx.meta, "cpu"),
-                           ctx.kv_caches[0][0].shape[0], backend, self._report)
         try:
-            dist.broadcast_object_list([call], src=0)
+            send_forward(kwargs, attention._context, self._report, self.device)
         except Exception as exc:
             raise self.lost(exc) from exc
         self._start = time.perf_counter()
@@ -263,7 +319,7 @@ class TensorParallelGroup:
             _driver = None
         if not self.failure:
             try:
-                dist.broadcast_object_list([None], src=0)
+                send_stop(self.device)
             except Exception:
                 pass
         for p in self.procs:
@@ -296,26 +352,24 @@ def _worker(config, world: int, rank: int, port: int, parent: int) -> None:
     busy = 0.0
     with torch.inference_mode():
         while True:
-            box = [None]
             try:
-                dist.broadcast_object_list(box, src=0)
+                call = receive_forward(device)
             except Exception as exc:  # rank 0 is gone: nothing left to serve
                 log.error("rank 0 stopped answering (%s); exiting", exc)
                 os._exit(1)
-            call: ForwardCall | None = box[0]
             if call is None:
                 break
-            if call.num_blocks not in caches:
+            kwargs, meta, num_blocks, report, backend = call
+            if num_blocks not in caches:
                 if len(caches) >= 2:  # the engine's cache and one throwaway: drop the oldest throwaway
                     caches.pop(next(k for k in caches if k != max(caches)))
-                args = (call.num_blocks, config.block_size, kv_heads, head_dim, dtype, device)
-                caches[call.num_blocks] = [(cache_tensor(*args), cache_tensor(*args)) for _ in range(layers)]
-            backend = getattr(importlib.import_module(call.backend[0]), call.backend[1])
+                args = (num_blocks, config.block_size, kv_heads, head_dim, dtype, device)
+                caches[num_blocks] = [(cache_tensor(*args), cache_tensor(*args)) for _ in range(layers)]
             start = time.perf_counter()
-            with forward_context(ForwardContext(caches[call.num_blocks], _to(call.meta, device), backend)):
-                model(**_to(call.kwargs, device))
+            with forward_context(ForwardContext(caches[num_blocks], meta, backend)):
+                model(**kwargs, use_cache=False, logits_to_keep=1)
             busy += time.perf_counter() - start
-            if call.report:
+            if report:
                 _gather_seconds(busy, world, device)
     dist.destroy_process_group()
 

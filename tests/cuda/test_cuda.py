@@ -429,7 +429,7 @@ def test_cuda_row_max_with_edits_equals_the_torch_rules_then_max(dtype, penaltie
     row_slots[1::3] = -1  # rows without edits in the same step
     edited = (row_slots >= 0).nonzero().squeeze(1)
     slots = row_slots[edited]
-    expected = logits.float()
+    expected = logits.float().clone()  # (float() of float32 logits is the same tensor)
     biased = expected[edited].scatter_add(1, bias_ids[slots, :width], bias_values[slots, :width])
     if penalties:
         biased = penalized(biased, counts[slots], in_prompt[slots] if repetition else None, values[slots])

@@ -25,6 +25,54 @@ def test_kv_heads_are_split_by_whole_groups():
         head_ranges(config, 4, 0)
 
 
+@pytest.mark.parametrize("preset, world", [("tiny", 2), ("small", 3)])
+def test_each_rank_draws_its_own_slices_of_the_one_random_model(preset, world):
+    """Random weights are drawn in seeded blocks: the ranks' slices, put together, are the weights one rank draws
+    (small over 3 ranks: 4 of 12 heads and a third of the MLP each)."""
+    import torch
+
+    from service.engine.models import load_model
+    from service.engine.parallel import shard_model
+    cpu = torch.device("cpu")
+    whole = load_model(f"random:{preset}", torch.float32, cpu).model.state_dict()
+    parts = [load_model(f"random:{preset}", torch.float32, cpu,
+                        shard=lambda model, r=r: shard_model(model, world, r)).model.state_dict() for r in range(world)]
+    sliced = 0
+    for name, full in whole.items():
+        pieces = [part[name] for part in parts]
+        if pieces[0].shape == full.shape:  # kept whole: embeddings, norms, the LM head
+            assert all(torch.equal(p, full) for p in pieces), name
+            continue
+        dim = 0 if pieces[0].shape[1:] == full.shape[1:] else 1
+        assert torch.equal(torch.cat(pieces, dim), full), name
+        sliced += 1
+    assert sliced == 7 * len(load_cpu(f"random:{preset}").model.model.layers)
+
+
+def test_random_weights_too_big_for_the_gpu_are_refused_before_any_is_drawn():
+    import torch
+
+    from service.engine.models import load_model
+    limit = int(0.85 * 141 * 2**30)  # an H200's share at the default --gpu-memory-utilization
+    with pytest.raises(ValueError, match=r"random:llama-70b needs 131\.4 GiB .* --tensor-parallel-size"):
+        load_model("random:llama-70b", torch.bfloat16, torch.device("cpu"), memory_limit=limit)
+
+
+def test_w8a8_random_weights_are_quantized_layer_by_layer_as_drawn():
+    """The same codes as quantizing the drawn model afterwards: no unquantized copy of the model is needed."""
+    import torch
+
+    from service.engine.models import load_model
+    from service.engine.quant import w8a8
+    cpu = torch.device("cpu")
+    layered = load_model("random:tiny", torch.float32, cpu, quantization="int8-w8a8").model
+    after = load_model("random:tiny", torch.float32, cpu).model
+    w8a8.quantize(after, "int8-w8a8", skip=after.get_output_embeddings())  # (as load_model does on a CPU)
+    mine, theirs = layered.state_dict(), after.state_dict()
+    assert mine.keys() == theirs.keys() and any(t.dtype == torch.int8 for t in mine.values())
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
 def _generate(engine: LLMEngine, prompts, params: SamplingParams = GREEDY) -> tuple[list[list[int]], int]:
     preempted = []
     engine.observer = lambda step: preempted.extend(step.preempted)
@@ -33,7 +81,12 @@ def _generate(engine: LLMEngine, prompts, params: SamplingParams = GREEDY) -> tu
     return outputs, len(preempted)
 
 
-def test_two_ranks_equal_one_rank_with_chunked_prefill_and_preemption(tiny_model):
+def test_two_ranks_equal_one_rank_with_chunked_prefill_and_preemption(tiny_model, monkeypatch):
+    import torch.distributed as dist
+
+    def pickled(*args, **kwargs):
+        raise AssertionError("a step's inputs travel as tensors, not as pickled objects")
+    monkeypatch.setattr(dist, "broadcast_object_list", pickled)
     prompts = [list(range(1, 40)), list(range(50, 70)), list(range(100, 133)), [7, 8, 9]]
     # 8 blocks of 16 tokens cannot hold all four sequences: the engine preempts; 16-token steps chunk prefills
     settings = dict(num_blocks=8, max_num_batched_tokens=16)

@@ -1,0 +1,72 @@
+"""Random weights for `random:` models, drawn so that every tensor-parallel size gets the same numbers, each rank
+drawing only its own slices.
+
+Each weight is cut into tiles of ROWS x COLUMNS, and each tile is drawn from its own generator, seeded by the
+model's seed, the weight's name and the tile's place. A rank draws the tiles its slice (rows or columns) touches and
+keeps the slice: the numbers at a place of a weight do not depend on who draws them, so N ranks hold exactly the slices of the one model that N = 1 draws, and no rank ever holds the whole
+model. As transformers initializes a Llama: linear and embedding weights normal with standard deviation
+`initializer_range`, RMSNorm weights one. The same numbers on every device of a type (the CUDA generator is
+counter-based); a CPU draws other numbers than a GPU, as it always did.
+"""
+
+import zlib
+
+import torch
+from torch import nn
+
+ROWS, COLUMNS = 128, 8192  # a tile of a weight drawn from one seed (a 70B model's weights: about 68,000 tiles)
+
+
+def draw(model: nn.Module, seed: int, device: torch.device, slices: dict[int, tuple[int, int, int, int]],
+         std: float, after_layer=None) -> None:
+    """Give every parameter of `model` (built on the meta device) its numbers on `device`, in place. `slices` maps a
+    parameter's id to (dim, start, end, full size): it holds that slice of the full weight (parallel.shard_model).
+    `after_layer(layer)` runs on each decoder layer once it is drawn (to quantize it before the next one exists).
+    Tied parameters stay tied."""
+    names = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    made: dict[int, nn.Parameter] = {}
+
+    def materialize(root: nn.Module) -> None:
+        for module in root.modules():
+            for key, p in list(module._parameters.items()):
+                if p is None or not p.is_meta:
+                    continue
+                if id(p) not in made:
+                    made[id(p)] = nn.Parameter(_drawn(names[id(p)], p, slices.get(id(p)), seed, device, std),
+                                               requires_grad=False)
+                module._parameters[key] = made[id(p)]
+
+    layers = list(getattr(model.model, "layers", []))
+    for layer in layers:
+        materialize(layer)
+        if after_layer is not None:
+            after_layer(layer)
+    materialize(model)
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"random weights: nothing draws {', '.join(left[:3])}")
+
+
+def _drawn(name: str, p: torch.Tensor, piece: tuple[int, int, int, int] | None, seed: int, device: torch.device,
+           std: float) -> torch.Tensor:
+    if p.dim() == 1:  # RMSNorm weights (a Llama has no biases)
+        return torch.ones(p.shape, dtype=p.dtype, device=device)
+    full, kept = list(p.shape), [(0, n) for n in p.shape]  # the whole weight's shape; the part of it this rank holds
+    if piece is not None:
+        dim, start, end, full[dim] = piece
+        kept[dim] = (start, end)
+    out = torch.empty(p.shape, dtype=p.dtype, device=device)
+    key = zlib.crc32(f"{seed}:{name}".encode())
+    (r0, r1), (c0, c1) = kept
+    for i in range(r0 // ROWS, (r1 - 1) // ROWS + 1):
+        for j in range(c0 // COLUMNS, (c1 - 1) // COLUMNS + 1):
+            top, left = i * ROWS, j * COLUMNS
+            shape = (min(ROWS, full[0] - top), min(COLUMNS, full[1] - left))
+            generator = torch.Generator(device).manual_seed((key << 30 | i << 15 | j) & (2**63 - 1))
+            tile = torch.randn(shape, generator=generator, device=device, dtype=torch.float32).mul_(std)
+            a, b = max(top, r0), min(top + shape[0], r1)  # the part of the tile inside the slice
+            c, d = max(left, c0), min(left + shape[1], c1)
+            out[a - r0:b - r0, c - c0:d - c0] = tile[a - top:b - top, c - left:d - left]
+    return out
