@@ -140,9 +140,6 @@ def _load_random(spec: str, dtype: torch.dtype, device: torch.device, seed: int,
     config = LlamaConfig(**shape, bos_token_id=None, eos_token_id=eos, pad_token_id=None)
     with torch.device("meta"):  # shapes only: nothing is allocated until a rank draws its own slices
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    rotary = model.model.rotary_emb
-    with torch.device(device):  # its frequencies, made at construction
-        model.model.rotary_emb = type(rotary)(config=model.config)
     slices = shard(model) if shard is not None else {}
     layered = quantization in quant.W8A8_MODES  # quantized layer by layer as drawn: no unquantized copy of the model
     _check_fits(spec, model, dtype, layered, memory_limit)

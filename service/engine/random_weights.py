@@ -22,14 +22,14 @@ def draw(model: nn.Module, seed: int, device: torch.device, slices: dict[int, tu
     """Give every parameter of `model` (built on the meta device) its numbers on `device`, in place. `slices` maps a
     parameter's id to (dim, start, end, full size): it holds that slice of the full weight (parallel.shard_model).
     `after_layer(layer)` runs on each decoder layer once it is drawn (to quantize it before the next one exists).
-    Tied parameters stay tied."""
+    Tied parameters stay tied; the rotary embedding is made again on `device`."""
     names = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
-    made: dict[int, nn.Parameter] = {}
 
     def materialize(root: nn.Module) -> None:
-        for module in root.modules():
+        made: dict[int, nn.Parameter] = {}  # tied parameters (the embedding and the head), drawn once; dropped after
+        for module in root.modules():  # each layer, so that a quantized layer's float weights are freed at once
             for key, p in list(module._parameters.items()):
                 if p is None or not p.is_meta:
                     continue
@@ -38,6 +38,10 @@ def draw(model: nn.Module, seed: int, device: torch.device, slices: dict[int, tu
                                                requires_grad=False)
                 module._parameters[key] = made[id(p)]
 
+    rotary = getattr(model.model, "rotary_emb", None)
+    if rotary is not None and any(b.is_meta for b in rotary.buffers()):
+        with torch.device(device):  # its frequencies are made at construction
+            model.model.rotary_emb = type(rotary)(config=model.config)
     layers = list(getattr(model.model, "layers", []))
     for layer in layers:
         materialize(layer)

@@ -73,6 +73,29 @@ def test_w8a8_random_weights_are_quantized_layer_by_layer_as_drawn():
     assert all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
+def test_a_layer_quantized_as_drawn_frees_its_float_weights_before_the_next_is_drawn():
+    """So that a model which only fits quantized (the 70B shape in fp8 on one GPU) never holds its float weights."""
+    import weakref
+
+    import torch
+
+    from service.engine import random_weights
+    from service.engine.quant import w8a8
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from service.engine.models import PRESETS
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**PRESETS["tiny"]), dtype=torch.float32)
+    drawn = []
+
+    def quantize(layer):
+        assert all(ref() is None for ref in drawn), "the layer before still holds float weights"
+        drawn.extend(weakref.ref(m.weight) for m in layer.modules() if type(m) is torch.nn.Linear)
+        w8a8.quantize(layer, "int8-w8a8")
+    random_weights.draw(model, 0, torch.device("cpu"), {}, 0.02, quantize)
+    assert len(drawn) == 7 * 2 and all(ref() is None for ref in drawn)
+
+
 def _generate(engine: LLMEngine, prompts, params: SamplingParams = GREEDY) -> tuple[list[list[int]], int]:
     preempted = []
     engine.observer = lambda step: preempted.extend(step.preempted)
