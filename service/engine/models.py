@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig
 
-from service.engine import random_weights
+from service.engine import weights
 from service.engine.config import DEFAULT_MODEL, display_name, dtype_name
 from service.engine.quant import quantization as quant
 
@@ -91,9 +91,7 @@ def load_model(spec: str, dtype: torch.dtype, device: torch.device, cache_dir: s
     elif tokenizer is not None:
         raise ValueError("--tokenizer is for random: weights; a checkpoint brings its own tokenizer")
     else:
-        loaded = _load_pretrained(spec, dtype, device, cache_dir, trust_remote_code, quantization)
-        if shard is not None:
-            shard(loaded.model)
+        loaded = _load_pretrained(spec, dtype, device, cache_dir, trust_remote_code, quantization, shard)
     if loaded.quantization == "none":
         calibrate = smoothing and not spec.startswith("random:")  # random weights: no outliers worth keeping
         quant.quantize(loaded.model, quantization, device, tokenizer=loaded.tokenizer if calibrate else None)
@@ -104,16 +102,23 @@ def load_model(spec: str, dtype: torch.dtype, device: torch.device, cache_dir: s
 
 
 def _load_pretrained(spec: str, dtype: torch.dtype, device: torch.device, cache_dir: str | None,
-                     trust_remote_code: bool, quantization: str) -> LoadedModel:
+                     trust_remote_code: bool, quantization: str, shard=None) -> LoadedModel:
     path = default_gguf_path() if spec == DEFAULT_MODEL else Path(spec)
     if path.suffix == ".gguf":
         folder = _convert_gguf(path, cache_dir)
     else:
         folder = path if path.exists() else spec  # a hub id when no such folder exists
-    method = quant.checkpoint_method(AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code))
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    method = quant.checkpoint_method(config)
     if method and quantization != "none":
         raise ValueError(f"{spec} is already quantized ({method}); serve it with --quantization none")
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    if shard is not None and not method:
+        model = _read_shard(Path(folder), config, dtype, trust_remote_code, shard)
+        if model is not None:
+            loaded = _finish(model.to(device), tokenizer, display_name(spec))
+            loaded.tokenizer_source = str(folder)
+            return loaded
     try:
         # a pre-quantized checkpoint is placed on the device while loading: its kernels may not run elsewhere
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code,
@@ -123,10 +128,31 @@ def _load_pretrained(spec: str, dtype: torch.dtype, device: torch.device, cache_
             raise
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ValueError(f"cannot load the {method}-quantized checkpoint {spec} on {device.type}: {reason}") from exc
+    if shard is not None:
+        shard(model)
     loaded = _finish(model if method else model.to(device), tokenizer, display_name(spec))
     loaded.quantization = method or "none"
     loaded.tokenizer_source = str(folder)
     return loaded
+
+
+def _read_shard(folder: Path, config, dtype: torch.dtype, trust_remote_code: bool, shard) -> torch.nn.Module | None:
+    """A tensor-parallel rank's shard read straight from the folder's safetensors files, its slices only (on the
+    CPU); None where the files do not hold the model's parameters under its own names (a hub id, another layout):
+    then the whole checkpoint is loaded and sliced."""
+    source = weights.Checkpoint(folder) if folder.is_dir() else None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    if source is None or not source.covers(model):
+        log.info("%s: its files do not name every parameter of %s; each rank loads it whole, then slices it", folder,
+                 type(model).__name__)
+        return None
+    weights.fill(model, source, torch.device("cpu"), shard(model))
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(folder)  # its EOS tokens, as from_pretrained reads
+    except OSError:  # none in the folder
+        pass
+    return model
 
 
 def _load_random(spec: str, dtype: torch.dtype, device: torch.device, seed: int, tokenizer_source: str | None = None,
@@ -145,8 +171,8 @@ def _load_random(spec: str, dtype: torch.dtype, device: torch.device, seed: int,
     layered = quantization in quant.W8A8_MODES  # quantized layer by layer as drawn: no unquantized copy of the model
     _check_fits(spec, model, dtype, layered, memory_limit)
     with _expandable_segments(device if layered else torch.device("cpu")):
-        random_weights.draw(model, seed, device, slices, config.initializer_range,
-                            lambda layer: w8a8_layer(layer, quantization) if layered else None)
+        weights.fill(model, weights.Random(seed, device, config.initializer_range), device, slices,
+                     lambda layer: w8a8_layer(layer, quantization) if layered else None)
     loaded = _finish(model, tokenizer, display_name(spec))
     loaded.tokenizer_source = tokenizer_source
     return loaded

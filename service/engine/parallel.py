@@ -17,6 +17,7 @@ import importlib
 import logging
 import multiprocessing
 import os
+import resource
 import threading
 import time
 from datetime import timedelta
@@ -216,22 +217,26 @@ def _store(world: int, port: int = 0) -> dist.TCPStore:
 
 
 def load_shard(config, world: int, rank: int):
-    """Load this rank's shard of the model onto the rank's device.
+    """Load this rank's shard of the model onto the rank's device, its slices only (engine/weights.py).
 
-    Random weights: the rank draws its own slices only, on its GPU (engine/random_weights.py: every tensor-parallel
-    size gets the same numbers), and a shard that would not fit is refused first. A checkpoint is read whole on the
-    CPU, then sliced."""
+    Random weights: the rank draws them on its GPU (every tensor-parallel size gets the same numbers), refused first
+    when they would not fit. A checkpoint: the rank reads its slices from the safetensors files on the CPU, then
+    moves them (one whose files do not name the model's parameters is read whole, then sliced). The log gives the
+    rank's peak resident memory."""
     from service.engine.config import resolve_dtype
     from service.engine.models import load_model, memory_limit
 
     device = _rank_device(config, rank)
     where = device if config.model.startswith("random:") else torch.device("cpu")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     loaded = load_model(config.model, resolve_dtype(config.dtype, device), where, config.cache_dir,
                         config.seed, config.trust_remote_code, tokenizer=config.tokenizer,
-                        shard=lambda model: shard_model(model, world, rank), memory_limit=memory_limit(config.gpu_memory_utilization, device))
+                        shard=lambda model: shard_model(model, world, rank),
+                        memory_limit=memory_limit(config.gpu_memory_utilization, device))
     loaded.model.to(device)
+    log.info("rank %d of %d loaded its shard: peak resident memory %.0f MiB (%.0f MiB before)", rank, world,
+             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, before)
     return loaded
-
 
 
 # -- rank 0 ---------------------------------------------------------------------------------------------

@@ -73,13 +73,39 @@ def test_w8a8_random_weights_are_quantized_layer_by_layer_as_drawn():
     assert all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
+def test_each_rank_reads_only_its_slices_from_the_checkpoint_files(tmp_path, monkeypatch):
+    """A checkpoint folder's safetensors are read a slice at a time (never loaded whole), and each rank holds what
+    loading the whole model and slicing it gives (small over 3 ranks; tied embeddings kept whole)."""
+    import torch
+
+    from service.engine import models
+    from service.engine.parallel import shard_model
+    from tests.conftest import tokenizer_folder
+    cpu = torch.device("cpu")
+    whole = models.load_model("random:small", torch.float32, cpu, tokenizer=tokenizer_folder())
+    whole.model.save_pretrained(tmp_path)
+    whole.tokenizer.save_pretrained(tmp_path)
+
+    def loaded_whole(*args, **kwargs):
+        raise AssertionError("a rank loads the whole checkpoint")
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", loaded_whole)
+    for rank in range(3):
+        mine = models.load_model(str(tmp_path), torch.float32, cpu, shard=lambda m: shard_model(m, 3, rank))
+        expected = copy.deepcopy(whole.model)
+        shard_model(expected, 3, rank)
+        got, want = mine.model.state_dict(), expected.state_dict()
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in got)
+        assert mine.eos_token_ids == whole.eos_token_ids
+
+
 def test_a_layer_quantized_as_drawn_frees_its_float_weights_before_the_next_is_drawn():
     """So that a model which only fits quantized (the 70B shape in fp8 on one GPU) never holds its float weights."""
     import weakref
 
     import torch
 
-    from service.engine import random_weights
+    from service.engine import weights
     from service.engine.quant import w8a8
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -92,7 +118,7 @@ def test_a_layer_quantized_as_drawn_frees_its_float_weights_before_the_next_is_d
         assert all(ref() is None for ref in drawn), "the layer before still holds float weights"
         drawn.extend(weakref.ref(m.weight) for m in layer.modules() if type(m) is torch.nn.Linear)
         w8a8.quantize(layer, "int8-w8a8")
-    random_weights.draw(model, 0, torch.device("cpu"), {}, 0.02, quantize)
+    weights.fill(model, weights.Random(0, torch.device("cpu"), 0.02), torch.device("cpu"), {}, quantize)
     assert len(drawn) == 7 * 2 and all(ref() is None for ref in drawn)
 
 
