@@ -11,8 +11,8 @@ hold exactly the slices of the one model that N = 1 draws. As transformers initi
 weights normal with standard deviation `initializer_range`, RMSNorm weights one. The same numbers on every device of
 a type (the CUDA generator is counter-based); a CPU draws other numbers than a GPU.
 
-A checkpoint: each slice is read with safetensors' `get_slice`, which reads those rows or columns of the file and no
-more, so a rank's memory peaks near its own shard.
+A checkpoint: each slice is read with safetensors' `get_slice` and copied out of the mapped file, one weight at a
+time, so a rank's memory peaks near its own shard (the file's pages are mapped only while a weight is read).
 """
 
 import functools
@@ -90,10 +90,10 @@ class Checkpoint:
     def __call__(self, name: str, p: torch.Tensor, piece: Piece) -> torch.Tensor:
         with safe_open(self.files[name], framework="pt") as f:
             whole = f.get_slice(name)
-            if piece is None:
-                return whole[:]
-            dim, start, end, _ = piece
-            return whole[start:end] if dim == 0 else whole[:, start:end]
+            dim, start, end, _ = piece or (0, 0, None, None)
+            # a copy: the slice would otherwise stay a view of the mapped file, whose pages (a column slice's
+            # neighbours too) count in the rank's memory once read and for as long as the view lives
+            return (whole[start:end] if dim == 0 else whole[:, start:end]).clone()
 
 
 def _drawn(name: str, p: torch.Tensor, piece: tuple[int, int, int, int] | None, seed: int, device: torch.device,
