@@ -364,30 +364,44 @@ def test_cuda_prompt_logprobs_and_shared_samples_beside_graph_replayed_requests(
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
 
 
+def _edit_state(gen: torch.Generator, slots: int, vocab: int, entries: int) -> tuple:
+    """Random slots for the edit kernels: output counts, prompt tokens, (presence, frequency, repetition) values and
+    `entries` bias entries each."""
+    counts = torch.randint(0, 3, (slots, vocab), device="cuda", dtype=torch.int32, generator=gen)
+    in_prompt = torch.rand(slots, vocab, device="cuda", generator=gen) < 0.1
+    values = torch.rand(slots, 3, device="cuda", generator=gen) * torch.tensor([4.0, 4.0, 2.0], device="cuda") \
+        - torch.tensor([2.0, 2.0, -0.1], device="cuda")
+    bias_ids = torch.randint(0, vocab, (slots, entries), device="cuda", generator=gen)
+    bias_values = torch.rand(slots, entries, device="cuda", generator=gen) * 200 - 100
+    return counts, in_prompt, values, bias_ids, bias_values
+
+
+def _edited_by_torch(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, state: tuple, width: int,
+                     penalties: bool, repetition: bool) -> torch.Tensor:
+    """The logits (float32, a copy) with `rows` edited by their `slots` by logit_edits' torch rules."""
+    from service.engine.runner.logit_edits import penalized
+    counts, in_prompt, values, bias_ids, bias_values = state
+    expected = logits.float().clone()  # (float() of float32 logits would be the logits themselves)
+    edited = expected[rows].scatter_add(1, bias_ids[slots, :width], bias_values[slots, :width])
+    if penalties:
+        edited = penalized(edited, counts[slots], in_prompt[slots] if repetition else None, values[slots])
+    expected[rows] = edited
+    return expected
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bfloat16: a greedy step's logits, edited in place
 @pytest.mark.parametrize("penalties, repetition", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("rows, vocab, width", [(1, 128256, 10), (37, 5000, 0), (5, 3000, 1024)])
 def test_cuda_edit_kernel_equals_the_torch_rules(dtype, penalties, repetition, rows, vocab, width):
-    from service.engine.runner.logit_edits import penalized
     from service.engine.runner.triton_sampling import edit
     gen = torch.Generator(device="cuda").manual_seed(rows)
-    slots_total = rows + 5
     logits = (torch.randn(rows + 3, vocab, device="cuda", generator=gen) * 4).to(dtype)
     logits[0, :7] = float("-inf")  # banned tokens stay banned
-    counts = torch.randint(0, 3, (slots_total, vocab), device="cuda", dtype=torch.int32, generator=gen)
-    in_prompt = torch.rand(slots_total, vocab, device="cuda", generator=gen) < 0.1
-    values = torch.rand(slots_total, 3, device="cuda", generator=gen) * torch.tensor([4.0, 4.0, 2.0], device="cuda") \
-        - torch.tensor([2.0, 2.0, -0.1], device="cuda")
-    bias_ids = torch.randint(0, vocab, (slots_total, 1024), device="cuda", generator=gen)
-    bias_values = torch.rand(slots_total, 1024, device="cuda", generator=gen) * 200 - 100
+    state = _edit_state(gen, rows + 5, vocab, 1024)
     picked = torch.randperm(rows + 3, device="cuda", generator=gen)[:rows]
-    slots = torch.randperm(slots_total, device="cuda", generator=gen)[:rows]
-    expected = logits.float()
-    biased = expected[picked].scatter_add(1, bias_ids[slots, :width], bias_values[slots, :width])
-    if penalties:
-        biased = penalized(biased, counts[slots], in_prompt[slots] if repetition else None, values[slots])
-    expected[picked] = biased
-    edit(logits, picked, slots, counts, in_prompt, values, bias_ids, bias_values, width, penalties, repetition)
+    slots = torch.randperm(rows + 5, device="cuda", generator=gen)[:rows]
+    expected = _edited_by_torch(logits, picked, slots, state, width, penalties, repetition)
+    edit(logits, picked, slots, *state, width, penalties, repetition)
     tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else {}  # bfloat16: a rounding step apart
     torch.testing.assert_close(logits, expected.to(dtype), **tolerance)
 
@@ -412,38 +426,26 @@ def test_cuda_record_kernel_counts_the_sampled_tokens():
 def test_cuda_row_max_with_edits_equals_the_torch_rules_then_max(dtype, penalties, repetition, rows, vocab, width):
     """A greedy step's fused path: the row maximum of the edited logits (float32, the logits left alone) and its first
     index, the chosen tokens of the edited rows counted when penalized; rows without a slot read as they are."""
-    from service.engine.runner.logit_edits import penalized
     from service.engine.runner.triton_sampling import Fused, row_max
     gen = torch.Generator(device="cuda").manual_seed(rows + width)
-    slots_total = rows + 5
     logits = (torch.randn(rows, vocab, device="cuda", generator=gen) * 4).to(dtype)
     logits[0, :7] = float("-inf")  # banned tokens stay banned
     before = logits.clone()
-    counts = torch.randint(0, 3, (slots_total, vocab), device="cuda", dtype=torch.int32, generator=gen)
-    in_prompt = torch.rand(slots_total, vocab, device="cuda", generator=gen) < 0.1
-    values = torch.rand(slots_total, 3, device="cuda", generator=gen) * torch.tensor([4.0, 4.0, 2.0], device="cuda") \
-        - torch.tensor([2.0, 2.0, -0.1], device="cuda")
-    bias_ids = torch.randint(0, vocab, (slots_total, 64), device="cuda", generator=gen)
-    bias_values = torch.rand(slots_total, 64, device="cuda", generator=gen) * 200 - 100
-    row_slots = torch.randperm(slots_total, device="cuda", generator=gen)[:rows]
+    state = _edit_state(gen, rows + 5, vocab, 64)
+    row_slots = torch.randperm(rows + 5, device="cuda", generator=gen)[:rows]
     row_slots[1::3] = -1  # rows without edits in the same step
     edited = (row_slots >= 0).nonzero().squeeze(1)
     slots = row_slots[edited]
-    expected = logits.float().clone()  # (float() of float32 logits is the same tensor)
-    biased = expected[edited].scatter_add(1, bias_ids[slots, :width], bias_values[slots, :width])
-    if penalties:
-        biased = penalized(biased, counts[slots], in_prompt[slots] if repetition else None, values[slots])
-    expected[edited] = biased
+    expected = _edited_by_torch(logits, edited, slots, state, width, penalties, repetition)
     top_expected = expected.amax(-1)
     first = torch.where(expected == top_expected.unsqueeze(1), torch.arange(vocab, device="cuda"), vocab).amin(-1)
-    counted = counts.clone()
+    counted = state[0].clone()
     if penalties:
         counted[slots, first[edited]] += 1
-    top, tokens = row_max(logits, Fused(row_slots, counts, in_prompt, values, bias_ids, bias_values, width, penalties,
-                                        repetition))
+    top, tokens = row_max(logits, Fused(row_slots, *state, width, penalties, repetition))
     assert torch.equal(tokens, first)
     torch.testing.assert_close(top, top_expected, rtol=1e-5, atol=1e-4)
-    assert torch.equal(counts, counted)
+    assert torch.equal(state[0], counted)
     assert torch.equal(logits, before)
 
 
