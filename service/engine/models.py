@@ -172,7 +172,9 @@ def _load_random(spec: str, dtype: torch.dtype, device: torch.device, seed: int,
     _check_fits(spec, model, dtype, layered, memory_limit)
     with _expandable_segments(device if layered else torch.device("cpu")):
         weights.fill(model, weights.Random(seed, device, config.initializer_range), device, slices,
-                     lambda layer: w8a8_layer(layer, quantization) if layered else None)
+                     lambda layer: _w8a8_layer(layer, quantization) if layered else None)
+    if layered:
+        log.info("%s: each decoder layer quantized to %s as it was drawn", spec, quantization)
     loaded = _finish(model, tokenizer, display_name(spec))
     loaded.tokenizer_source = tokenizer_source
     return loaded
@@ -221,7 +223,7 @@ def _check_fits(spec: str, model: torch.nn.Module, dtype: torch.dtype, layered: 
                          "with --quantization fp8-w8a8")
 
 
-def w8a8_layer(layer: torch.nn.Module, mode: str) -> None:
+def _w8a8_layer(layer: torch.nn.Module, mode: str) -> None:
     from service.engine.quant import w8a8
     w8a8.quantize(layer, mode)
 

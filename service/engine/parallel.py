@@ -8,10 +8,12 @@ do not divide evenly are spread as evenly as whole groups allow (the default mod
 
 Lockstep: rank 0 runs the whole engine - API, scheduler, sampler, telemetry - and before each forward
 pass broadcasts that pass's inputs (token ids, positions, attention metadata, which cache) as tensors: a
-header and one byte buffer, no pickled objects (`send_forward`). The other ranks only run forward passes. Broadcasting the inputs, rather than running identical schedulers on
-every rank, means nothing can drift: seeds, aborts, disconnects and timing decisions happen once.
+header and one byte buffer, no pickled objects (`send_forward`). The other ranks only run forward passes.
+Broadcasting the inputs, rather than running identical schedulers on every rank, means nothing can drift:
+seeds, aborts, disconnects and timing decisions happen once.
 """
 
+import dataclasses
 import fnmatch
 import importlib
 import logging
@@ -130,12 +132,13 @@ def _all_reduce_output(module, inputs, output):
 # shape), then one byte buffer holding the tensors one after another (each padded to 8 bytes, so that each views
 # as its dtype). On CUDA both stay on the device: rank 0 packs its inputs there, NCCL moves them; only the other
 # ranks read the header back, and they wait for rank 0 anyway.
-TENSORS = ("input_ids", "position_ids", "slot_mapping", "block_tables", "seq_lens", "query_start_loc", "query_index",
-           "query_valid", "query_pos", "tile_seq", "tile_qstart")  # model keyword arguments, then AttentionMetadata
+META_INTS = tuple(f.name for f in dataclasses.fields(AttentionMetadata) if f.type is int)
+TENSORS = ("input_ids", "position_ids",  # the model's keyword arguments, then the metadata's tensors
+           *(f.name for f in dataclasses.fields(AttentionMetadata) if f.name not in META_INTS))
 DTYPES = (torch.int64, torch.int32, torch.bool)
 BACKENDS = ((attention.__name__, "torch_paged_attention"),
             ("service.engine.runner.triton_attention", "triton_paged_attention"))
-FIELDS = 7  # op, num_blocks, report, backend, max_query_len, max_seq_len, block_m; then 3 per tensor
+FIELDS = 4 + len(META_INTS)  # op, num_blocks, report, backend, the metadata's integers; then 3 per tensor
 HEADER = FIELDS + 3 * len(TENSORS)
 STOP, FORWARD = 0, 1
 
@@ -145,8 +148,7 @@ def send_forward(kwargs: dict, ctx: ForwardContext, report: bool, device: torch.
     cache, which backend)."""
     meta = ctx.meta
     backend = BACKENDS.index((ctx.backend.__module__, ctx.backend.__name__))
-    header = [FORWARD, ctx.kv_caches[0][0].shape[0], int(report), backend, meta.max_query_len, meta.max_seq_len,
-              meta.block_m]
+    header = [FORWARD, ctx.kv_caches[0][0].shape[0], int(report), backend, *(getattr(meta, f) for f in META_INTS)]
     parts = []
     for name in TENSORS:
         t = kwargs[name] if name in ("input_ids", "position_ids") else getattr(meta, name)
@@ -187,8 +189,7 @@ def receive_forward(device: torch.device) -> tuple[dict, AttentionMetadata, int,
             tensors[name] = payload[at:at + n].view(dtype).view(dims)
         at += size
     kwargs = {"input_ids": tensors.pop("input_ids"), "position_ids": tensors.pop("position_ids")}
-    meta = AttentionMetadata(**{name: tensors.get(name) for name in TENSORS[2:]}, max_query_len=h[4],
-                             max_seq_len=h[5], block_m=h[6])
+    meta = AttentionMetadata(**{name: tensors.get(name) for name in TENSORS[2:]}, **dict(zip(META_INTS, h[4:FIELDS])))
     module, name = BACKENDS[h[3]]
     return kwargs, meta, h[1], bool(h[2]), getattr(importlib.import_module(module), name)
 

@@ -115,8 +115,9 @@ def quantize(model: torch.nn.Module, mode: str, device: torch.device, simulate: 
     if mode in W8A8_MODES or _own_kernel(mode, device):
         head = _quantizes_head(mode, device, simulate)
         count = w8a8.quantize(model, mode, simulate, skip=None if head else output)
-        log.info("quantized %d linear layers%s to %s%s", count, " with the output projection" if head else "", mode,
-                 " (float32 simulation)" if simulate else "")
+        if count:  # (none left where the layers were quantized as they were drawn)
+            log.info("quantized %d linear layers%s to %s%s", count, " with the output projection" if head else "",
+                     mode, " (float32 simulation)" if simulate else "")
         return
     if simulate:
         raise ValueError(f"only the W8A8 modes have a float32 simulation, not {mode}")
