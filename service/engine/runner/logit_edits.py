@@ -94,8 +94,9 @@ class LogitEdits:
             self._allocate(logits.shape[1])
         mine = seqs if len(rows) == len(seqs) else [seqs[i] for i in rows]  # every row: rows is 0, 1, ...
         plan = self._plan
-        if plan is None or plan.rows != rows or plan.mine != mine or plan.size != len(seqs):  # steady decode: the same
-            plan = self._plan = self._make_plan(rows, mine, seqs)                         # sequences in the same rows
+        # steady decode keeps its plan: the same sequences in the same rows of a step of the same size
+        if plan is None or plan.rows != rows or plan.mine != mine or plan.size != len(seqs):
+            plan = self._plan = self._make_plan(rows, mine, seqs)
         if defer:
             return plan
         if self.triton:
