@@ -210,9 +210,12 @@ def _check_fits(spec: str, model: torch.nn.Module, dtype: torch.dtype, layered: 
     if limit is None:
         return
     output = model.get_output_embeddings()
-    need = 0
+    need, seen = 0, set()
     for module in model.modules():
         for p in module.parameters(recurse=False):
+            if id(p) in seen:  # a tied output projection is the embedding's weight
+                continue
+            seen.add(id(p))
             one_byte = layered and isinstance(module, torch.nn.Linear) and module is not output
             need += p.numel() * (1 if one_byte else p.element_size())
     if need > limit:

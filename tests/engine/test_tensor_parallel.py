@@ -56,6 +56,9 @@ def test_random_weights_too_big_for_the_gpu_are_refused_before_any_is_drawn():
     limit = int(0.85 * 141 * 2**30)  # an H200's share at the default --gpu-memory-utilization
     with pytest.raises(ValueError, match=r"random:llama-70b needs 131\.4 GiB .* --tensor-parallel-size"):
         load_model("random:llama-70b", torch.bfloat16, torch.device("cpu"), memory_limit=limit)
+    # a tied output projection counts once: the 1B shape's 1,235.8 million parameters, 2.30 GiB in bf16
+    with pytest.raises(ValueError, match=r"random:llama-1b needs 2\.3 GiB"):
+        load_model("random:llama-1b", torch.bfloat16, torch.device("cpu"), memory_limit=2 * 2**30)
 
 
 def test_w8a8_random_weights_are_quantized_layer_by_layer_as_drawn():
