@@ -276,7 +276,7 @@ def test_disconnect_aborts_every_sample(server, body):
         for line in resp.iter_lines():
             if line.startswith("data: "):
                 break
-        assert server.engine.has_unfinished()
+        assert server.engine.has_unfinished(), line  # (the first event, should it be an error)
     assert server.wait_idle()  # every sample aborted: every block free
 
     async def leave_non_streaming():
