@@ -36,7 +36,8 @@ from service.engine.runner.kv_cache import cache_tensor, kv_shape
 
 log = logging.getLogger(__name__)
 
-COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # a rank that stops answering fails the step within this
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # a collective whose peer never answers fails within this
+WATCH_PERIOD = 0.25  # seconds between the watcher's looks at the ranks' progress
 
 
 # -- sharding -------------------------------------------------------------------------------------------
@@ -251,7 +252,10 @@ class TensorParallelGroup:
         self._store = _store(self.world)
         port = self._store.port
         ctx = multiprocessing.get_context("spawn")
-        self.procs = [ctx.Process(target=_worker, args=(config, self.world, r, port, os.getpid()),
+        # forward passes each rank has finished (rank 0's entry unused): the watcher's sign that a rank still answers
+        self.finished = ctx.Array("q", self.world, lock=False)
+        self.hang_timeout = config.tensor_parallel_hang_timeout
+        self.procs = [ctx.Process(target=_worker, args=(config, self.world, r, port, os.getpid(), self.finished),
                                   name=f"tp-rank-{r}", daemon=True) for r in range(1, self.world)]
         for p in self.procs:
             p.start()
@@ -305,13 +309,36 @@ class TensorParallelGroup:
         return output
 
     def _watch(self) -> None:
+        """Fail the group when a rank exits, or when one has not finished the forward pass rank 0 sent it within
+        hang_timeout: that rank is killed, which fails rank 0's collective at once (instead of after its timeout)."""
         sentinels = {p.sentinel: p for p in self.procs}
-        ready = multiprocessing.connection.wait(list(sentinels))
-        if self._closed:
-            return
-        dead = sentinels[ready[0]]
-        dead.join(5)  # the sentinel can fire before the exit status is collected: exitcode would read None
-        self.failure = f"tensor-parallel rank {dead.name.rsplit('-', 1)[1]} exited with code {dead.exitcode}"
+        behind: dict[int, tuple[float, int]] = {}  # rank -> since when it has been at this count, behind rank 0
+        reason = None
+        while reason is None:
+            ready = multiprocessing.connection.wait(list(sentinels), timeout=WATCH_PERIOD)
+            if self._closed:
+                return
+            if ready:
+                dead = sentinels[ready[0]]
+                dead.join(5)  # the sentinel can fire before the exit status is collected: exitcode would read None
+                reason = f"tensor-parallel rank {dead.name.rsplit('-', 1)[1]} exited with code {dead.exitcode}"
+                break
+            now, sent = time.monotonic(), self._calls
+            for rank, proc in enumerate(self.procs, start=1):
+                done = self.finished[rank]
+                if done >= sent:
+                    behind.pop(rank, None)
+                    continue
+                since, count = behind.get(rank, (now, done))
+                if count != done:  # it moves on
+                    since = now
+                behind[rank] = since, done
+                if now - since > self.hang_timeout:
+                    reason = (f"tensor-parallel rank {rank} finished no forward pass in {self.hang_timeout:g} s "
+                              "(hung); it is stopped")
+                    proc.kill()
+                    break
+        self.failure = reason
         log.error("%s: the engine stops", self.failure)
         if self.on_failure is not None:
             self.on_failure(self.failure)
@@ -344,7 +371,7 @@ def _gather_seconds(own: float, world: int, device: torch.device) -> list[float]
 
 
 # -- ranks 1..N-1 -----------------------------------------------------------------------------------------
-def _worker(config, world: int, rank: int, port: int, parent: int) -> None:
+def _worker(config, world: int, rank: int, port: int, parent: int, finished) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     device = _rank_device(config, rank)
     _init_group(world, rank, _store(world, port), device)
@@ -375,6 +402,7 @@ def _worker(config, world: int, rank: int, port: int, parent: int) -> None:
             with forward_context(ForwardContext(caches[num_blocks], meta, backend)):
                 model(**kwargs, use_cache=False, logits_to_keep=1)
             busy += time.perf_counter() - start
+            finished[rank] += 1
             if report:
                 _gather_seconds(busy, world, device)
     dist.destroy_process_group()

@@ -1,5 +1,6 @@
 """Tensor parallelism on CPU: two gloo ranks give the same greedy tokens as one, and a lost rank ends the server."""
 
+import contextlib
 import copy
 import os
 import signal
@@ -202,12 +203,17 @@ def _rank_processes(pid: int) -> list[int]:
     return [rank for child in _spawned(pid) for rank in _spawned(child)]
 
 
-def test_killed_rank_fails_in_flight_requests_and_the_server_exits_non_zero(tmp_path):
+@pytest.mark.parametrize("sig, reason", [
+    (signal.SIGKILL, "tensor-parallel rank 1 exited with code -9"),
+    # a hung rank (stopped: alive, silent) is found by its progress, not by the collectives' 60 s timeout
+    (signal.SIGSTOP, "tensor-parallel rank 1 finished no forward pass in 2 s (hung); it is stopped")])
+def test_killed_or_hung_rank_fails_in_flight_requests_and_the_server_exits_non_zero(tmp_path, sig, reason):
     port = free_port()
     log = open(tmp_path / "server.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--model", "random:tiny", "--port", str(port),
-                             "--tensor-parallel-size", "2", "--num-blocks", "64"], stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+                             "--tensor-parallel-size", "2", "--num-blocks", "64", "--tensor-parallel-hang-timeout", "2"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    base, ranks = f"http://127.0.0.1:{port}", []
     try:
         wait_until(lambda: web.get(base + "/ready").status_code == 200, 240, "the server to be ready")
         ranks = _rank_processes(proc.pid)
@@ -218,16 +224,19 @@ def test_killed_rank_fails_in_flight_requests_and_the_server_exits_non_zero(tmp_
             for line in response.iter_lines():
                 events.append(line)
                 if len(events) == 5:
-                    os.kill(ranks[0], signal.SIGKILL)
+                    os.kill(ranks[0], sig)
         assert proc.wait(timeout=60) == 1
     finally:
         if proc.poll() is None:
             proc.kill()
+        for rank in ranks:  # (a stopped rank that outlived the test)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank, signal.SIGKILL)
     error = [e for e in events if '"error"' in e]
-    assert error and "tensor-parallel rank 1 exited with code -9" in error[0]
+    assert error and reason in error[0]
     log.seek(0)
     text = log.read()  # the engine process fails its requests with the reason, exits 1, and so does the service
-    assert "tensor-parallel rank 1 exited with code -9: failing 1 request(s) in flight" in text
+    assert f"{reason}: failing 1 request(s) in flight" in text
     assert "the engine process exited (status 1)" in text
 
 
