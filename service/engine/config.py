@@ -79,7 +79,8 @@ class EngineConfig:
                                      "trust_remote_code)")
     tensor_parallel_size: int = option(1, "ranks that share the model: one process per GPU (gloo processes on CPU)")
     tensor_parallel_hang_timeout: float = option(10.0, "seconds a tensor-parallel rank may take to finish a forward "
-                                                 "pass before it counts as hung: it is stopped and the engine fails")
+                                                 "pass before it counts as hung: it is stopped and the engine fails "
+                                                 "(0: never)")
     cache_dir: str | None = option(None, "where converted GGUF weights are cached",
                                    shown="$LLM_SERVICE_CACHE, else ~/.cache/llm-service")
 

@@ -143,7 +143,8 @@ def _read_shard(folder: Path, config, dtype: torch.dtype, trust_remote_code: boo
     source = weights.Checkpoint(folder) if folder.is_dir() else None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-    if source is None or not source.covers(model):
+    extra = [name for name, b in model.named_buffers() if b.is_meta and not name.startswith("model.rotary_emb.")]
+    if source is None or not source.covers(model) or extra:  # (buffers other than rotary frequencies: made whole)
         log.info("%s: its files do not name every parameter of %s; each rank loads it whole, then slices it", folder,
                  type(model).__name__)
         return None
@@ -202,7 +203,7 @@ def _expandable_segments(device: torch.device):
         yield
     finally:
         torch.cuda.memory._set_allocator_settings("expandable_segments:False")
-        torch.cuda.empty_cache()
+    torch.cuda.empty_cache()
 
 
 def _check_fits(spec: str, model: torch.nn.Module, dtype: torch.dtype, layered: bool, limit: int | None) -> None:

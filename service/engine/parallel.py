@@ -33,6 +33,7 @@ from service.engine.errors import RankFailedError
 from service.engine.runner import attention
 from service.engine.runner.attention import AttentionMetadata, ForwardContext, forward_context
 from service.engine.runner.kv_cache import cache_tensor, kv_shape
+from service.engine.runner.pinned_upload import to_device
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ def send_forward(kwargs: dict, ctx: ForwardContext, report: bool, device: torch.
         header += [DTYPES.index(t.dtype), t.shape[0], t.shape[1] if t.dim() == 2 else -1]
         data = t.contiguous().view(-1).view(torch.uint8)
         parts += [data, torch.zeros(-len(data) % 8, dtype=torch.uint8, device=data.device)]
-    dist.broadcast(torch.tensor(header, dtype=torch.int64, device=device), src=0)
+    dist.broadcast(to_device(header, torch.int64, device), src=0)  # (pinned on CUDA: no wait for queued work)
     dist.broadcast(torch.cat(parts).to(device), src=0)
 
 
@@ -252,8 +253,9 @@ class TensorParallelGroup:
         self._store = _store(self.world)
         port = self._store.port
         ctx = multiprocessing.get_context("spawn")
-        # forward passes each rank has finished (rank 0's entry unused): the watcher's sign that a rank still answers
-        self.finished = ctx.Array("q", self.world, lock=False)
+        # forward passes each rank has finished, -1 while it loads (rank 0's entry unused): the watcher's sign that a
+        # rank still answers
+        self.finished = ctx.Array("q", [-1] * self.world, lock=False)
         self.hang_timeout = config.tensor_parallel_hang_timeout
         self.procs = [ctx.Process(target=_worker, args=(config, self.world, r, port, os.getpid(), self.finished),
                                   name=f"tp-rank-{r}", daemon=True) for r in range(1, self.world)]
@@ -285,11 +287,11 @@ class TensorParallelGroup:
     def _before_forward(self, module, args, kwargs):
         if self.failure:
             raise RankFailedError(self.failure)
-        self._calls += 1
+        self._calls += 1  # counted before it is sent: a rank that hangs takes the broadcast down with it
         self._report = self._calls % self.REPORT_EVERY == 0
         try:
             send_forward(kwargs, attention._context, self._report, self.device)
-        except Exception as exc:
+        except Exception as exc:  # the group is broken either way: the engine ends with this
             raise self.lost(exc) from exc
         self._start = time.perf_counter()
         return None
@@ -310,7 +312,8 @@ class TensorParallelGroup:
 
     def _watch(self) -> None:
         """Fail the group when a rank exits, or when one has not finished the forward pass rank 0 sent it within
-        hang_timeout: that rank is killed, which fails rank 0's collective at once (instead of after its timeout)."""
+        hang_timeout (0: never) once it has loaded its shard: that rank is killed, which fails rank 0's collective
+        at once over gloo (instead of after the collectives' timeout)."""
         sentinels = {p.sentinel: p for p in self.procs}
         behind: dict[int, tuple[float, int]] = {}  # rank -> since when it has been at this count, behind rank 0
         reason = None
@@ -326,7 +329,7 @@ class TensorParallelGroup:
             now, sent = time.monotonic(), self._calls
             for rank, proc in enumerate(self.procs, start=1):
                 done = self.finished[rank]
-                if done >= sent:
+                if done < 0 or done >= sent or not self.hang_timeout:  # still loading, level with rank 0, or off
                     behind.pop(rank, None)
                     continue
                 since, count = behind.get(rank, (now, done))
@@ -383,6 +386,7 @@ def _worker(config, world: int, rank: int, port: int, parent: int, finished) -> 
     dtype = resolve_kv_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)
     caches: dict[int, list] = {}
     busy = 0.0
+    finished[rank] = 0  # loaded: from now on the watcher expects each pass sent to finish
     with torch.inference_mode():
         while True:
             try:

@@ -50,6 +50,21 @@ def test_each_rank_draws_its_own_slices_of_the_one_random_model(preset, world):
     assert sliced == 7 * len(load_cpu(f"random:{preset}").model.model.layers)
 
 
+@pytest.mark.parametrize("piece", [(1, 5000, 17000, 20000), (0, 100, 300, 400), (1, 0, 20000, 20000)])
+def test_a_slice_across_tiles_holds_the_numbers_of_the_whole_weight(piece):
+    """Slices that start inside a tile and span several, by columns (past 8,192) and by rows."""
+    import torch
+
+    from service.engine import weights
+    draw = weights.Random(3, torch.device("cpu"), 0.02)
+    full = (400, 20000)
+    whole = draw("w", torch.empty(full, device="meta"), None)
+    dim, start, end, _ = piece
+    shape = list(full)
+    shape[dim] = end - start
+    assert torch.equal(draw("w", torch.empty(shape, device="meta"), piece), whole.narrow(dim, start, end - start))
+
+
 def test_random_weights_too_big_for_the_gpu_are_refused_before_any_is_drawn():
     import torch
 

@@ -63,7 +63,8 @@ class LogitEdits:
     def argmax(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], banned: list[tuple[int, int]],
                masks: "tuple[list[int], torch.Tensor] | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A greedy step: each row's largest logit once edited as `apply` says (NaN if the row holds one, float32)
-        and the first token with it; the tokens of penalized rows counted. On CUDA the bias and penalties are
+        and the first token with it; the tokens of penalized rows counted (on CUDA those of every edited row, when
+        one is penalized: the counts of a row without penalties are never read). On CUDA the bias and penalties are
         applied by the row maximum's own two kernels (the edited logits are not stored; bans and masks still are)."""
         plan = self.apply(logits, seqs, rows, banned, masks, defer=self.triton)
         if self.triton:
