@@ -14,6 +14,7 @@ indices; a step with no such row costs nothing here. Slots are reused on demand:
 (preempted) gives its slot up when one is needed, never a sequence of the step being sampled.
 """
 
+import importlib
 from typing import NamedTuple
 
 import torch
@@ -48,6 +49,8 @@ class LogitEdits:
         self.free = list(range(capacity - 1, -1, -1))
         self.vocab = 0  # the tensors are made at first use, when the vocabulary is known
         self.triton = device.type == "cuda"
+        # the Triton kernels (runner/triton_sampling.py), on CUDA; imported here, not at every step (no Triton on a CPU)
+        self.kernels = importlib.import_module("service.engine.runner.triton_sampling") if self.triton else None
         self._plan: _Plan | None = None  # the last step's, reused while the edited rows hold the same sequences
 
     def _allocate(self, vocab: int) -> None:
@@ -62,14 +65,13 @@ class LogitEdits:
     # -- a step -----------------------------------------------------------------------------------------------
     def argmax(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], banned: list[tuple[int, int]],
                masks: "tuple[list[int], torch.Tensor] | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """A greedy step: each row's largest logit once edited as `apply` says (NaN if the row holds one, float32)
-        and the first token with it; the tokens of penalized rows counted (on CUDA those of every edited row, when
+        """A greedy step: each row's largest logit once edited as `apply` says (NaN if the row holds one) and the
+        first token with it; the tokens of penalized rows counted (on CUDA those of every edited row, when
         one is penalized: the counts of a row without penalties are never read). On CUDA the bias and penalties are
         applied by the row maximum's own two kernels (the edited logits are not stored; bans and masks still are)."""
         plan = self.apply(logits, seqs, rows, banned, masks, defer=self.triton)
         if self.triton:
-            from service.engine.runner.triton_sampling import Fused, row_max
-            return row_max(logits, None if plan is None else Fused(
+            return self.kernels.row_max(logits, None if plan is None else self.kernels.Fused(
                 plan.row_slots, self.counts, self.in_prompt, self.values, self.bias_ids, self.bias_values, plan.width,
                 plan.penalized is not None, plan.repetition))
         top, tokens = logits.max(-1)
@@ -101,8 +103,7 @@ class LogitEdits:
         if defer:
             return plan
         if self.triton:
-            from service.engine.runner.triton_sampling import edit
-            edit(logits, *plan.index, self.counts, self.in_prompt, self.values, self.bias_ids,
+            self.kernels.edit(logits, *plan.index, self.counts, self.in_prompt, self.values, self.bias_ids,
                  self.bias_values, plan.width, plan.penalized is not None, plan.repetition)
             return plan
         edited = logits if logits.dtype == torch.float32 else logits.float()
@@ -122,8 +123,7 @@ class LogitEdits:
     def _mask(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
         index = to_device(rows, torch.long, self.device)
         if self.triton:
-            from service.engine.runner.triton_sampling import mask
-            mask(logits, index, bitmask)
+            self.kernels.mask(logits, index, bitmask)
             return
         # torch's ops, not xgrammar's CPU loop: that took 3 ms for 16 rows inside the engine (against 0.02 ms alone),
         # its threads fighting torch's still-spinning ones for two cores. Each byte of the words (little-endian: token
@@ -140,8 +140,7 @@ class LogitEdits:
             return
         r, sl = plan.penalized
         if self.triton:
-            from service.engine.runner.triton_sampling import record
-            record(tokens, r, sl, self.counts)
+            self.kernels.record(tokens, r, sl, self.counts)
         else:
             self.counts.view(-1).index_add_(0, sl * self.vocab + tokens.index_select(0, r), plan.ones)
 

@@ -9,7 +9,6 @@ the sampled ids stay there (the next step reads them as inputs) and are copied t
 stream of their own; `SampleResult.read` waits for that copy only when the host needs the ids.
 """
 
-import functools
 import time
 
 import torch
@@ -72,13 +71,10 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.edits = LogitEdits(device, max_num_seqs)  # the one place logits change before sampling
-        # logits.max(-1); on CUDA a kernel that spreads each row over the SMs (engine/runner/triton_sampling.py:
-        # PyTorch's reduction reads a row on one SM, 28-41 us for 128,256 logits on the H100)
-        self.row_max = functools.partial(torch.max, dim=-1)
-        if device.type == "cuda":
-            from service.engine.runner.triton_sampling import row_max
-            self.row_max = row_max
+        # the one place logits change before sampling, and greedy steps' argmax: on CUDA a kernel that spreads each
+        # row over the SMs (engine/runner/triton_sampling.py: PyTorch's reduction reads a row on one SM, 28-41 us for
+        # 128,256 logits on the H100)
+        self.edits = LogitEdits(device, max_num_seqs)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
                  masks: "tuple[list[int], torch.Tensor] | None" = None) -> SampleResult:
@@ -89,8 +85,7 @@ class Sampler:
             # argmax is the same in the model's dtype: skip the float copy of [rows, vocab] (edits are computed in
             # float32 as the logits are read). max propagates NaN, so the row maxima tell whether any logit was NaN:
             # one pass over the logits instead of two
-            top, tokens = self.edits.argmax(logits, seqs, edited, banned, masks) if edited or banned or masks \
-                else self.row_max(logits)
+            top, tokens = self.edits.argmax(logits, seqs, edited, banned, masks)
             return SampleResult(tokens, top, [], [], [], self.copy_stream)
         top = logits.amax(-1)  # NaN where a row holds one, read back with the tokens: no extra device sync
         logits = logits.float()
