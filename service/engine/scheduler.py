@@ -82,9 +82,8 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         """Add the running sequences in admission order while the budget lasts; return the budget left."""
         running, seqs, counts = self.running, batch.seqs, batch.num_new_tokens
-        block_size = self.blocks.block_size
         i = 0
-        chunk_size = self.chunk_size
+        chunk_size, blocks_needed = self.chunk_size, self.blocks.blocks_needed
         while i < len(running) and budget > 0:
             seq = running[i]
             pending = seq.num_pending_tokens
@@ -94,9 +93,7 @@ class Scheduler:
                 i += 1
                 continue
             n = chunk_size(seq, budget)
-            # most decode steps need no block: make_room only when they do (the same test as blocks_needed's)
-            if -(-(seq.num_computed_tokens + n) // block_size) > len(seq.block_table) and \
-                    not self.make_room(seq, n, batch):
+            if blocks_needed(seq, n) and not self.make_room(seq, n, batch):  # (most decode steps need no block)
                 break  # it was preempted itself: those after it in `running` were already
             seqs.append(seq)
             counts.append(n)
@@ -232,12 +229,8 @@ class Scheduler:
             if seq.status is not done:
                 seq.token_ids.append(token)
                 seq.num_pending_tokens -= 1
-        if self.blocks.enable_prefix_caching:  # register full blocks: every token they hold is known now
-            block_size, commit = self.blocks.block_size, self.blocks.commit
-            for seq in batch.seqs:  # (most steps fill no block: commit only where one is full and unregistered)
-                if seq.status is not done and \
-                        min(seq.num_computed_tokens, len(seq.token_ids)) // block_size > seq.num_hashed_blocks:
-                    commit(seq)
+        # register full blocks: every token they hold is known now
+        self.blocks.commit_all(seq for seq in batch.seqs if seq.status is not done)
         taken = []
         for row, (seq, token) in enumerate(zip(sampled, tokens)):
             if seq.status is done:
