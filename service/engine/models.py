@@ -211,14 +211,10 @@ def _check_fits(spec: str, model: torch.nn.Module, dtype: torch.dtype, layered: 
     if limit is None:
         return
     output = model.get_output_embeddings()
-    need, seen = 0, set()
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            if id(p) in seen:  # a tied output projection is the embedding's weight
-                continue
-            seen.add(id(p))
-            one_byte = layered and isinstance(module, torch.nn.Linear) and module is not output
-            need += p.numel() * (1 if one_byte else p.element_size())
+    one_byte = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not output} \
+        if layered else set()
+    # (parameters() counts a tied output projection, the embedding's weight, once)
+    need = sum(p.numel() * (1 if id(p) in one_byte else p.element_size()) for p in model.parameters())
     if need > limit:
         raise ValueError(f"{spec} needs {need / 2**30:.1f} GiB for its weights here ({dtype_name(dtype)}"
                          f"{', linear layers in 8 bits' if layered else ''}), more than the {limit / 2**30:.1f} GiB "
