@@ -17,6 +17,7 @@ import dataclasses
 import fnmatch
 import importlib
 import logging
+import math
 import multiprocessing
 import os
 import resource
@@ -134,9 +135,10 @@ def _all_reduce_output(module, inputs, output):
 # shape), then one byte buffer holding the tensors one after another (each padded to 8 bytes, so that each views
 # as its dtype). On CUDA both stay on the device: rank 0 packs its inputs there, NCCL moves them; only the other
 # ranks read the header back, and they wait for rank 0 anyway.
+KWARGS = ("input_ids", "position_ids")  # the model's tensor arguments
 META_INTS = tuple(f.name for f in dataclasses.fields(AttentionMetadata) if f.type is int)
-TENSORS = ("input_ids", "position_ids",  # the model's keyword arguments, then the metadata's tensors
-           *(f.name for f in dataclasses.fields(AttentionMetadata) if f.name not in META_INTS))
+META_TENSORS = tuple(f.name for f in dataclasses.fields(AttentionMetadata) if f.name not in META_INTS)
+TENSORS = KWARGS + META_TENSORS
 DTYPES = (torch.int64, torch.int32, torch.bool)
 BACKENDS = ((attention.__name__, "torch_paged_attention"),
             ("service.engine.runner.triton_attention", "triton_paged_attention"))
@@ -153,7 +155,7 @@ def send_forward(kwargs: dict, ctx: ForwardContext, report: bool, device: torch.
     header = [FORWARD, ctx.kv_caches[0][0].shape[0], int(report), backend, *(getattr(meta, f) for f in META_INTS)]
     parts = []
     for name in TENSORS:
-        t = kwargs[name] if name in ("input_ids", "position_ids") else getattr(meta, name)
+        t = kwargs[name] if name in KWARGS else getattr(meta, name)
         if t is None:
             header += [-1, 0, 0]
             continue
@@ -166,7 +168,7 @@ def send_forward(kwargs: dict, ctx: ForwardContext, report: bool, device: torch.
 
 
 def send_stop(device: torch.device) -> None:
-    dist.broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64, device=device), src=0)
+    dist.broadcast(to_device([STOP] + [0] * (HEADER - 1), torch.int64, device), src=0)
 
 
 def receive_forward(device: torch.device) -> tuple[dict, AttentionMetadata, int, bool, object] | None:
@@ -176,22 +178,19 @@ def receive_forward(device: torch.device) -> tuple[dict, AttentionMetadata, int,
     h = header.tolist()
     if h[0] == STOP:
         return None
-    shapes = []
-    for k in range(len(TENSORS)):
+    pieces, size = [], 0  # (name, dtype, shape, offset, bytes) of each tensor sent; the buffer's size
+    for k, name in enumerate(TENSORS):
         code, rows, cols = h[FIELDS + 3 * k:FIELDS + 3 * k + 3]
-        shapes.append(None if code < 0 else (DTYPES[code], (rows,) if cols < 0 else (rows, cols)))
-    sizes = [0 if s is None else -(-torch.Size(s[1]).numel() * s[0].itemsize // 8) * 8 for s in shapes]
-    payload = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        if code >= 0:
+            dtype, shape = DTYPES[code], (rows,) if cols < 0 else (rows, cols)
+            nbytes = math.prod(shape) * dtype.itemsize
+            pieces.append((name, dtype, shape, size, nbytes))
+            size += -(-nbytes // 8) * 8
+    payload = torch.empty(size, dtype=torch.uint8, device=device)
     dist.broadcast(payload, src=0)
-    tensors, at = {}, 0
-    for name, shape, size in zip(TENSORS, shapes, sizes):
-        if shape is not None:
-            dtype, dims = shape
-            n = torch.Size(dims).numel() * dtype.itemsize
-            tensors[name] = payload[at:at + n].view(dtype).view(dims)
-        at += size
-    kwargs = {"input_ids": tensors.pop("input_ids"), "position_ids": tensors.pop("position_ids")}
-    meta = AttentionMetadata(**{name: tensors.get(name) for name in TENSORS[2:]}, **dict(zip(META_INTS, h[4:FIELDS])))
+    tensors = {name: payload[at:at + n].view(dtype).view(shape) for name, dtype, shape, at, n in pieces}
+    kwargs = {name: tensors[name] for name in KWARGS}
+    meta = AttentionMetadata(**{name: tensors.get(name) for name in META_TENSORS}, **dict(zip(META_INTS, h[4:FIELDS])))
     module, name = BACKENDS[h[3]]
     return kwargs, meta, h[1], bool(h[2]), getattr(importlib.import_module(module), name)
 
