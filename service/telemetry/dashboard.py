@@ -29,6 +29,7 @@ import yaml
 import zmq.asyncio
 
 from service.telemetry import gather
+from service.telemetry.metrics import histogram_quantile
 
 log = logging.getLogger(__name__)
 INTERVAL = 1.0  # seconds between points
@@ -119,19 +120,8 @@ def frame(families, t: float) -> Frame:
 
 
 def quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
-    """Prometheus's histogram_quantile over (upper bound, cumulative count) pairs sorted by bound: linear within
-    the bucket the rank falls in; the largest finite bound when it falls in +Inf; None with no observations."""
-    if not buckets or buckets[-1][1] <= 0:
-        return None
-    rank = q * buckets[-1][1]
-    i = next(i for i, (_, count) in enumerate(buckets) if count >= rank)
-    upper, count = buckets[i]
-    if upper == float("inf"):
-        return buckets[i - 1][0] if i > 0 else None
-    lower, below = (0.0, 0.0) if i == 0 else buckets[i - 1]
-    if count == below:
-        return upper
-    return lower + (upper - lower) * (rank - below) / (count - below)
+    """histogram_quantile (telemetry/metrics.py) over (upper bound, cumulative count) pairs."""
+    return histogram_quantile(q, dict(buckets))
 
 
 def point(new: Frame, rate_from: Frame | None, quantile_from: Frame | None) -> dict[str, float | None]:

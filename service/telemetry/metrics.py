@@ -8,6 +8,7 @@ shows with a `process` label (service.telemetry.gather). With --otlp-metrics eac
 instruments of `OTLPMetrics` (service.telemetry.otlp), fed by the same recorders at the same points.
 """
 
+import math
 from collections.abc import Callable
 
 from opentelemetry.metrics import Meter, Observation
@@ -255,3 +256,25 @@ class OTLPMetrics:
                                             "Size of the GPU memory.")
         m.create_observable_gauge("hw.power", observe("power", {"hw.type": "gpu"}), "W",
                                   "Instantaneous power consumed by the component.")
+
+
+def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
+    """Prometheus' histogram_quantile: linear interpolation inside the bucket holding rank q * count.
+
+    `buckets` maps each upper bound (le, +Inf included) to its cumulative count. Past the last finite bound the
+    answer is that bound. None when the histogram is empty.
+    """
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0.0
+    if total <= 0:
+        return None
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for le in bounds:
+        count = buckets[le]
+        if count >= rank:
+            if math.isinf(le):
+                return lower
+            return lower + (le - lower) * ((rank - below) / (count - below) if count > below else 1.0)
+        lower, below = le, count
+    return lower

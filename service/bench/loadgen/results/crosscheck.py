@@ -17,6 +17,8 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.telemetry.metrics import histogram_quantile
+
 # metric names per server kind; the first whose TTFT histogram the server exports is used
 NAME_SETS = {
     "llm-service": {"ttft": "llm_time_to_first_token_seconds", "itl": "llm_time_per_output_token_seconds",
@@ -80,28 +82,6 @@ def _buckets(samples: Samples, name: str, model_label: str, model: str | None) -
         le = float(labels["le"])
         out[le] = out.get(le, 0.0) + value
     return out
-
-
-def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
-    """Prometheus' histogram_quantile: linear interpolation inside the bucket holding rank q * count.
-
-    `buckets` maps each upper bound (le, +Inf included) to its cumulative count. Past the last finite bound the
-    answer is that bound. None when the histogram is empty.
-    """
-    bounds = sorted(buckets)
-    total = buckets[bounds[-1]] if bounds else 0.0
-    if total <= 0:
-        return None
-    rank = q * total
-    lower, below = 0.0, 0.0
-    for le in bounds:
-        count = buckets[le]
-        if count >= rank:
-            if math.isinf(le):
-                return lower
-            return lower + (le - lower) * ((rank - below) / (count - below) if count > below else 1.0)
-        lower, below = le, count
-    return lower
 
 
 def bucket_of(value: float, buckets: dict[float, float]) -> tuple[float, float]:
