@@ -26,7 +26,6 @@ from importlib import resources
 
 import msgspec
 import yaml
-import zmq.asyncio
 
 from service.telemetry import gather
 from service.telemetry.metrics import histogram_quantile
@@ -322,18 +321,10 @@ def asker(folder: str, processes: Callable[[], list[str]]) -> Callable[[], dict[
     """A `collect` for the supervisor, called on the keeper's thread: asks each live process for its snapshot at
     once, each over its kept gather.Asker, on an event loop of that thread (a process that does not answer in
     gather.ASK_TIMEOUT_MS is left out of that point)."""
-    loop, ctx, askers = None, zmq.asyncio.Context(), {}
-
-    async def ask_all() -> dict[str, bytes]:
-        names = processes()
-        for p in names:
-            if p not in askers:
-                askers[p] = gather.Asker(ctx, gather.address(folder, p))
-        answers = await asyncio.gather(*(askers[p].ask() for p in names))
-        return {p: raw for p, raw in zip(names, answers) if raw is not None}
+    loop, askers = None, gather.Askers()
 
     def collect() -> dict[str, bytes]:
         nonlocal loop
         loop = loop or asyncio.new_event_loop()
-        return loop.run_until_complete(ask_all())
+        return loop.run_until_complete(askers.snapshots(folder, processes()))
     return collect

@@ -98,6 +98,41 @@ class Asker:
             self.sock = None
 
 
+class Askers:
+    """A kept Asker for each address, over one context made at first use: what /metrics, the dashboard's front ends
+    and the supervisor's history ask each other through."""
+
+    def __init__(self):
+        self.ctx: zmq.asyncio.Context | None = None
+        self.askers: dict[str, Asker] = {}
+
+    def __getitem__(self, where: str) -> Asker:
+        if where not in self.askers:
+            self.ctx = self.ctx or zmq.asyncio.Context()
+            self.askers[where] = Asker(self.ctx, where)
+        return self.askers[where]
+
+    async def snapshots(self, folder: str, processes, what: str | None = None) -> dict[str, bytes]:
+        """Each process's snapshot, asked at once; one that does not answer in ASK_TIMEOUT_MS is left out, with a
+        warning that names the asker `what` (None: none, as for the dashboard's history, asked every second, to
+        which a starting process does not answer yet)."""
+        answers = await asyncio.gather(*(self[address(folder, p)].ask() for p in processes))
+        for p, raw in zip(processes, answers):
+            if raw is None and what is not None:
+                log.warning("%s: process %s did not answer in %d ms; left out this time", what, p, ASK_TIMEOUT_MS)
+        return {p: raw for p, raw in zip(processes, answers) if raw is not None}
+
+    def forget(self, where: str) -> None:
+        if (asker := self.askers.pop(where, None)) is not None:
+            asker.close()
+
+    def close(self) -> None:
+        for asker in self.askers.values():
+            asker.close()
+        if self.ctx is not None:
+            self.ctx.term()
+
+
 def merge(snapshots: dict[str, bytes], model: str, slowest: list[dict] | None = None) -> list[Metric]:
     """Families from every process's snapshot: shared ones summed, local ones labelled by process (and by the
     served model, as every other series is, so that one dashboard selector fits all). With a `slowest` list, each

@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 
-import zmq.asyncio
 
 from service.engine import StepObserver, StepStats
 from service.engine.config import dtype_name
@@ -49,8 +48,7 @@ class Telemetry:
         self.responder = gather.Responder(lambda _: self.snapshot(), gather.address(folder, process)) if folder \
             else None
         self.keeper: dashboard.Keeper | None = None  # the dashboard's history, when this process keeps it
-        self._ask_ctx: zmq.asyncio.Context | None = None
-        self._askers: dict[str, gather.Asker] = {}  # a kept socket to each peer, and to the supervisor's history
+        self._askers = gather.Askers()  # a kept socket to each peer, and to the supervisor's history
         self._lag_task: asyncio.Task | None = None
 
     def _observe_both(self, step: StepStats) -> None:
@@ -102,17 +100,9 @@ class Telemetry:
 
     async def dashboard(self, since: float | None, status: str) -> bytes | None:
         """The dashboard page's data: from the history kept here, else from the supervisor's (None: no answer)."""
-        if self.keeper is not None:
+        if self.keeper is not None:  # (one process serves everything: it keeps the history itself)
             return self.keeper.view(since, status)
-        if self.folder is None:
-            return None
-        return await self._asker(dashboard.address(self.folder)).ask(dashboard.question(since, status))
-
-    def _asker(self, where: str) -> gather.Asker:
-        if where not in self._askers:
-            self._ask_ctx = self._ask_ctx or zmq.asyncio.Context()
-            self._askers[where] = gather.Asker(self._ask_ctx, where)
-        return self._askers[where]
+        return await self._askers[dashboard.address(self.folder)].ask(dashboard.question(since, status))
 
     def shutdown(self) -> None:
         if self.keeper is not None:
@@ -123,10 +113,7 @@ class Telemetry:
             self.gpu.stop()
         if self.responder is not None:
             self.responder.close()
-        for asker in self._askers.values():
-            asker.close()
-        if self._ask_ctx is not None:
-            self._ask_ctx.term()
+        self._askers.close()
         self.tracing.shutdown()
         if self.meter_provider is not None:
             otlp.shutdown(self.meter_provider)
@@ -135,20 +122,12 @@ class Telemetry:
         """A process of the server has died: later scrapes no longer ask it (each would wait gather.ASK_TIMEOUT_MS
         for it)."""
         self.peers = tuple(p for p in self.peers if p != process)
-        if (asker := self._askers.pop(gather.address(self.folder, process), None)) is not None:
-            asker.close()
+        self._askers.forget(gather.address(self.folder, process))
         log.info("%s is gone: its metrics are left out of /metrics from now on", process)
 
     async def render(self, accept: str | None) -> tuple[bytes, str]:
         """Every process's metrics, merged, in the format the scraper asks for."""
         snapshots = {self.process: self.snapshot()}
         if self.folder and self.peers:
-            peers = self.peers
-            answers = await asyncio.gather(*(self._asker(gather.address(self.folder, p)).ask() for p in peers))
-            for p, raw in zip(peers, answers):
-                if raw is None:
-                    log.warning("metrics: process %s did not answer in %d ms; left out of this scrape", p,
-                                gather.ASK_TIMEOUT_MS)
-                else:
-                    snapshots[p] = raw
+            snapshots.update(await self._askers.snapshots(self.folder, self.peers, "metrics"))
         return gather.render(gather.merge(snapshots, self.metrics.model), accept)
