@@ -86,8 +86,7 @@ def host_inputs(batch: ScheduledBatch, block_size: int) -> HostInputs:
     widths = np.fromiter(map(len, tables), np.int64, num_seqs)
     table_arr = np.zeros((num_seqs, int(widths.max())), dtype=np.int32)
     flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(widths.sum()))
-    table_arr[np.repeat(np.arange(num_seqs), widths), np.arange(len(flat)) - np.repeat(np.cumsum(widths) - widths,
-                                                                                      widths)] = flat
+    table_arr[np.arange(table_arr.shape[1]) < widths[:, None]] = flat  # each row's first `width` places, in order
     q_lens = np.asarray(counts, dtype=np.int32)
     starts = np.zeros(num_seqs + 1, dtype=np.int32)
     np.cumsum(q_lens, out=starts[1:])
