@@ -104,7 +104,8 @@ class RequestRecorder:
         if t.first_token is None and reason in ("stop", "length"):  # the prompt only (max_tokens 0): no first token
             self._prompt(stream)
         duration = on_grid(t.finished - t.arrival)
-        m.duration_m.observe(duration, self._exemplar(stream.request_id))
+        trace_id = self.trace_id(stream.request_id)
+        m.duration_m.observe(duration, {"trace_id": trace_id} if trace_id else None)
         if t.first_token is not None:
             m.decode_m.observe(t.finished - t.first_token)
         if self.otlp is not None:
@@ -113,7 +114,7 @@ class RequestRecorder:
                  "prompt_tokens": len(stream.prompt_ids), "output_tokens": len(stream.token_ids),
                  "queue": None if t.first_scheduled is None else t.first_scheduled - t.arrival,
                  "ttft": None if t.first_token is None else t.first_token - t.arrival, "e2e": duration,
-                 "trace_id": self.trace_id(stream.request_id)}
+                 "trace_id": trace_id}
         with self._lock:
             self._slowest.add(entry)
 
