@@ -18,7 +18,7 @@ import pytest
 from service import cli, settings
 from service.settings import parse
 from tests import web
-from tests.serving.test_processes import Served
+from tests.served import Served
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,16 +16,7 @@ import pytest
 
 from tests import web
 from tests.conftest import wait_until
-from tests.served import MODEL, Served
-
-
-def sample(text: str, name: str, **labels) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
+from tests.served import MODEL, Served, sample
 
 
 def body(**extra) -> dict:

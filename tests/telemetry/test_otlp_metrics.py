@@ -19,7 +19,7 @@ from service.telemetry.metrics import GENAI_DURATION_BUCKETS, GENAI_TPOT_BUCKETS
 from tests import web
 from tests.conftest import LiveServer, free_port, wait_until
 from tests.otlp import ErroringCollector, HangingCollector, Receiver, latest
-from tests.serving.test_processes import Served, sample
+from tests.served import Served, sample
 
 MODEL = "random:tiny"
 TTFT, TPOT, DURATION = ("gen_ai.server.time_to_first_token", "gen_ai.server.time_per_output_token",
