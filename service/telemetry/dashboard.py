@@ -231,7 +231,8 @@ class History:
         while self.frames and self.frames[0].t < t - max(RATE_WINDOW, QUANTILE_WINDOW) - 1e-6:
             self.frames.popleft()
         # the percentiles of a point whose frames reach back less than the window are those of what there is
-        self.points.append((t, point(f, self._back(t, RATE_WINDOW), self._back(t, QUANTILE_WINDOW))))
+        values = point(f, self._back(t, RATE_WINDOW), self._back(t, QUANTILE_WINDOW))
+        self.points.append((t, {k: _finite(v) for k, v in values.items()}))  # (JSON has no NaN: once, not per view)
         self.totals = totals(f)
         self.slowest = heapq.nlargest(SLOWEST, slowest, key=lambda e: e["e2e"])  # each process sent its own
         natural = lambda name: (len(name), name)  # api-2 before api-10, GPU 2 before 10
@@ -295,9 +296,6 @@ class Keeper:
         """The page's JSON: the points after `since` (all without), with what the page needs around them."""
         with self._lock:
             body = self.history.view(since)
-        points = body["points"]
-        for name, values in points.items():
-            points[name] = [_finite(v) for v in values]
         body.update(status=status, model=self.model, now=self.clock(), thresholds=self.thresholds,
                     trace_url=self.trace_url)
         return msgspec.json.encode(body)
