@@ -58,8 +58,9 @@ class LLMEngine:
         self.quantization = loaded.quantization
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
-        max_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
-        self.runner = ModelRunner(loaded.model, config, self.device, max_len)
+        self.runner = ModelRunner(loaded.model, config, self.device, loaded.max_model_len)
+        if self.parallel is not None:  # every rank has built its runner, in step: from now on rank 0 drives
+            self.parallel.link(self.runner)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = loaded.model.config.get_text_config().vocab_size
         self.tokenizer_source = loaded.tokenizer_source
@@ -89,17 +90,13 @@ class LLMEngine:
 
         if loaded is not None:
             raise ValueError("a tensor-parallel engine loads its own shard on each rank; pass no loaded model")
-        if config.cuda_graphs or config.compile:
-            # graph replays and compiled layers would skip the broadcast that keeps the other ranks in step
-            log.info("tensor parallelism: CUDA graphs and torch.compile are off")
-            config = dataclasses.replace(config, cuda_graphs=False, compile=False)
         self.parallel = TensorParallelGroup(config)
         try:
             loaded = load_shard(config, config.tensor_parallel_size, 0)
+            self.parallel.wait_for_ranks()
         except BaseException:
             self.parallel.close()
             raise
-        self.parallel.link(loaded.model)
         log.info("tensor parallelism over %d ranks (%s)", config.tensor_parallel_size,
                  "nccl" if self.device.type == "cuda" else "gloo")
         return config, loaded
@@ -310,6 +307,8 @@ class LLMEngine:
             failed = self._fail(step.batch)
             self._observe(failed, finished=failed, batch=step.batch, error=type(exc).__name__)
             return failed
+        if self.parallel is not None and self.parallel.failure:  # a rank was lost while this step ran: its tokens
+            raise EngineDeadError(self.parallel.failure)  # are not to be trusted (NCCL's abort ended the step)
         now = time.perf_counter()
         outputs, first_tokens, finished, rows = [], [], [], self.rows
         for row, reason in self.scheduler.postprocess(step.batch, step.sampled, tokens, self._check_stop):

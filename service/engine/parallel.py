@@ -13,6 +13,7 @@ Broadcasting the inputs, rather than running identical schedulers on every rank,
 seeds, aborts, disconnects and timing decisions happen once.
 """
 
+import collections
 import dataclasses
 import fnmatch
 import importlib
@@ -24,16 +25,16 @@ import resource
 import threading
 import time
 from datetime import timedelta
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from service.engine.config import resolve_kv_dtype
 from service.engine.errors import RankFailedError
 from service.engine.runner import attention
 from service.engine.runner.attention import AttentionMetadata, ForwardContext, forward_context
-from service.engine.runner.kv_cache import cache_tensor, kv_shape
+from service.engine.runner.kv_cache import new_kv_caches
 from service.engine.runner.pinned_upload import to_device
 
 log = logging.getLogger(__name__)
@@ -121,20 +122,37 @@ _driver: "TensorParallelGroup | None" = None  # rank 0's group, which explains a
 
 
 def _all_reduce_output(module, inputs, output):
+    all_reduce(output)
+    return output
+
+
+@torch.library.custom_op("llm_service::all_reduce", mutates_args=("x",))
+def all_reduce(x: torch.Tensor) -> None:
+    """Sum `x` over the ranks, in place. One opaque op, as paged attention is (runner/attention.py): a compiled
+    decoder layer keeps it whole in its graph, and a CUDA graph captures the NCCL kernel it launches."""
     try:
-        dist.all_reduce(output)
+        dist.all_reduce(x)
     except Exception as exc:
         if _driver is None:  # another rank: its process ends with the error
             raise
         raise _driver.lost(exc) from exc
-    return output
+
+
+@all_reduce.register_fake
+def _(x):
+    return None
 
 
 # -- what rank 0 sends before each forward pass: two tensor broadcasts, nothing pickled ---------------------
-# A header of HEADER int64 (what kind of message, which KV cache, the metadata's integers, each tensor's dtype and
-# shape), then one byte buffer holding the tensors one after another (each padded to 8 bytes, so that each views
-# as its dtype). On CUDA both stay on the device: rank 0 packs its inputs there, NCCL moves them; only the other
-# ranks read the header back, and they wait for rank 0 anyway.
+# A header of HEADER int64 (what kind of message, then its integers), then one byte buffer holding the tensors one
+# after another (each padded to 8 bytes, so that each views as its dtype). On CUDA both stay on the device: rank 0
+# packs its inputs there, NCCL moves them; only the other ranks read the header back, and they wait for rank 0
+# anyway. Two kinds of forward pass:
+# - FORWARD, an eager one: its integers are which KV cache, the backend and the attention metadata's integers, then
+#   each tensor's dtype and shape; its tensors the model's arguments and the metadata's.
+# - REPLAY, a CUDA graph's: which ladder (its KIND: cuda_graphs), which size, and the block-table rows the step changed;
+#   its tensors the graph's input buffers, as rank 0 filled them (cuda_graphs: `mirrored`), which the other ranks
+#   copy into theirs before replaying the same graph. The graphs hold the all-reduces.
 KWARGS = ("input_ids", "position_ids")  # the model's tensor arguments
 META_INTS = tuple(f.name for f in dataclasses.fields(AttentionMetadata) if f.type is int)
 META_TENSORS = tuple(f.name for f in dataclasses.fields(AttentionMetadata) if f.name not in META_INTS)
@@ -144,16 +162,57 @@ BACKENDS = ((attention.__name__, "torch_paged_attention"),
             ("service.engine.runner.triton_attention", "triton_paged_attention"))
 FIELDS = 4 + len(META_INTS)  # op, num_blocks, report, backend, the metadata's integers; then 3 per tensor
 HEADER = FIELDS + 3 * len(TENSORS)
-STOP, FORWARD = 0, 1
+STOP, FORWARD, REPLAY = 0, 1, 2
+
+
+class Forward(NamedTuple):
+    kwargs: dict
+    meta: AttentionMetadata
+    num_blocks: int  # which KV cache: the engine's, or a throwaway one of another size
+    report: bool  # gather every rank's busy time after it
+    backend: object
+
+
+class Replay(NamedTuple):
+    kind: int  # which ladder of graphs: cuda_graphs' DecodeGraphs.KIND or MixedGraphs.KIND
+    size: int
+    report: bool
+    tables: tuple[int, int, int]  # block-table rows [start, end) and columns [0, width) the step changed
+
+
+def _packed(tensors) -> torch.Tensor:
+    """The tensors' bytes one after another, each padded to 8 bytes."""
+    parts = []
+    for t in tensors:
+        data = t.reshape(-1).view(torch.uint8)
+        parts += [data, data.new_zeros(-len(data) % 8)]
+    return torch.cat(parts)
+
+
+def _receive_packed(specs, device: torch.device) -> list[torch.Tensor]:
+    """Receive rank 0's `_packed` buffer of tensors of `specs` [(dtype, shape)]: views of it, one per spec."""
+    sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in specs]
+    payload = torch.empty(sum(-(-n // 8) * 8 for n in sizes), dtype=torch.uint8, device=device)
+    dist.broadcast(payload, src=0)
+    views, at = [], 0
+    for (dtype, shape), n in zip(specs, sizes):
+        views.append(payload[at:at + n].view(dtype).view(shape))
+        at += -(-n // 8) * 8
+    return views
+
+
+def _send_header(fields: list[int], device: torch.device) -> None:
+    dist.broadcast(to_device(fields + [0] * (HEADER - len(fields)), torch.int64, device), src=0)  # (pinned on
+    # CUDA: no wait for queued work)
 
 
 def send_forward(kwargs: dict, ctx: ForwardContext, report: bool, device: torch.device) -> None:
-    """Rank 0: broadcast a forward pass's inputs (`kwargs` input_ids and position_ids, the attention metadata, which
-    cache, which backend)."""
+    """Rank 0: broadcast an eager forward pass's inputs (`kwargs` input_ids and position_ids, the attention metadata,
+    which cache, which backend)."""
     meta = ctx.meta
     backend = BACKENDS.index((ctx.backend.__module__, ctx.backend.__name__))
     header = [FORWARD, ctx.kv_caches[0][0].shape[0], int(report), backend, *(getattr(meta, f) for f in META_INTS)]
-    parts = []
+    tensors = []
     for name in TENSORS:
         t = kwargs[name] if name in KWARGS else getattr(meta, name)
         if t is None:
@@ -161,38 +220,81 @@ def send_forward(kwargs: dict, ctx: ForwardContext, report: bool, device: torch.
             continue
         assert t.dim() <= 2, name
         header += [DTYPES.index(t.dtype), t.shape[0], t.shape[1] if t.dim() == 2 else -1]
-        data = t.contiguous().view(-1).view(torch.uint8)
-        parts += [data, torch.zeros(-len(data) % 8, dtype=torch.uint8, device=data.device)]
-    dist.broadcast(to_device(header, torch.int64, device), src=0)  # (pinned on CUDA: no wait for queued work)
-    dist.broadcast(torch.cat(parts).to(device), src=0)
+        tensors.append(t)
+    _send_header(header, device)
+    dist.broadcast(_packed(tensors).to(device), src=0)
+
+
+def send_replay(kind: int, size: int, report: bool, tables: tuple[int, int, int], inputs: list[torch.Tensor],
+                device: torch.device) -> None:
+    """Rank 0: broadcast a graph replay: which graph, and its input buffers `inputs` as filled for this step."""
+    _send_header([REPLAY, kind, size, int(report), *tables], device)
+    dist.broadcast(_packed(inputs), src=0)
+
+
+def receive_replay(inputs: list[torch.Tensor], device: torch.device) -> None:
+    """Another rank: rank 0's graph inputs into this rank's own buffers `inputs` (the same views of them)."""
+    for dst, src in zip(inputs, _receive_packed([(t.dtype, t.shape) for t in inputs], device)):
+        dst.copy_(src)
 
 
 def send_stop(device: torch.device) -> None:
-    dist.broadcast(to_device([STOP] + [0] * (HEADER - 1), torch.int64, device), src=0)
+    _send_header([STOP], device)
 
 
-def receive_forward(device: torch.device) -> tuple[dict, AttentionMetadata, int, bool, object] | None:
-    """Another rank: the next forward pass's (kwargs, metadata, cache's blocks, report, backend), or None: stop."""
+def receive(device: torch.device) -> Forward | Replay | None:
+    """Another rank: the next forward pass, or None: stop. A Replay's inputs follow (receive_replay)."""
     header = torch.empty(HEADER, dtype=torch.int64, device=device)
     dist.broadcast(header, src=0)
     h = header.tolist()
     if h[0] == STOP:
         return None
-    pieces, size = [], 0  # (name, dtype, shape, offset, bytes) of each tensor sent; the buffer's size
+    if h[0] == REPLAY:
+        return Replay(h[1], h[2], bool(h[3]), tuple(h[4:7]))
+    names, specs = [], []
     for k, name in enumerate(TENSORS):
         code, rows, cols = h[FIELDS + 3 * k:FIELDS + 3 * k + 3]
         if code >= 0:
-            dtype, shape = DTYPES[code], (rows,) if cols < 0 else (rows, cols)
-            nbytes = math.prod(shape) * dtype.itemsize
-            pieces.append((name, dtype, shape, size, nbytes))
-            size += -(-nbytes // 8) * 8
-    payload = torch.empty(size, dtype=torch.uint8, device=device)
-    dist.broadcast(payload, src=0)
-    tensors = {name: payload[at:at + n].view(dtype).view(shape) for name, dtype, shape, at, n in pieces}
+            names.append(name)
+            specs.append((DTYPES[code], (rows,) if cols < 0 else (rows, cols)))
+    tensors = dict(zip(names, _receive_packed(specs, device)))
     kwargs = {name: tensors[name] for name in KWARGS}
     meta = AttentionMetadata(**{name: tensors.get(name) for name in META_TENSORS}, **dict(zip(META_INTS, h[4:FIELDS])))
     module, name = BACKENDS[h[3]]
-    return kwargs, meta, h[1], bool(h[2]), getattr(importlib.import_module(module), name)
+    return Forward(kwargs, meta, h[1], bool(h[2]), getattr(importlib.import_module(module), name))
+
+
+class BusyClock:
+    """A rank's time inside forward passes: between CUDA events on a GPU (a replayed graph runs after its launch
+    has returned; the events are read once they have passed), by the host's clock on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.counted = 0.0
+        self.pending: collections.deque = collections.deque()  # (start, end) events not read yet
+        self._start = None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.pending.append((self._start, end))
+        else:
+            self.counted += time.perf_counter() - self._start
+
+    def seconds(self) -> float:
+        """Time counted so far: passes still on the device count once they have run."""
+        while self.pending and self.pending[0][1].query():
+            start, end = self.pending.popleft()
+            self.counted += start.elapsed_time(end) / 1e3
+        return self.counted
 
 
 def _rank_device(config, rank: int) -> torch.device:
@@ -216,6 +318,28 @@ def _store(world: int, port: int = 0) -> dist.TCPStore:
     the other ranks connect to that port."""
     return dist.TCPStore("127.0.0.1", port, world, is_master=port == 0, timeout=COLLECTIVE_TIMEOUT,
                          wait_for_workers=False)
+
+
+def wait_for_ranks(store: dist.TCPStore, world: int, rank: int, failure) -> None:
+    """Say this rank has loaded its shard, and wait until every rank has: loading can take longer than the
+    collectives' timeout, and the first collectives (the runner's dry runs, its graphs) follow. `failure()` says why
+    to stop waiting (a rank gone), if it should."""
+    store.set(f"loaded/{rank}", "1")
+    keys = [f"loaded/{r}" for r in range(world)]
+    while True:
+        try:
+            store.wait(keys, timedelta(seconds=1))
+            return
+        except RuntimeError:  # not yet (DistStoreError: a timeout)
+            if why := failure():
+                raise RankFailedError(why)
+
+
+def fewest(value: int, device: torch.device) -> int:
+    """The smallest of every rank's `value` (each rank calls it): the KV blocks that fit on every GPU."""
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t)
 
 
 def load_shard(config, world: int, rank: int):
@@ -270,30 +394,67 @@ class TensorParallelGroup:
             raise
         self.failure: str | None = None  # why the group can no longer run, once a rank died
         self.on_failure = None  # called with that reason, from the watching thread
-        self.rank_seconds = [0.0] * self.world  # each rank's time inside forward passes, as last gathered
-        self._own_seconds = 0.0
+        self.clock = BusyClock(self.device)
+        self._rank_seconds = [0.0] * self.world
+        self._gathered = torch.zeros(self.world, dtype=torch.float64, pin_memory=self.clock.cuda)
+        self._gathered_at = torch.cuda.Event() if self.clock.cuda else None
         self._calls = 0
+        self._report = False
         self._closed = False
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
 
-    def link(self, model: torch.nn.Module) -> None:
-        """Broadcast every forward pass of `model` (rank 0's shard) to the other ranks before it runs."""
+    def wait_for_ranks(self) -> None:
+        """Once rank 0 has loaded its shard: wait for the other ranks' (RankFailedError if one exits meanwhile)."""
+        wait_for_ranks(self._store, self.world, 0, lambda: self.failure)
+
+    def link(self, runner) -> None:
+        """Send every forward pass of rank 0's `runner` to the other ranks before it runs: its model's eager ones
+        (hooks), and its graphs' replays (the runner calls send_replay). Called once every rank has built its runner,
+        whose start-up passes (dry runs, graph captures) each rank runs for itself, in step."""
         global _driver
         _driver = self
-        model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
-        model.register_forward_hook(self._after_forward)
+        runner.model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        runner.model.register_forward_hook(self._after_forward)
+        runner.parallel = self
 
     def _before_forward(self, module, args, kwargs):
+        self._send(lambda report: send_forward(kwargs, attention._context, report, self.device))
+
+    def _after_forward(self, module, args, output):
+        self.forward_done()
+        return output
+
+    def send_replay(self, kind: int, size: int, tables: tuple[int, int, int], inputs: list[torch.Tensor]) -> None:
+        """Before rank 0 replays graph `size` of ladder `kind`: the graph's `inputs`, as filled, to the other ranks."""
+        self._send(lambda report: send_replay(kind, size, report, tables, inputs, self.device))
+
+    def _send(self, send) -> None:
         if self.failure:
             raise RankFailedError(self.failure)
         self._calls += 1  # counted before it is sent: a rank that hangs takes the broadcast down with it
         self._report = self._calls % self.REPORT_EVERY == 0
         try:
-            send_forward(kwargs, attention._context, self._report, self.device)
+            send(self._report)
         except Exception as exc:  # the group is broken either way: the engine ends with this
             raise self.lost(exc) from exc
-        self._start = time.perf_counter()
-        return None
+        self.clock.start()
+
+    def forward_done(self) -> None:
+        """After rank 0's forward pass (launched): count its time; every REPORT_EVERY passes, gather every rank's
+        time, which rank_seconds reads once it has arrived (no wait for the device)."""
+        self.clock.stop()
+        if self._report:
+            gathered = _gather_seconds(self.clock.seconds(), self.world, self.device)
+            self._gathered.copy_(gathered, non_blocking=True)
+            if self.clock.cuda:
+                self._gathered_at.record()
+
+    @property
+    def rank_seconds(self) -> list[float]:
+        """Each rank's time inside forward passes, as last gathered."""
+        if self._calls >= self.REPORT_EVERY and (not self.clock.cuda or self._gathered_at.query()):
+            self._rank_seconds = self._gathered.tolist()
+        return self._rank_seconds
 
     def lost(self, exc: Exception, wait: float = 5.0) -> RankFailedError:
         """The error for a collective that failed: a rank's exit, named by the watcher once it has seen it
@@ -302,12 +463,6 @@ class TensorParallelGroup:
         while self.failure is None and time.monotonic() < deadline:
             time.sleep(0.05)
         return RankFailedError(self.failure or f"a tensor-parallel collective failed: {exc}")
-
-    def _after_forward(self, module, args, output):
-        self._own_seconds += time.perf_counter() - self._start
-        if self._report:
-            self.rank_seconds = _gather_seconds(self._own_seconds, self.world, self.device)
-        return output
 
     def _watch(self) -> None:
         """Fail the group when a rank exits, or when one has not finished the forward pass rank 0 sent it within
@@ -344,6 +499,13 @@ class TensorParallelGroup:
         log.error("%s: the engine stops", self.failure)
         if self.on_failure is not None:
             self.on_failure(self.failure)
+        if self.device.type == "cuda":
+            # a collective inside a replayed graph has no timeout: NCCL's abort ends the kernels that wait for the
+            # lost rank, so the engine's wait for the step returns and it sees the failure
+            try:
+                dist.distributed_c10d._abort_process_group()
+            except Exception:
+                log.exception("aborting the NCCL communicators failed")
 
     def close(self) -> None:
         global _driver
@@ -365,48 +527,55 @@ class TensorParallelGroup:
             dist.destroy_process_group()
 
 
-def _gather_seconds(own: float, world: int, device: torch.device) -> list[float]:
-    values = torch.tensor([own], dtype=torch.float64, device=device)
+def _gather_seconds(own: float, world: int, device: torch.device) -> torch.Tensor:
+    """Every rank's `own` seconds, on the device (each rank calls it)."""
     gathered = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world)]
-    dist.all_gather(gathered, values)
-    return [float(t) for t in gathered]
+    dist.all_gather(gathered, to_device([own], torch.float64, device))
+    return torch.cat(gathered)
 
 
 # -- ranks 1..N-1 -----------------------------------------------------------------------------------------
 def _worker(config, world: int, rank: int, port: int, parent: int, finished) -> None:
+    """Load this rank's shard, build its runner as rank 0 builds its own (compiled layers, KV cache, CUDA graphs:
+    the same start-up passes, in step), then run each forward pass rank 0 sends until it says stop."""
+    from service.engine.runner.model_runner import ModelRunner
+
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     device = _rank_device(config, rank)
-    _init_group(world, rank, _store(world, port), device)
-    model = load_shard(config, world, rank).model
-    if config.fuse_qkv:  # as rank 0's runner does with its shard
-        from service.engine.fusion import fuse
-        fuse(model)
-    layers, kv_heads, head_dim = kv_shape(model.config)
-    dtype = resolve_kv_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)
-    caches: dict[int, list] = {}
-    busy = 0.0
-    finished[rank] = 0  # loaded: from now on the watcher expects each pass sent to finish
+    store = _store(world, port)
+    _init_group(world, rank, store, device)
+    loaded = load_shard(config, world, rank)
+    wait_for_ranks(store, world, rank, lambda: None if os.getppid() == parent else "rank 0 is gone")
+    runner = ModelRunner(loaded.model, config, device, loaded.max_model_len)
+    ladders = (runner.decode_graphs, runner.mixed_graphs)  # by their KIND
+    caches = {runner.num_blocks: runner.kv_caches}  # the engine's, and a throwaway of another size (a dry run)
+    clock = BusyClock(device)
+    finished[rank] = 0  # ready: from now on the watcher expects each pass sent to finish
     with torch.inference_mode():
         while True:
             try:
-                call = receive_forward(device)
+                call = receive(device)
             except Exception as exc:  # rank 0 is gone: nothing left to serve
                 log.error("rank 0 stopped answering (%s); exiting", exc)
                 os._exit(1)
             if call is None:
                 break
-            kwargs, meta, num_blocks, report, backend = call
-            if num_blocks not in caches:
-                if len(caches) >= 2:  # the engine's cache and one throwaway: drop the oldest throwaway
-                    caches.pop(next(k for k in caches if k != max(caches)))
-                args = (num_blocks, config.block_size, kv_heads, head_dim, dtype, device)
-                caches[num_blocks] = [(cache_tensor(*args), cache_tensor(*args)) for _ in range(layers)]
-            start = time.perf_counter()
-            with forward_context(ForwardContext(caches[num_blocks], meta, backend)):
-                model(**kwargs, use_cache=False, logits_to_keep=1)
-            busy += time.perf_counter() - start
+            if isinstance(call, Replay):
+                graphs = ladders[call.kind]
+                receive_replay(graphs.mirrored(call.size, call.tables), device)
+                clock.start()
+                graphs.graphs[call.size][0].replay()
+            else:
+                if call.num_blocks not in caches:
+                    if len(caches) >= 2:  # drop the older throwaway
+                        caches.pop(next(k for k in caches if k != runner.num_blocks))
+                    caches[call.num_blocks] = new_kv_caches(runner, call.num_blocks)
+                clock.start()
+                with forward_context(ForwardContext(caches[call.num_blocks], call.meta, call.backend)):
+                    runner.model(**call.kwargs, use_cache=False, logits_to_keep=1)
+            clock.stop()
             finished[rank] += 1
-            if report:
-                _gather_seconds(busy, world, device)
+            if call.report:
+                _gather_seconds(clock.seconds(), world, device)
+    runner.release()
     dist.destroy_process_group()
-

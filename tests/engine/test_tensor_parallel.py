@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.engine import EngineConfig, LLMEngine, SamplingParams
 from service.engine.parallel import head_ranges
@@ -218,21 +219,40 @@ def _rank_processes(pid: int) -> list[int]:
     return [rank for child in _spawned(pid) for rank in _spawned(child)]
 
 
+def _gpus() -> int:
+    import torch
+    return torch.cuda.device_count()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    _gpus() < 2, reason="needs two CUDA GPUs: graphs and compiled layers, NCCL"))])
 @pytest.mark.parametrize("sig, reason", [
     (signal.SIGKILL, "tensor-parallel rank 1 exited with code -9"),
     # a hung rank (stopped: alive, silent) is found by its progress, not by the collectives' 60 s timeout
     (signal.SIGSTOP, "tensor-parallel rank 1 finished no forward pass in 2 s (hung); it is stopped")])
-def test_killed_or_hung_rank_fails_in_flight_requests_and_the_server_exits_non_zero(tmp_path, sig, reason):
+def test_killed_or_hung_rank_fails_in_flight_requests_and_the_server_exits_non_zero(tmp_path, sig, reason, device):
     port = free_port()
     log = open(tmp_path / "server.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--model", "random:tiny", "--port", str(port),
-                             "--tensor-parallel-size", "2", "--num-blocks", "64", "--tensor-parallel-hang-timeout", "2"],
-                            stdout=log, stderr=subprocess.STDOUT)
+                             "--device", device, "--tensor-parallel-size", "2", "--num-blocks", "64",
+                             "--tensor-parallel-hang-timeout", "2"], stdout=log, stderr=subprocess.STDOUT)
     base, ranks = f"http://127.0.0.1:{port}", []
     try:
         wait_until(lambda: web.get(base + "/ready").status_code == 200, 240, "the server to be ready")
         ranks = _rank_processes(proc.pid)
         assert len(ranks) == 1
+        # each rank's forward time (gathered every 16 passes), and on CUDA both GPUs' readings, on /metrics
+        web.post(base + "/v1/completions", json={"model": "random:tiny", "prompt": [1, 2], "max_tokens": 40,
+                                                 "ignore_eos": True}, timeout=60).raise_for_status()
+        metrics = wait_until(lambda: (text := web.get(base + "/metrics").text) and 'rank="1"' in text and text,
+                             30, "each rank's forward time on /metrics")
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for family in text_string_to_metric_families(metrics) for s in family.samples}
+        for rank in "01":
+            assert samples[("llm_tensor_parallel_forward_seconds_total", (("model", "random:tiny"), ("rank", rank)))] > 0
+        if device == "cuda":
+            assert {("gpu", "0"), ("gpu", "1")} <= {label for (name, labels) in samples
+                                                    if name == "llm_gpu_memory_used_bytes" for label in labels}
         body = {"model": "random:tiny", "prompt": [1, 2, 3], "max_tokens": 900, "ignore_eos": True, "stream": True}
         events = []
         with web.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:

@@ -52,8 +52,21 @@ def capture(runner, meta: AttentionMetadata, ids: torch.Tensor, positions: torch
     return graph, out
 
 
+def replay(runner, ladder, size: int, tables: tuple[int, int, int]) -> None:
+    """Replay graph `size` of `ladder` (its inputs filled); under tensor parallelism, send those inputs to the other
+    ranks first (parallel.py: `tables` names the block-table rows the step changed), and count the pass's time."""
+    group = runner.parallel
+    if group is not None:
+        group.send_replay(ladder.KIND, size, tables, ladder.mirrored(size, tables))
+    ladder.graphs[size][0].replay()
+    if group is not None:
+        group.forward_done()
+
+
 class DecodeGraphs:
     """The runner's decode graphs (`graphs`: batch size -> (graph, its logits)) and their input buffers."""
+
+    KIND = 0  # which ladder a tensor-parallel replay names (parallel.Replay)
 
     def __init__(self, runner, pool=None):
         self.runner = runner
@@ -100,7 +113,7 @@ class DecodeGraphs:
         seqs, n = batch.seqs, len(batch.seqs)
         size = next(s for s in self.graph_sizes if s >= n)
         block_size = self.runner.block_size
-        self._update_tables(seqs)
+        tables = self._update_tables(seqs)
         pos = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
         # whole buffers go up (a few KB), so padding rows are always token 0 at position 0 in scratch block 0
         inputs_t, inputs = self.up_inputs.take((3, len(self.g_ids)))
@@ -115,12 +128,17 @@ class DecodeGraphs:
         self.up_inputs.send(inputs_t, self.g_inputs)
         self.up_lens.send(lens_t, self.g_lens)
         self.runner._feed_back(self.g_ids, batch)
-        graph, out = self.graphs[size]
-        graph.replay()
-        return out[:n]
+        replay(self.runner, self, size, tables)
+        return self.graphs[size][1][:n]
 
-    def _update_tables(self, seqs: list[Sequence]) -> None:
-        """Bring g_tables up to date with the batch, uploading only the rows whose blocks changed.
+    def mirrored(self, size: int, tables: tuple[int, int, int]) -> list[torch.Tensor]:
+        """The input buffers a replay fills (padding included), and the block-table rows it changed."""
+        start, end, width = tables
+        return [self.g_inputs, self.g_lens, self.g_tables[start:end, :width]]
+
+    def _update_tables(self, seqs: list[Sequence]) -> tuple[int, int, int]:
+        """Bring g_tables up to date with the batch, uploading only the rows whose blocks changed: returns those
+        rows [start, end) and the columns [0, width) uploaded.
 
         Decode steps keep the running sequences in the same rows, and a sequence gains a block every
         block_size tokens, so most steps upload a few rows instead of rebuilding the whole table.
@@ -136,10 +154,12 @@ class DecodeGraphs:
             host[i, start:len(table)] = table[start:]
             owners[i] = (table, len(table))
             first, last, width = min(first, i), i, max(width, len(table))
-        if last >= 0:
-            rows_t, rows = self.up_tables.take((last + 1 - first, width))
-            rows[:] = host[first:last + 1, :width]
-            self.up_tables.send(rows_t, self.g_tables[first:last + 1, :width])
+        if last < 0:
+            return 0, 0, 0
+        rows_t, rows = self.up_tables.take((last + 1 - first, width))
+        rows[:] = host[first:last + 1, :width]
+        self.up_tables.send(rows_t, self.g_tables[first:last + 1, :width])
+        return first, last + 1, width
 
 
 def decode_sizes(max_num_seqs: int) -> list[int]:
@@ -199,6 +219,8 @@ def padded_metadata(host: HostInputs, tokens: int, max_num_seqs: int, tokens_per
 class MixedGraphs:
     """The runner's graphs for steps with prefill chunks: `graphs`, tokens -> (graph, its logits [sequences,
     vocabulary]), logits at each sequence's last token of the step (the rows `keep` names)."""
+
+    KIND = 1
 
     def __init__(self, runner):
         self.runner = runner
@@ -270,7 +292,11 @@ class MixedGraphs:
         self.up_int.send(int_t, self.g_int)
         self.up_tables.send(tables_t, self.g_tables[:rows, :width])
         r._feed_back(self.g_long[0], batch)
-        graph, out = self.graphs[size]
-        graph.replay()
+        replay(r, self, size, (0, rows, width))
         self.replays += 1
-        return out[:len(sample_rows)]
+        return self.graphs[size][1][:len(sample_rows)]
+
+    def mirrored(self, size: int, tables: tuple[int, int, int]) -> list[torch.Tensor]:
+        """The input buffers a replay of graph `size` reads, and the block-table rows it filled."""
+        _, rows, width = tables
+        return [self.g_long[:, :size], self.g_int, self.g_tables[:rows, :width]]

@@ -58,6 +58,9 @@ def blocks_that_fit(runner) -> int:
     other = total - free_now - torch.cuda.memory_reserved(r.device)  # other processes
     budget = total * r.config.gpu_memory_utilization - peak - other
     blocks = int(budget // per_block)
+    if r.config.tensor_parallel_size > 1:  # every rank's cache holds the same blocks: the fewest that fit on any GPU
+        from service.engine.parallel import fewest
+        blocks = fewest(blocks, r.device)
     if blocks < 2:
         raise RuntimeError(f"no GPU memory left for the KV cache (peak {peak / 2**30:.1f} GiB)")
     log.info("KV cache: %d blocks of %d tokens (%.1f GiB, %s)", blocks, r.block_size, blocks * per_block / 2**30,

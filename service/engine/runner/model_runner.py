@@ -27,6 +27,7 @@ from service.engine.sequence import Sequence
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, device: torch.device, max_model_len: int):
+        """`max_model_len`: the model's own (config.max_model_len may lower it, the KV cache's size too)."""
         self.model = model
         self.config = config
         self.device = device
@@ -50,13 +51,16 @@ class ModelRunner:
         self.fused_layers, self.fused_mlps = fusion.fuse(model) if config.fuse_qkv else (0, 0)
         self.compiled = device.type == "cuda" and config.compile and compilation.compile_layers(self)
         self.num_blocks = config.num_blocks or blocks_that_fit(self)
-        self.max_model_len = min(max_model_len, (self.num_blocks - 1) * self.block_size)
+        self.max_model_len = min(config.max_model_len or max_model_len, max_model_len,
+                                 (self.num_blocks - 1) * self.block_size)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.kv_caches = new_kv_caches(self, self.num_blocks)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # decode batch size -> graph, logits
         self._fed: tuple[torch.Tensor, dict[Sequence, int]] | None = None  # last launch's samples, by sequence
         self.mixed_graphs: MixedGraphs | None = None
+        self.decode_graphs: DecodeGraphs | None = None
         self.eager_steps = 0  # steps run outside the CUDA graphs (all of them without graphs)
+        self.parallel = None  # rank 0's tensor-parallel group, which sends each graph replay to the other ranks
         if device.type == "cuda" and config.cuda_graphs:
             if self.backend_name != "triton":
                 raise ValueError("CUDA graphs need the triton attention backend")
