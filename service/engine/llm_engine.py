@@ -35,6 +35,9 @@ class _Launched:
     sampled: list[Sequence]  # the sequences that sample in it, in the order of result's rows
     result: SampleResult | None
     start: float
+    # a constrained step with overlap: its forward pass's logits and its masks filling, until its sampler launches
+    logits: torch.Tensor | None = None
+    masks: concurrent.futures.Future | None = None
 
 
 class LLMEngine:
@@ -216,6 +219,8 @@ class LLMEngine:
         start = time.perf_counter()
         outputs = self._admit_compiled(start) if self._compiling else []
         batch = self.scheduler.schedule()
+        if self._in_flight is not None and self._in_flight.masks is not None:
+            outputs += self._sample_deferred()
         launched = None
         if batch.seqs:
             for seq in batch.seqs:
@@ -253,9 +258,10 @@ class LLMEngine:
 
     def _launch(self, batch: ScheduledBatch, start: float) -> "_Launched":
         """Launch the step. One that samples constrained rows is split: the forward pass is launched, then the host
-        waits for the step in flight's tokens and the grammars take them, then their masks are filled, then the
-        sampler is launched; the rest of that step's read-back (stops, outputs) comes after, as for any step, while
-        the device samples. Other steps launch forward pass and sampler at once."""
+        waits for the step in flight's tokens, the grammars take them, and the masks start filling. With overlap
+        the sampler launches at the next step (`_sample_deferred`): the masks fill in their thread while this
+        thread reads back the step in flight and schedules the next, as the forward pass runs. Without overlap
+        the sampler launches once they are filled. Other steps launch forward pass and sampler at once."""
         phase = batch.phase  # before num_computed_tokens moves
         sampled, logits = self.runner.forward(batch)
         self.scheduler.advance(batch, sampled)
@@ -270,10 +276,32 @@ class LLMEngine:
             begin = time.perf_counter()  # the wait for the tokens is the device's time, not the masks'
             if tokens is not None:
                 self.grammars.accept(previous.sampled, tokens)
-            masks = self.grammars.masks(sampled, self.device)
+            fill = self.grammars.fill(sampled, self.device)
             self._mask_seconds += time.perf_counter() - begin
+            if self.overlap and fill is not None:
+                return _Launched(batch, phase, sampled, None, start, logits, fill)
+            masks, seconds = self.grammars.ready(fill, self.device)
+            self._mask_seconds += seconds
         result = self.runner.sample(sampled, logits, masks)
         return _Launched(batch, phase, sampled, result, start)
+
+    def _sample_deferred(self) -> list[RequestOutput]:
+        """Launch the sampler of the constrained step in flight once its masks are filled (before the next forward
+        pass, which takes its tokens). A failed fill fails that step."""
+        step = self._in_flight
+        fill, step.masks = step.masks, None
+        logits, step.logits = step.logits, None
+        try:
+            masks, seconds = self.grammars.ready(fill, self.device)
+            self._mask_seconds += seconds
+            step.result = self.runner.sample(step.sampled, logits, masks)
+        except Exception as exc:
+            log.exception("the masks of an engine step failed; failing its %d requests", len(step.batch.seqs))
+            self._in_flight = None
+            failed = self._fail(step.batch)
+            self._observe(failed, finished=failed, batch=step.batch, error=type(exc).__name__)
+            return failed
+        return []
 
     def _admit_compiled(self, now: float) -> list:
         """Requests whose grammar is ready join the scheduler; those whose grammar failed finish with an error."""
@@ -379,14 +407,16 @@ class LLMEngine:
             seq.token_ids.pop()
             return "length"
         if seq.matcher is not None:  # the grammar takes the token (or took it already); a complete grammar ends it
-            accepted = seq.matcher.accept_token(token) if seq.accepted is None else seq.accepted
-            seq.accepted = None
+            if seq.accepted is None:  # (taken ahead, when a step's masks fill meanwhile: no matcher is touched then)
+                self.grammars.accept([seq], [token])
+            accepted, end = seq.accepted, seq.grammar_end
+            seq.accepted = seq.grammar_end = None
             if not accepted:
                 log.error("request %s: token %d breaks its grammar", seq.request_id, token)
                 return "error"
-            if seq.matcher.is_terminated():  # it took a stop token
+            if end == "terminated":  # it took a stop token
                 return "stop"
-            if self.grammars.complete(seq.matcher):
+            if end == "complete":
                 self.detokenizer.append(seq)
                 return "stop"
         if produced >= p.min_tokens and (

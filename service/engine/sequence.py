@@ -45,7 +45,10 @@ class Sequence:
     grammar: object = None
     grammar_since: float = 0.0
     matcher: object = None
-    accepted: bool | None = None  # whether the matcher took the newest token, when it took it before the read-back
+    # whether the matcher took the newest token, and how that ended the grammar (structured.Grammars.accept), when it
+    # took it before the read-back
+    accepted: bool | None = None
+    grammar_end: str | None = None
     timings: Timings = field(default_factory=Timings)
     # detokenizer and stop-string state, owned by service.engine.detokenizer
     text: str = ""

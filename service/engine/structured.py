@@ -5,7 +5,10 @@ arrives (a front end: a 400 that says why, before the engine sees it). The engin
 grammar against the tokenizer's vocabulary once, in a thread beside its loop, and keeps it in xgrammar's cache
 (`Grammars`); a request waits for its grammar outside the scheduler, so the batch never does. Each constrained
 sequence then has a matcher that takes its tokens as the host reads them back and fills its row of a token
-bitmask for the next sample; the sampler's LogitEdits applies the bitmask (runner/logit_edits.py).
+bitmask for the next sample; the sampler's LogitEdits applies the bitmask (runner/logit_edits.py). The masks of a
+step fill in a thread of their own (xgrammar's batch call lets go of the GIL), while the engine's thread goes on
+with the step before's read-back and the next step's scheduling (llm_engine.py: a constrained step's sampler
+launches at the next step).
 """
 
 import json
@@ -104,7 +107,9 @@ class Grammars:
         self._pool = ThreadPoolExecutor(self.WORKERS, thread_name_prefix="grammar")
         self._compiler = self._pool.submit(self._new_compiler, tokenizer, vocab_size, sorted(stop_token_ids))
         self._cache: dict[tuple, Future] = {}  # insertion-ordered: the oldest is dropped first
-        self._masks = None  # [max_rows, words] int32, pinned on CUDA, built with the first constrained step
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="masks")
+        self._buffers = None  # two [max_rows, words] int32 masks, built with the first constrained step
+        self._turn = 0
         self._max_rows = max_rows
         self._batch = None  # xgrammar's batch matchers (few rows, many rows), made at the first step that needs them
 
@@ -119,6 +124,7 @@ class Grammars:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._filler.shutdown(wait=True)
 
     def start(self, seq) -> bool:
         """Begin compiling `seq`'s grammar (or find it); True when it was compiled (or compiling) already."""
@@ -169,15 +175,20 @@ class Grammars:
             words[t // 32] &= ~np.uint32(1 << (t % 32))
         return not words.any()
 
-    @staticmethod
-    def accept(seqs: list, tokens: list[int]) -> None:
-        """The constrained sequences among `seqs` take their `tokens` (a step's samples, read back) before the rest
-        of the read-back, so that the next masks can be filled first; `_check_stop` then reads `seq.accepted`. A
-        sequence that finished since that step was launched drops its token, and takes none. (One call per matcher:
-        xgrammar's batch call took twice as long for 32 or 256 rows, most of it reading back its list of results.)"""
+    def accept(self, seqs: list, tokens: list[int]) -> None:
+        """The constrained sequences among `seqs` take their `tokens` (a step's samples), and what follows is decided
+        now, while no mask fills: `seq.accepted` (whether its grammar took the token) and `seq.grammar_end`
+        ("terminated": it took a stop token; "complete": the grammar allows nothing more but a stop token; else
+        None), which `_check_stop` reads. A sequence that finished since that step was launched drops its token, and
+        takes none. (One call per matcher: xgrammar's batch call took twice as long for 32 or 256 rows, most of it
+        reading back its list of results.)"""
         for seq, token in zip(seqs, tokens):
-            if seq.matcher is not None and not seq.is_finished:
-                seq.accepted = seq.matcher.accept_token(token)
+            matcher = seq.matcher
+            if matcher is None or seq.is_finished:
+                continue
+            seq.accepted = accepted = matcher.accept_token(token)
+            seq.grammar_end = None if not accepted else "terminated" if matcher.is_terminated() \
+                else "complete" if self.complete(matcher) else None
 
     def _matchers(self, rows: int):
         """xgrammar's batch matcher: one thread for fewer than 32 rows, four for more. A row's mask takes from a few
@@ -189,23 +200,36 @@ class Grammars:
             self._batch = xgrammar.BatchGrammarMatcher(max_threads=1), xgrammar.BatchGrammarMatcher(max_threads=4)
         return self._batch[rows >= 32]
 
-    def masks(self, seqs: list, device) -> tuple[list[int], "torch.Tensor"] | None:
-        """The token masks of the constrained rows of a step about to sample `seqs` (their matchers have taken every
-        token before): (rows, [rows, words] int32 on `device`, one bit per token, 1 where allowed), or None when
-        no row is constrained. A sequence that finished, or whose grammar took its stop token, gets no mask: its
-        token will be dropped."""
+    def fill(self, seqs: list, device) -> Future | None:
+        """Start filling the token masks of the constrained rows of a step about to sample `seqs` (their matchers have
+        taken every token before), in the mask thread; None when no row is constrained. A sequence that finished, or
+        whose grammar took its stop token, gets no mask: its token will be dropped. Until `ready` has its result, no
+        matcher of `seqs` may be used."""
         rows = [i for i, s in enumerate(seqs)
                 if s.matcher is not None and not s.is_finished and not s.matcher.is_terminated()]
         if not rows:
             return None
         import xgrammar
 
-        if self._masks is None:
-            self._masks = xgrammar.allocate_token_bitmask(self._max_rows, self.vocab_size)
+        if self._buffers is None:  # two, used in turn: a step's masks may still be uploading while the next fills
+            self._buffers = [xgrammar.allocate_token_bitmask(self._max_rows, self.vocab_size) for _ in range(2)]
             if device.type == "cuda":
-                self._masks = self._masks.pin_memory()
-        host = self._masks[:len(rows)]
-        self._matchers(len(rows)).batch_fill_next_token_bitmask([seqs[i].matcher for i in rows], host)
-        # one pinned buffer is enough: the last step that read it has been waited for before this fill (the split step
-        # waits for the step in flight's tokens, which come after its masks' upload on the stream)
-        return rows, host.to(device, non_blocking=True) if device.type == "cuda" else host.clone()
+                self._buffers = [b.pin_memory() for b in self._buffers]
+        self._turn ^= 1
+        host = self._buffers[self._turn][:len(rows)]
+        matchers, batch = [seqs[i].matcher for i in rows], self._matchers(len(rows))
+
+        def work():
+            begin = time.perf_counter()
+            batch.batch_fill_next_token_bitmask(matchers, host)
+            return rows, host, time.perf_counter() - begin
+        return self._filler.submit(work)
+
+    @staticmethod
+    def ready(fill: Future | None, device) -> tuple[tuple[list[int], "torch.Tensor"] | None, float]:
+        """Wait for a `fill`: ((rows, [rows, words] int32 on `device`, one bit per token, 1 where allowed), or None
+        when no row is constrained; the seconds the fill took)."""
+        if fill is None:
+            return None, 0.0
+        rows, host, seconds = fill.result()
+        return (rows, host.to(device, non_blocking=True) if device.type == "cuda" else host.clone()), seconds

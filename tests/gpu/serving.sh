@@ -14,6 +14,8 @@
 #   dashboard  one front end, 4,096 x 256 concurrent streams with no /dashboard page open and with five open
 #              (tests/gpu/serving/pages.py polls as the page does), DASHBOARD_ROUNDS (default 3) runs of each in
 #              the order ABBA ABBA ... (no drift favours either), DASHBOARD_REQUESTS (default 4,096) requests a run
+#   profile    one front end, PROFILE_REQUESTS (default 16,384) x 256 concurrent streams while py-spy samples the server's processes (all of
+#              them, idle threads too) for PROFILE_SECONDS (default 15), from 5 s in: collapsed stacks in profile.txt
 #   SERVING_TIMEOUT  seconds for each client run (default 300); SERVE_TIMEOUT for a server's start (default 900)
 source "$(dirname "$0")/env.sh"
 T=${SERVING_TIMEOUT:-300}
@@ -27,7 +29,7 @@ streams() {
   curl -s "$URL/metrics" | grep -E '^llm_(time_to_first_token_seconds|engine_step_seconds)_(sum|count)' | head -8
 }
 warm() { STEP_LINES=0 load "warm-$1" --requests 256; }  # compiles and fills what the first load would
-phases reference "reference latency scale penalties dashboard" "$@"
+phases reference "reference latency scale penalties dashboard profile" "$@"
 for phase in "${PHASES[@]}"; do
   case $phase in
     reference)
@@ -75,6 +77,18 @@ for phase in "${PHASES[@]}"; do
       curl -s "$URL/dashboard/data" | "$PYTHON" -c 'import json, sys; d = json.load(sys.stdin); p = d["points"]
 print("dashboard:", d["status"], "gpus", d["gpus"], "processes", d["processes"], "points", len(p["t"]), "totals", d["totals"])
 print("newest point:", {k: v[-1] for k, v in p.items() if k != "t"})'
+      unserve ;;
+    profile)
+      serve 1 || continue
+      warm 1
+      load profile-streaming --requests "${PROFILE_REQUESTS:-16384}" --concurrency 256 --stream &
+      loading=$!
+      sleep 5
+      "$site/bin/py-spy" record --subprocesses --idle --nonblocking --rate 500 --duration "${PROFILE_SECONDS:-15}" \
+        --format raw --output "$RESULTS/profile.txt" --pid "$SERVER" > "$RESULTS/py-spy.log" 2>&1 \
+        || { echo "!! py-spy failed:"; tail -5 "$RESULTS/py-spy.log"; }
+      wait "$loading"  # (not the server, also in the background)
+      curl -s "$URL/metrics" | grep -E '^llm_engine_step(_host)?_seconds_(sum|count)'
       unserve ;;
     scale)
       for n in 2 4; do

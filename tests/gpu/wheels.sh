@@ -6,7 +6,7 @@
 # pytest and hypothesis (the device tool's KINDS.md lists the rest). Sets:
 #   all     (the default, 16 MB) what every suite imports: the set below, and FastAPI, uvicorn, pyzmq, msgspec, the
 #           OpenTelemetry SDK, exporters and FastAPI instrumentation (servers, the engine process, telemetry), and
-#           xgrammar (structured output)
+#           xgrammar (structured output), py-spy (the sampling profiler of serving.sh's profile phase)
 #   cuda    (10 MB) what tests/cuda imports beyond that machine's packages: sqlalchemy (the results store of the
 #           bench tests), opentelemetry-api (service.telemetry.metrics, under bench run's GPU sampler), torchao (int4
 #           and fp8 weight-only quantization) and nvidia-cudnn-frontend (cudnn-paged; its 6 tests skip without it)
@@ -23,7 +23,7 @@ ALL="$CUDA fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.
   opentelemetry-exporter-otlp-proto-http==1.45.2 opentelemetry-instrumentation==0.66b2
   opentelemetry-instrumentation-asgi==0.66b2 opentelemetry-instrumentation-fastapi==0.66b2
   opentelemetry-util-http==0.66b2 asgiref==3.13.0 googleapis-common-protos==1.76.0 protobuf==7.36.2
-  xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2"
+  xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 py-spy==0.4.3"
 case ${1:-all} in
   cuda) packages=$CUDA ;;
   all) packages=$ALL ;;
