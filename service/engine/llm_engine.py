@@ -246,6 +246,8 @@ class LLMEngine:
         outputs += self._read_in_flight()
         if launched is not None and self.overlap:
             self._in_flight = launched
+            if launched.masks is not None and launched.masks.done():  # filled during the read-back: sample now
+                outputs += self._sample_deferred()
         elif launched is not None:
             outputs += self._read_back(launched)
         elif not had_in_flight:  # no step ran or was read back: report the engine's state all the same
@@ -259,9 +261,10 @@ class LLMEngine:
     def _launch(self, batch: ScheduledBatch, start: float) -> "_Launched":
         """Launch the step. One that samples constrained rows is split: the forward pass is launched, then the host
         waits for the step in flight's tokens, the grammars take them, and the masks start filling. With overlap
-        the sampler launches at the next step (`_sample_deferred`): the masks fill in their thread while this
-        thread reads back the step in flight and schedules the next, as the forward pass runs. Without overlap
-        the sampler launches once they are filled. Other steps launch forward pass and sampler at once."""
+        the masks fill in their thread while this one reads back the step in flight; the sampler launches as soon
+        as they are filled (`_sample_deferred`): after that read-back if they are, else once the next step is
+        scheduled, before its forward pass. Without overlap the sampler launches once they are filled. Other steps
+        launch forward pass and sampler at once."""
         phase = batch.phase  # before num_computed_tokens moves
         sampled, logits = self.runner.forward(batch)
         self.scheduler.advance(batch, sampled)
