@@ -12,7 +12,7 @@ from service.engine.errors import InvalidRequestError
 from service.engine.models import load_model
 from service.engine.runner.logit_edits import LogitEdits
 from service.engine.sequence import Sequence
-from service.engine.structured import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, Grammars, StructuredOutput, check
+from service.engine.structured import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, StructuredOutput, check
 from tests.conftest import make_engine, tokenizer_folder
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -61,28 +61,9 @@ def test_json_object_gives_an_object_at_any_temperature(worded_tiny):
             assert out["text"].startswith("{")
 
 
-class _Late:
-    """A fill of masks that says it is not done until it is waited for: the sampler launches at the next step."""
-
-    def __init__(self, fill):
-        self.fill = fill
-
-    def done(self):
-        return False
-
-    def result(self):
-        return self.fill.result()
-
-
-# with overlap a constrained step's sampler launches once its masks are filled: after the read-back (a fast fill) or
-# at the next step (a slow one)
-@pytest.mark.parametrize("overlap", [False, True, "late"])
-def test_constrained_rows_give_the_same_tokens_alone_batched_and_preempted(worded_tiny, overlap, monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_constrained_rows_give_the_same_tokens_alone_batched_and_preempted(worded_tiny, overlap):
     import jsonschema
-    if overlap == "late":
-        fill = Grammars.fill
-        monkeypatch.setattr(Grammars, "fill", lambda *a: (f := fill(*a)) and _Late(f))
-        overlap = True
     ps = ["a", "tell me about a person", "b c d e f g", "x " * 30]
     params = [SamplingParams(max_tokens=40, temperature=0, structured=schema(PERSON)),
               SamplingParams(max_tokens=40, temperature=0.8, seed=3, structured=schema(PERSON)),
