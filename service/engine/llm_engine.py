@@ -260,11 +260,10 @@ class LLMEngine:
         """Launch the step. One that samples constrained rows is split: the forward pass is launched, then the host
         waits for the step in flight's tokens, the grammars take them, and the masks start filling. With overlap
         the masks fill in their thread while this one reads back the step in flight, and the sampler launches after
-        that read-back (`_sample_deferred`, which waits for the masks if they are not filled yet). (Waiting for them
-        only before the next forward pass, to hide the scheduling too, made a step with 32 of 256 rows constrained
-        cost 1.55x an unconstrained one on the H200 instead of 1.1x: the fill's thread, its C++ work done, waits for
-        the GIL, up to Python's 5 ms switch interval, so the sampler launched late and the device idled.) Without
-        overlap the sampler launches once they are filled. Other steps launch forward pass and sampler at once."""
+        that read-back (`_sample_deferred`, which waits for the masks if they are not filled yet; waiting only before
+        the next forward pass, to hide the scheduling too, left the device idle more often than it gained on the
+        H200). Without overlap the sampler launches once they are filled. Other steps launch forward pass and sampler
+        at once."""
         phase = batch.phase  # before num_computed_tokens moves
         sampled, logits = self.runner.forward(batch)
         self.scheduler.advance(batch, sampled)
