@@ -41,7 +41,9 @@ def test_bench_offline_stores_its_engine_run(tmp_path, capsys):
     rows = offline.main(["--model", "random:tiny", "--device", "cpu", "--num-requests", "3", "--input-len", "5",
                          "--output-len", "4", "--peers", "none", "--num-blocks", "32", "--kv-cache-dtype", "fp8",
                          "--db", db, "--label", "x"])
-    assert "model random:tiny, quantization none, KV cache fp8, 3 requests" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "model random:tiny, quantization none, KV cache fp8, 3 requests" in out
+    assert "| output tok/s | of roofline |" in out and "roofline on this device" not in out  # no peaks for a CPU
     store = open_store(db)
     [run] = queries.resolve(store, "x")
     assert run["kind"] == "offline" and run["config"]["input_len"] == "5" and run["config"]["num_requests"] == 3

@@ -10,14 +10,16 @@ import numpy as np
 
 from service.bench.kernel.ops import DTYPES, Shape
 
-# Dense peaks from the vendors' data sheets: (TFLOP/s by dtype, memory GB/s); matched on the device name.
+# Dense peaks from the vendors' data sheets: (TFLOP/s by dtype, memory GB/s); matched on the device name. fp32 is
+# the CUDA cores' (no TF32); int8 is TOPS; fp8 is the tensor cores' in e4m3 or e5m2.
 PEAKS = {
-    "H100 SXM": ({"fp32": 67.0, "fp16": 989.0, "bf16": 989.0}, 3350.0),
-    "H100 PCIe": ({"fp32": 51.0, "fp16": 756.0, "bf16": 756.0}, 2000.0),
-    "H100 NVL": ({"fp32": 60.0, "fp16": 835.0, "bf16": 835.0}, 3900.0),
-    "H100": ({"fp32": 67.0, "fp16": 989.0, "bf16": 989.0}, 3350.0),  # "NVIDIA H100 80GB HBM3" is the SXM part
-    "H200": ({"fp32": 67.0, "fp16": 989.0, "bf16": 989.0}, 4800.0),
-    "A100": ({"fp32": 19.5, "fp16": 312.0, "bf16": 312.0}, 2039.0),
+    "H100 SXM": ({"fp32": 67.0, "fp16": 989.0, "bf16": 989.0, "fp8": 1979.0, "int8": 1979.0}, 3350.0),
+    "H100 PCIe": ({"fp32": 51.0, "fp16": 756.0, "bf16": 756.0, "fp8": 1513.0, "int8": 1513.0}, 2000.0),
+    "H100 NVL": ({"fp32": 60.0, "fp16": 835.0, "bf16": 835.0, "fp8": 1671.0, "int8": 1671.0}, 3900.0),
+    # "NVIDIA H100 80GB HBM3" is the SXM part
+    "H100": ({"fp32": 67.0, "fp16": 989.0, "bf16": 989.0, "fp8": 1979.0, "int8": 1979.0}, 3350.0),
+    "H200": ({"fp32": 67.0, "fp16": 989.0, "bf16": 989.0, "fp8": 1979.0, "int8": 1979.0}, 4800.0),
+    "A100": ({"fp32": 19.5, "fp16": 312.0, "bf16": 312.0, "int8": 624.0}, 2039.0),
 }
 
 

@@ -15,7 +15,7 @@ import time
 import torch
 
 from service.bench import flags
-from service.bench.offline import quantization
+from service.bench.offline import quantization, roofline
 from service.bench.offline.lengths import Lengths, lengths_arg
 from service.bench.store import add_db_argument, open_store_or_exit
 from service.engine import EngineConfig, LLMEngine, SamplingParams
@@ -257,6 +257,7 @@ def measure_engine(config: EngineConfig, args: argparse.Namespace, p: Plan, peer
 
     rows = [run_engine(engine, prompts, output_lens)]
     rows[0]["setup_seconds"] = setup
+    rows[0]["roofline_seconds"] = roofline_of(engine, prompts, output_lens)
     print(_fmt(rows[-1]), flush=True)
     if args.telemetry:
         rows += telemetry_overhead(engine, prompts, output_lens)
@@ -271,6 +272,21 @@ def measure_engine(config: EngineConfig, args: argparse.Namespace, p: Plan, peer
     if p.cuda:
         torch.cuda.empty_cache()
     return rows, hf_model, prompts, output_lens, peers
+
+
+def roofline_of(engine: LLMEngine, prompts: list[list[int]], output_lens: list[int]) -> float | None:
+    """The workload's roofline time on this device (bench/offline/roofline.py), or None where its peaks are unknown
+    (a CPU, another GPU) or the model is split over ranks (each holds a shard)."""
+    if engine.device.type != "cuda" or engine.parallel is not None:
+        return None
+    flops, bandwidth = roofline.peaks(torch.cuda.get_device_name(engine.device), engine.quantization,
+                                      engine.runner.dtype)
+    if not flops or not bandwidth:
+        return None
+    c = engine.config
+    return roofline.roofline_seconds(roofline.shape_of(engine.runner.model, engine.runner.kv_dtype),
+                                     [len(p) for p in prompts], output_lens, c.max_num_seqs, c.max_num_batched_tokens,
+                                     flops, bandwidth)
 
 
 def run_peers(hf_model, prompts: list[list[int]], output_lens: list[int], input_len: Lengths, p: Plan,
@@ -301,10 +317,14 @@ def report(rows: list[dict], config: EngineConfig, args: argparse.Namespace, p: 
     kv = f", KV cache {config.kv_cache_dtype}" if config.kv_cache_dtype != "auto" else ""
     print(f"\nmodel {p.model}, quantization {config.quantization}{kv}, {p.num_requests} requests x {args.input_len} "
           f"prompt / {p.output_len} output tokens, {p.device.type} ({machine}), torch {torch.__version__}")
-    print("| system | output tokens | seconds | output tok/s |\n|---|---|---|---|")
+    best = rows[0].get("roofline_seconds")  # the same workload for every row
+    if best:
+        print(f"roofline on this device: {rows[0]['output_tokens'] / best:,.0f} output tok/s ({best:.3f} s)")
+    print("| system | output tokens | seconds | output tok/s | of roofline |\n|---|---|---|---|---|")
     for r in rows:
         r["tokens_per_second"] = r["output_tokens"] / r["seconds"]
-        print(f"| {r['system']} | {r['output_tokens']} | {r['seconds']:.2f} | {r['tokens_per_second']:,.0f} |")
+        share = f"{best / r['seconds']:.0%}" if best else "-"
+        print(f"| {r['system']} | {r['output_tokens']} | {r['seconds']:.2f} | {r['tokens_per_second']:,.0f} | {share} |")
     return machine
 
 
@@ -358,6 +378,8 @@ def record(store, label: str | None, config: dict, rows: list[dict]) -> int:
                 run.measure(prefix + "output_tokens_per_second", r["output_tokens"] / seconds, unit="tok/s", iteration=i)
         run.measure("setup_seconds", rows[0]["setup_seconds"], unit="s")
         run.measure("steps", rows[0]["steps"], unit="count")
+        if rows[0].get("roofline_seconds"):
+            run.measure("roofline_seconds", rows[0]["roofline_seconds"], unit="s")
     print(f"stored as run {run.id} in {store.url}")
     return run.id
 

@@ -10,7 +10,7 @@ HIGHER, LOWER, INFO = 1, -1, 0
 
 RULES = [
     # counts and settings that describe a run rather than judge it
-    ("steps", INFO), ("setup_seconds", INFO), ("machine_reference_seconds", INFO), ("duration_s", INFO), ("dispatch_lag_ms.*", INFO),
+    ("steps", INFO), ("setup_seconds", INFO), ("roofline_seconds", INFO), ("machine_reference_seconds", INFO), ("duration_s", INFO), ("dispatch_lag_ms.*", INFO),
     ("generator.*", INFO), ("predicted_*", INFO),  # bench model's memory estimate: a prediction, not a result
     # bench capacity: the highest load within the SLOs, and the first load beyond them
     ("capacity_*", HIGHER), ("first_fail_*", HIGHER),
