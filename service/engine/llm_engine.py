@@ -4,6 +4,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import sys
 import time
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from service.engine.messages import sample_id
 from service.engine.sampling import SamplingParams, check_request, sample_seed, tokenize
 from service.engine.scheduler import ScheduledBatch, Scheduler
 from service.engine.sequence import Sequence
-from service.engine.structured import Grammars
+from service.engine.structured import SWITCH_INTERVAL, Grammars
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,8 @@ class LLMEngine:
             if self.grammars is None:
                 self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                          self.config.max_num_seqs)
+                if self.overlap:  # (the process's: an engine with overlap owns its process, the engine process)
+                    sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
             self._grammar_hits += self.grammars.start(seq)
             self._compiling.append(seq)
             return

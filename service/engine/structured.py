@@ -13,7 +13,6 @@ launches at the next step).
 
 import json
 import logging
-import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,7 +30,10 @@ MAX_SCHEMA_BYTES = 32 * 1024  # a schema's JSON text, at most
 MAX_SCHEMA_DEPTH = 24  # objects and arrays nested in a schema, at most
 COMPILE_TIMEOUT_S = 10.0  # a grammar not compiled by then fails its request (it goes on compiling, then is cached)
 SEPARATORS = (",", ":")  # compact JSON: a small model cannot wander in whitespace
-SWITCH_INTERVAL = 5e-5  # seconds: the engine process's GIL switch interval once grammars are in use (Grammars)
+# seconds: the GIL switch interval of an engine that fills masks beside its read-back (overlap). The fill's thread needs
+# the GIL for a moment before and after its C++ work (which lets go of it), while the engine's thread reads back a
+# step: by default Python hands the GIL over only after 5 ms, which would serialize the two
+SWITCH_INTERVAL = 5e-5
 
 
 @dataclass
@@ -110,10 +112,6 @@ class Grammars:
         self._compiler = self._pool.submit(self._new_compiler, tokenizer, vocab_size, sorted(stop_token_ids))
         self._cache: dict[tuple, Future] = {}  # insertion-ordered: the oldest is dropped first
         self._filler = ThreadPoolExecutor(1, thread_name_prefix="masks")
-        # the fill's thread needs the GIL for a moment before and after its C++ work (which lets go of it), while the
-        # engine's thread reads back a step: by default Python hands the GIL over only after 5 ms, which would
-        # serialize the two
-        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
         self._buffers = None  # two [max_rows, words] int32 masks, built with the first constrained step
         self._turn = 0
         self._max_rows = max_rows

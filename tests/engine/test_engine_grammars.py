@@ -12,7 +12,7 @@ from service.engine.errors import InvalidRequestError
 from service.engine.models import load_model
 from service.engine.runner.logit_edits import LogitEdits
 from service.engine.sequence import Sequence
-from service.engine.structured import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, StructuredOutput, check
+from service.engine.structured import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, Grammars, StructuredOutput, check
 from tests.conftest import make_engine, tokenizer_folder
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -83,6 +83,30 @@ def test_constrained_rows_give_the_same_tokens_alone_batched_and_preempted(worde
     for out in alone[:2]:
         if out["finish_reason"] == "stop":
             jsonschema.validate(json.loads(out["text"]), PERSON)
+
+
+def test_a_fill_that_fails_fails_its_step_and_the_engine_serves_on(worded_tiny, monkeypatch):
+    """With overlap the masks fill in their own thread; one that raises fails the requests of its step (an error
+    finish), frees their blocks, and the next requests run as usual."""
+    engine = make_engine(worded_tiny, overlap=True)
+    ready, calls = Grammars.ready, []
+
+    def broken(fill, device):
+        calls.append(fill)
+        if len(calls) == 3:  # a step well into the run
+            raise RuntimeError("a fill that failed")
+        return ready(fill, device)
+    monkeypatch.setattr(Grammars, "ready", staticmethod(broken))
+    params = [SamplingParams(max_tokens=20, temperature=0, structured=schema(PERSON)),
+              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)]
+    outs = engine.generate(["a", "b"], params)
+    assert [o["finish_reason"] for o in outs] == ["error", "error"]  # the step held both
+    while engine.has_unfinished():
+        assert not engine.step()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
+    again = engine.generate(["a"], params[:1])[0]
+    assert again["finish_reason"] in ("stop", "length") and len(calls) > 3
+    engine.close()
 
 
 def test_a_grammar_is_compiled_once_and_counted(worded_tiny):
