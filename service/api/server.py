@@ -29,6 +29,7 @@ import zmq
 from service.engine import messages
 from service.engine.config import display_name
 from service.engine.core import EngineCore
+from service.processes import die_with_parent
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -62,23 +63,13 @@ def _tell(folder: str, num_frontends: int, msg) -> None:
             sock.close()
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this process when its parent (the supervisor) dies, as a container kill would."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def run_engine(settings: Settings, folder: str, num_frontends: int, alive) -> None:
     """The engine process: load the model, then serve the front ends until the supervisor's SIGTERM.
 
     `alive` is the write end of a pipe that only this process holds: when it exits (or is killed), the front
     ends read end-of-file on their ends and fail their requests at once (it is only held, never used).
     """
-    _die_with_parent()
+    die_with_parent()
     logging.basicConfig(level=settings.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s engine %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the supervisor leads
@@ -109,12 +100,14 @@ def run_engine(settings: Settings, folder: str, num_frontends: int, alive) -> No
     finally:
         engine.close()
         telemetry.shutdown()
+        if engine.parallel is not None and engine.parallel.failure:
+            os._exit(1)  # a lost rank's collective may never end: leave without tearing NCCL and CUDA down
 
 
 def run_frontend(settings: Settings, folder: str, index: int, processes: tuple[str, ...], sock: socket.socket,
                  alive) -> None:
     """A front-end process: FastAPI under uvicorn (uvloop, httptools) on its own socket of the port."""
-    _die_with_parent()
+    die_with_parent()
     logging.basicConfig(level=settings.server.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s {messages.frontend_name(index)} %(name)s: %(message)s")
     from service.api.app import create_app

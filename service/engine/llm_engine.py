@@ -50,9 +50,11 @@ class LLMEngine:
             self.device = torch.device(config.device)
         self.config = config = for_device(config, self.device.type)
         self.parallel = None  # the tensor-parallel group, when the model is split over several ranks
+        self._rank_failure = None  # with it: what the waits for the device look at (why a rank was lost, or None)
         if config.tensor_parallel_size > 1:
             config, loaded = self._start_parallel(config, loaded)
             self.config = config
+            self._rank_failure = lambda: self.parallel.failure
         elif loaded is None:
             loaded = load_model(config.model, resolve_dtype(config.dtype, self.device, config.quantization),
                                 self.device, config.cache_dir, config.seed, config.trust_remote_code,
@@ -62,7 +64,13 @@ class LLMEngine:
         self.quantization = loaded.quantization
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
-        self.runner = ModelRunner(loaded.model, config, self.device, loaded.max_model_len)
+        try:
+            self.runner = ModelRunner(loaded.model, config, self.device, loaded.max_model_len)
+        except BaseException as exc:
+            if self.parallel is not None:  # the other ranks may wait in a start-up collective: they are stopped
+                self.parallel.failure = f"rank 0 failed to start: {exc!r}"
+                self.parallel.close()
+            raise
         if self.parallel is not None:  # every rank has built its runner, in step: from now on rank 0 drives
             self.parallel.link(self.runner)
         self.max_model_len = self.runner.max_model_len
@@ -106,12 +114,17 @@ class LLMEngine:
         return config, loaded
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks, if any, and give back the KV cache and CUDA graphs."""
-        if self.parallel is not None:
-            self.parallel.close()
+        """Give back the KV cache and CUDA graphs, and stop the other tensor-parallel ranks, if any (after the graphs:
+        destroying a communicator waits until the graphs that captured its kernels are freed). After a lost rank
+        on CUDA the device is left as it is: a collective waiting for the lost rank never ends, and freeing memory
+        would wait for it."""
         if self.grammars is not None:
             self.grammars.close()
-        self.runner.release()
+        stuck = self.parallel is not None and self.parallel.failure and self.device.type == "cuda"
+        if not stuck:
+            self.runner.release()
+        if self.parallel is not None:
+            self.parallel.close()
 
     # -- requests -------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -234,6 +247,9 @@ class LLMEngine:
             except EngineDeadError:  # a tensor-parallel rank is gone: no later step can run either
                 raise
             except Exception as exc:
+                if self.parallel is not None:  # the other ranks may have run part of it: they are out of step
+                    raise EngineDeadError(f"a step failed on tensor-parallel rank 0 ({exc!r}); the ranks are out "
+                                          "of step") from exc
                 log.exception("engine step failed; failing its %d requests", len(batch.seqs))
                 outputs += self._read_in_flight()
                 failed = self._fail(batch)
@@ -275,7 +291,9 @@ class LLMEngine:
             previous, tokens = self._in_flight, None
             if previous is not None and previous.result is not None:
                 try:
-                    tokens, _ = previous.result.read()
+                    tokens, _ = previous.result.read(self._rank_failure)
+                except EngineDeadError:
+                    raise
                 except Exception:  # NaN logits or a device fault: its read-back fails that step, next
                     pass
             begin = time.perf_counter()  # the wait for the tokens is the device's time, not the masks'
@@ -334,7 +352,9 @@ class LLMEngine:
     def _read_back(self, step: "_Launched") -> list[RequestOutput]:
         """Wait for a launched step's tokens, hand them to the scheduler's postprocess, and report the step."""
         try:
-            tokens, logprobs = step.result.read() if step.result else ([], [])
+            tokens, logprobs = step.result.read(self._rank_failure) if step.result else ([], [])
+        except EngineDeadError:
+            raise
         except Exception as exc:  # a device fault (or NaN logits) surfaces here, when the host waits for the step
             log.exception("engine step failed on the device; failing its %d requests", len(step.batch.seqs))
             failed = self._fail(step.batch)

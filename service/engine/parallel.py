@@ -16,6 +16,7 @@ seeds, aborts, disconnects and timing decisions happen once.
 import collections
 import dataclasses
 import fnmatch
+import gc
 import importlib
 import logging
 import math
@@ -40,6 +41,7 @@ from service.engine.runner.pinned_upload import to_device
 log = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # a collective whose peer never answers fails within this
+START_TIMEOUT = timedelta(minutes=10)  # the store's: connecting to rank 0
 WATCH_PERIOD = 0.25  # seconds between the watcher's looks at the ranks' progress
 
 
@@ -304,28 +306,29 @@ def _rank_device(config, rank: int) -> torch.device:
     return torch.device(f"cuda:{rank}") if device.startswith("cuda") else torch.device("cpu")
 
 
-def _init_group(world: int, rank: int, store: dist.TCPStore, device: torch.device) -> None:
+def _init_group(world: int, rank: int, store: dist.TCPStore, device: torch.device, timeout: timedelta) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks share one host: stay on loopback
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, world_size=world, rank=rank,
-                            timeout=COLLECTIVE_TIMEOUT)
+                            timeout=timeout)
 
 
 def _store(world: int, port: int = 0) -> dist.TCPStore:
     """Rank 0 (port 0) binds a free port itself and keeps it, so no other process can take it in between;
     the other ranks connect to that port."""
-    return dist.TCPStore("127.0.0.1", port, world, is_master=port == 0, timeout=COLLECTIVE_TIMEOUT,
+    return dist.TCPStore("127.0.0.1", port, world, is_master=port == 0, timeout=START_TIMEOUT,
                          wait_for_workers=False)
 
 
-def wait_for_ranks(store: dist.TCPStore, world: int, rank: int, failure) -> None:
-    """Say this rank has loaded its shard, and wait until every rank has: loading can take longer than the
-    collectives' timeout, and the first collectives (the runner's dry runs, its graphs) follow. `failure()` says why
-    to stop waiting (a rank gone), if it should."""
-    store.set(f"loaded/{rank}", "1")
-    keys = [f"loaded/{r}" for r in range(world)]
+def wait_for_ranks(store: dist.TCPStore, world: int, rank: int, failure, what: str = "loaded") -> None:
+    """Say this rank has reached `what` (started: "up"; loaded its shard: "loaded"), and wait until every rank has,
+    without the collectives' timeout: starting and loading can take longer, and collectives follow (the group's
+    rendezvous; the runner's dry runs and graphs). `failure()` says why to stop waiting (a rank gone), if it
+    should."""
+    store.set(f"{what}/{rank}", "1")
+    keys = [f"{what}/{r}" for r in range(world)]
     while True:
         try:
             store.wait(keys, timedelta(seconds=1))
@@ -373,6 +376,7 @@ class TensorParallelGroup:
 
     def __init__(self, config):
         self.world = config.tensor_parallel_size
+        timeout = COLLECTIVE_TIMEOUT
         self._store = _store(self.world)
         port = self._store.port
         ctx = multiprocessing.get_context("spawn")
@@ -380,13 +384,18 @@ class TensorParallelGroup:
         # rank still answers
         self.finished = ctx.Array("q", [-1] * self.world, lock=False)
         self.hang_timeout = config.tensor_parallel_hang_timeout
-        self.procs = [ctx.Process(target=_worker, args=(config, self.world, r, port, os.getpid(), self.finished),
+        # one release per message rank 0 sends: a rank waits on its semaphore, with no timeout, before it joins the
+        # message's broadcast, so that an idle engine leaves no collective waiting out its timeout
+        self.wakes = [ctx.Semaphore(0) for _ in range(1, self.world)]
+        self.procs = [ctx.Process(target=_worker, args=(config, self.world, r, port, os.getpid(), self.finished,
+                                                        self.wakes[r - 1], timeout),
                                   name=f"tp-rank-{r}", daemon=True) for r in range(1, self.world)]
         for p in self.procs:
             p.start()
         self.device = _rank_device(config, 0)
         try:
-            _init_group(self.world, 0, self._store, self.device)
+            wait_for_ranks(self._store, self.world, 0, self._exited, "up")
+            _init_group(self.world, 0, self._store, self.device, timeout)
         except BaseException:  # the ranks would wait for rank 0 until their own timeout
             for p in self.procs:
                 p.kill()
@@ -402,6 +411,10 @@ class TensorParallelGroup:
         self._report = False
         self._closed = False
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
+
+    def _exited(self) -> str | None:
+        return next((f"{p.name} exited with code {p.exitcode} while starting" for p in self.procs if not p.is_alive()),
+                    None)
 
     def wait_for_ranks(self) -> None:
         """Once rank 0 has loaded its shard: wait for the other ranks' (RankFailedError if one exits meanwhile)."""
@@ -433,11 +446,16 @@ class TensorParallelGroup:
             raise RankFailedError(self.failure)
         self._calls += 1  # counted before it is sent: a rank that hangs takes the broadcast down with it
         self._report = self._calls % self.REPORT_EVERY == 0
+        self._wake()
         try:
             send(self._report)
         except Exception as exc:  # the group is broken either way: the engine ends with this
             raise self.lost(exc) from exc
         self.clock.start()
+
+    def _wake(self) -> None:
+        for wake in self.wakes:
+            wake.release()
 
     def forward_done(self) -> None:
         """After rank 0's forward pass (launched): count its time; every REPORT_EVERY passes, gather every rank's
@@ -499,13 +517,6 @@ class TensorParallelGroup:
         log.error("%s: the engine stops", self.failure)
         if self.on_failure is not None:
             self.on_failure(self.failure)
-        if self.device.type == "cuda":
-            # a collective inside a replayed graph has no timeout: NCCL's abort ends the kernels that wait for the
-            # lost rank, so the engine's wait for the step returns and it sees the failure
-            try:
-                dist.distributed_c10d._abort_process_group()
-            except Exception:
-                log.exception("aborting the NCCL communicators failed")
 
     def close(self) -> None:
         global _driver
@@ -516,6 +527,7 @@ class TensorParallelGroup:
             _driver = None
         if not self.failure:
             try:
+                self._wake()
                 send_stop(self.device)
             except Exception:
                 pass
@@ -535,17 +547,21 @@ def _gather_seconds(own: float, world: int, device: torch.device) -> torch.Tenso
 
 
 # -- ranks 1..N-1 -----------------------------------------------------------------------------------------
-def _worker(config, world: int, rank: int, port: int, parent: int, finished) -> None:
+def _worker(config, world: int, rank: int, port: int, parent: int, finished, wake, timeout: timedelta) -> None:
     """Load this rank's shard, build its runner as rank 0 builds its own (compiled layers, KV cache, CUDA graphs:
     the same start-up passes, in step), then run each forward pass rank 0 sends until it says stop."""
     from service.engine.runner.model_runner import ModelRunner
+    from service.processes import die_with_parent
 
+    die_with_parent()  # (it waits on its semaphore without a timeout)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     device = _rank_device(config, rank)
     store = _store(world, port)
-    _init_group(world, rank, store, device)
+    gone = lambda: None if os.getppid() == parent else "rank 0 is gone"
+    wait_for_ranks(store, world, rank, gone, "up")
+    _init_group(world, rank, store, device, timeout)
     loaded = load_shard(config, world, rank)
-    wait_for_ranks(store, world, rank, lambda: None if os.getppid() == parent else "rank 0 is gone")
+    wait_for_ranks(store, world, rank, gone)
     runner = ModelRunner(loaded.model, config, device, loaded.max_model_len)
     ladders = (runner.decode_graphs, runner.mixed_graphs)  # by their KIND
     caches = {runner.num_blocks: runner.kv_caches}  # the engine's, and a throwaway of another size (a dry run)
@@ -553,6 +569,7 @@ def _worker(config, world: int, rank: int, port: int, parent: int, finished) -> 
     finished[rank] = 0  # ready: from now on the watcher expects each pass sent to finish
     with torch.inference_mode():
         while True:
+            wake.acquire()  # until rank 0 sends something: idle, no collective waits
             try:
                 call = receive(device)
             except Exception as exc:  # rank 0 is gone: nothing left to serve
@@ -577,5 +594,8 @@ def _worker(config, world: int, rank: int, port: int, parent: int, finished) -> 
             finished[rank] += 1
             if call.report:
                 _gather_seconds(clock.seconds(), world, device)
+    # the graphs first: destroying a communicator waits until the CUDA graphs that captured its kernels are freed
+    ladders = graphs = None
     runner.release()
+    gc.collect()
     dist.destroy_process_group()

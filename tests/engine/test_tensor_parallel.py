@@ -176,6 +176,42 @@ def test_two_ranks_equal_one_rank_with_chunked_prefill_and_preemption(tiny_model
         assert [lp for lp, _ in mine] == pytest.approx([lp for lp, _ in theirs], abs=1e-4)
 
 
+def test_an_engine_idle_past_the_collectives_timeout_still_serves(tiny_model, monkeypatch):
+    """The other ranks wait for rank 0's next message on a semaphore, not in a collective: an engine left idle longer
+    than the collectives' timeout (2 s here, 60 s in use) keeps its ranks."""
+    import time
+    from datetime import timedelta
+
+    from service.engine import parallel
+    monkeypatch.setattr(parallel, "COLLECTIVE_TIMEOUT", timedelta(seconds=2))  # (the group hands it to the ranks)
+    prompts = [list(range(1, 20)), [7, 8, 9]]
+    expected, _ = _generate(make_engine(tiny_model), prompts)
+    engine = LLMEngine(EngineConfig(model="random:tiny", device="cpu", tensor_parallel_size=2, num_blocks=64))
+    try:
+        first, _ = _generate(engine, prompts)
+        time.sleep(4)  # idle: what is tested is wall-clock time past the timeout
+        second, _ = _generate(engine, prompts)
+        assert engine.parallel.failure is None
+    finally:
+        engine.close()
+    assert first == second == expected
+
+
+def test_a_step_that_fails_on_rank_0_ends_a_tensor_parallel_engine(monkeypatch):
+    """The other ranks may have run part of it: rather than go on out of step, the engine is dead."""
+    from service.engine.errors import EngineDeadError
+    engine = LLMEngine(EngineConfig(model="random:tiny", device="cpu", tensor_parallel_size=2, num_blocks=64))
+    try:
+        engine.add_request([1, 2, 3], GREEDY)
+        engine.step()
+        monkeypatch.setattr(engine.runner, "forward", lambda batch: 1 / 0)
+        with pytest.raises(EngineDeadError, match="ZeroDivisionError.*out of step"):
+            engine.step()
+    finally:
+        engine.close()
+    assert all(not p.is_alive() for p in engine.parallel.procs)
+
+
 def first_layers(loaded, layers: int, folder):
     """A checkpoint of a loaded model's first `layers` decoder layers: its weights, config and tokenizer."""
     from transformers import AutoModelForCausalLM

@@ -10,9 +10,11 @@ stream of their own; `SampleResult.read` waits for that copy only when the host 
 """
 
 import time
+from typing import Callable
 
 import torch
 
+from service.engine.errors import RankFailedError
 from service.engine.runner.logit_edits import LogitEdits
 from service.engine.runner.pinned_upload import to_device
 from service.engine.sequence import Sequence
@@ -45,14 +47,22 @@ class SampleResult:
         for t in tensors:  # the allocator must not hand their memory out before the copy has read it
             t.record_stream(copy_stream)
 
-    def read(self) -> tuple[list[int], list[tuple[float, list[tuple[int, float]]] | None]]:
+    def read(self, failure: Callable[[], str | None] | None = None) \
+            -> tuple[list[int], list[tuple[float, list[tuple[int, float]]] | None]]:
         """Wait for the copy; the token ids, and (chosen logprob, top-k) per row where asked for (the same lists
-        again when called again)."""
+        again when called again). With `failure` (tensor parallelism), the wait looks at it as it polls the copy and
+        raises RankFailedError when it names a reason: a collective whose peer is gone never ends on the device."""
         if self._read is not None:
             return self._read
         if self._event is not None:
             begin = time.perf_counter()
-            self._event.synchronize()
+            if failure is None:
+                self._event.synchronize()
+            else:
+                while not self._event.query():
+                    if why := failure():
+                        raise RankFailedError(why)
+                    time.sleep(0)  # (the watcher, which names the failure, gets the GIL)
             self.waited = time.perf_counter() - begin
         tokens = self._host[0].tolist()
         if self._host[1].isnan().any():  # a NaN makes the argmax meaningless: fail the step rather than emit garbage
