@@ -7,8 +7,9 @@ and the query heads of their groups), so each rank's paged KV cache holds only i
 do not divide evenly are spread as evenly as whole groups allow (the default model's 3 KV heads: 2 + 1).
 
 Lockstep: rank 0 runs the whole engine - API, scheduler, sampler, telemetry - and before each forward
-pass broadcasts that pass's inputs (token ids, positions, attention metadata, which cache) as tensors: a
-header and one byte buffer, no pickled objects (`send_forward`). The other ranks only run forward passes.
+pass sends that pass's inputs: a header through shared memory (`Headers`), then the tensors (token ids, positions,
+attention metadata; or a CUDA graph's input buffers) as one broadcast byte buffer, no pickled objects. Every rank
+builds the same runner (compiled layers, CUDA graphs); the other ranks only run forward passes.
 Broadcasting the inputs, rather than running identical schedulers on every rank, means nothing can drift:
 seeds, aborts, disconnects and timing decisions happen once.
 """
@@ -145,11 +146,11 @@ def _(x):
     return None
 
 
-# -- what rank 0 sends before each forward pass: two tensor broadcasts, nothing pickled ---------------------
-# A header of HEADER int64 (what kind of message, then its integers), then one byte buffer holding the tensors one
-# after another (each padded to 8 bytes, so that each views as its dtype). On CUDA both stay on the device: rank 0
-# packs its inputs there, NCCL moves them; only the other ranks read the header back, and they wait for rank 0
-# anyway. Two kinds of forward pass:
+# -- what rank 0 sends before each forward pass: a header in shared memory, one tensor broadcast, nothing pickled --
+# A header of HEADER int64 (what kind of message, then its integers) goes through shared memory (`Headers`): a rank
+# reads it as soon as rank 0 has written it, without waiting for its own device; then one byte buffer holding the
+# tensors one after another (each padded to 8 bytes, so that each views as its dtype) goes by broadcast. On CUDA the
+# buffer stays on the device: rank 0 packs its inputs there and NCCL moves them. Two kinds of forward pass:
 # - FORWARD, an eager one: its integers are which KV cache, the backend and the attention metadata's integers, then
 #   each tensor's dtype and shape; its tensors the model's arguments and the metadata's.
 # - REPLAY, a CUDA graph's: which ladder (its KIND: cuda_graphs), which size, and the block-table rows the step changed;
@@ -182,6 +183,42 @@ class Replay(NamedTuple):
     tables: tuple[int, int, int]  # block-table rows [start, end) and columns [0, width) the step changed
 
 
+class Headers:
+    """Rank 0's headers to the other ranks, in shared memory: a ring of SLOTS headers, each rank's count of the
+    headers it has read, and a semaphore per rank released once per header (a rank waits on it with no timeout: an
+    idle engine leaves no collective waiting out its timeout). Rank 0 writes a slot only once every rank has read
+    what it held before (they are a step or two behind at most)."""
+
+    SLOTS = 8
+
+    def __init__(self, ctx, world: int):
+        self.slots = ctx.Array("q", self.SLOTS * HEADER, lock=False)
+        self.read = ctx.Array("q", world, lock=False)  # rank 0's entry: headers written
+        self.wakes = [ctx.Semaphore(0) for _ in range(world)]  # (rank 0's unused)
+
+    def post(self, fields: list[int], failure) -> None:
+        """Rank 0: the next header; `failure()` says why to stop waiting for a slot (a rank gone), if it should."""
+        n = self.read[0]
+        while min(self.read[1:]) <= n - self.SLOTS:
+            if why := failure():
+                raise RankFailedError(why)
+            time.sleep(0)
+        at = n % self.SLOTS * HEADER
+        self.slots[at:at + HEADER] = fields + [0] * (HEADER - len(fields))
+        self.read[0] = n + 1
+        for wake in self.wakes[1:]:
+            wake.release()  # (a system call: what was written before it is seen after the rank's acquire)
+
+    def take(self, rank: int) -> list[int]:
+        """Another rank: wait for the next header, and take it."""
+        self.wakes[rank].acquire()
+        n = self.read[rank]
+        at = n % self.SLOTS * HEADER
+        fields = self.slots[at:at + HEADER]
+        self.read[rank] = n + 1
+        return fields
+
+
 def _packed(tensors) -> torch.Tensor:
     """The tensors' bytes one after another, each padded to 8 bytes."""
     parts = []
@@ -203,14 +240,9 @@ def _receive_packed(specs, device: torch.device) -> list[torch.Tensor]:
     return views
 
 
-def _send_header(fields: list[int], device: torch.device) -> None:
-    dist.broadcast(to_device(fields + [0] * (HEADER - len(fields)), torch.int64, device), src=0)  # (pinned on
-    # CUDA: no wait for queued work)
-
-
-def send_forward(kwargs: dict, ctx: ForwardContext, report: bool, device: torch.device) -> None:
-    """Rank 0: broadcast an eager forward pass's inputs (`kwargs` input_ids and position_ids, the attention metadata,
-    which cache, which backend)."""
+def forward_message(kwargs: dict, ctx: ForwardContext, report: bool) -> tuple[list[int], list[torch.Tensor]]:
+    """An eager forward pass as (header, tensors): `kwargs` input_ids and position_ids, the attention metadata, which
+    cache, which backend."""
     meta = ctx.meta
     backend = BACKENDS.index((ctx.backend.__module__, ctx.backend.__name__))
     header = [FORWARD, ctx.kv_caches[0][0].shape[0], int(report), backend, *(getattr(meta, f) for f in META_INTS)]
@@ -223,15 +255,13 @@ def send_forward(kwargs: dict, ctx: ForwardContext, report: bool, device: torch.
         assert t.dim() <= 2, name
         header += [DTYPES.index(t.dtype), t.shape[0], t.shape[1] if t.dim() == 2 else -1]
         tensors.append(t)
-    _send_header(header, device)
-    dist.broadcast(_packed(tensors).to(device), src=0)
+    return header, tensors
 
 
-def send_replay(kind: int, size: int, report: bool, tables: tuple[int, int, int], inputs: list[torch.Tensor],
-                device: torch.device) -> None:
-    """Rank 0: broadcast a graph replay: which graph, and its input buffers `inputs` as filled for this step."""
-    _send_header([REPLAY, kind, size, int(report), *tables], device)
-    dist.broadcast(_packed(inputs), src=0)
+def replay_message(kind: int, size: int, report: bool, tables: tuple[int, int, int],
+                   inputs: list[torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
+    """A graph replay as (header, tensors): which graph, and its input buffers `inputs` as filled for this step."""
+    return [REPLAY, kind, size, int(report), *tables], inputs
 
 
 def receive_replay(inputs: list[torch.Tensor], device: torch.device) -> None:
@@ -240,15 +270,9 @@ def receive_replay(inputs: list[torch.Tensor], device: torch.device) -> None:
         dst.copy_(src)
 
 
-def send_stop(device: torch.device) -> None:
-    _send_header([STOP], device)
-
-
-def receive(device: torch.device) -> Forward | Replay | None:
-    """Another rank: the next forward pass, or None: stop. A Replay's inputs follow (receive_replay)."""
-    header = torch.empty(HEADER, dtype=torch.int64, device=device)
-    dist.broadcast(header, src=0)
-    h = header.tolist()
+def receive(h: list[int], device: torch.device) -> Forward | Replay | None:
+    """Another rank: the forward pass header `h` announces, its tensors received (a Replay's inputs follow:
+    receive_replay), or None: stop."""
     if h[0] == STOP:
         return None
     if h[0] == REPLAY:
@@ -384,11 +408,9 @@ class TensorParallelGroup:
         # rank still answers
         self.finished = ctx.Array("q", [-1] * self.world, lock=False)
         self.hang_timeout = config.tensor_parallel_hang_timeout
-        # one release per message rank 0 sends: a rank waits on its semaphore, with no timeout, before it joins the
-        # message's broadcast, so that an idle engine leaves no collective waiting out its timeout
-        self.wakes = [ctx.Semaphore(0) for _ in range(1, self.world)]
+        self.headers = Headers(ctx, self.world)
         self.procs = [ctx.Process(target=_worker, args=(config, self.world, r, port, os.getpid(), self.finished,
-                                                        self.wakes[r - 1], timeout),
+                                                        self.headers, timeout),
                                   name=f"tp-rank-{r}", daemon=True) for r in range(1, self.world)]
         for p in self.procs:
             p.start()
@@ -431,7 +453,7 @@ class TensorParallelGroup:
         runner.parallel = self
 
     def _before_forward(self, module, args, kwargs):
-        self._send(lambda report: send_forward(kwargs, attention._context, report, self.device))
+        self._send(lambda report: forward_message(kwargs, attention._context, report))
 
     def _after_forward(self, module, args, output):
         self.forward_done()
@@ -439,23 +461,22 @@ class TensorParallelGroup:
 
     def send_replay(self, kind: int, size: int, tables: tuple[int, int, int], inputs: list[torch.Tensor]) -> None:
         """Before rank 0 replays graph `size` of ladder `kind`: the graph's `inputs`, as filled, to the other ranks."""
-        self._send(lambda report: send_replay(kind, size, report, tables, inputs, self.device))
+        self._send(lambda report: replay_message(kind, size, report, tables, inputs))
 
     def _send(self, send) -> None:
         if self.failure:
             raise RankFailedError(self.failure)
         self._calls += 1  # counted before it is sent: a rank that hangs takes the broadcast down with it
         self._report = self._calls % self.REPORT_EVERY == 0
-        self._wake()
+        header, tensors = send(self._report)
         try:
-            send(self._report)
+            self.headers.post(header, lambda: self.failure)
+            dist.broadcast(_packed(tensors).to(self.device), src=0)
+        except RankFailedError:
+            raise
         except Exception as exc:  # the group is broken either way: the engine ends with this
             raise self.lost(exc) from exc
         self.clock.start()
-
-    def _wake(self) -> None:
-        for wake in self.wakes:
-            wake.release()
 
     def forward_done(self) -> None:
         """After rank 0's forward pass (launched): count its time; every REPORT_EVERY passes, gather every rank's
@@ -527,8 +548,7 @@ class TensorParallelGroup:
             _driver = None
         if not self.failure:
             try:
-                self._wake()
-                send_stop(self.device)
+                self.headers.post([STOP], lambda: self.failure or self._exited())
             except Exception:
                 pass
         for p in self.procs:
@@ -547,13 +567,14 @@ def _gather_seconds(own: float, world: int, device: torch.device) -> torch.Tenso
 
 
 # -- ranks 1..N-1 -----------------------------------------------------------------------------------------
-def _worker(config, world: int, rank: int, port: int, parent: int, finished, wake, timeout: timedelta) -> None:
+def _worker(config, world: int, rank: int, port: int, parent: int, finished, headers: Headers,
+            timeout: timedelta) -> None:
     """Load this rank's shard, build its runner as rank 0 builds its own (compiled layers, KV cache, CUDA graphs:
     the same start-up passes, in step), then run each forward pass rank 0 sends until it says stop."""
     from service.engine.runner.model_runner import ModelRunner
     from service.processes import die_with_parent
 
-    die_with_parent()  # (it waits on its semaphore without a timeout)
+    die_with_parent()  # (it waits for rank 0's headers without a timeout)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     device = _rank_device(config, rank)
     store = _store(world, port)
@@ -569,9 +590,9 @@ def _worker(config, world: int, rank: int, port: int, parent: int, finished, wak
     finished[rank] = 0  # ready: from now on the watcher expects each pass sent to finish
     with torch.inference_mode():
         while True:
-            wake.acquire()  # until rank 0 sends something: idle, no collective waits
+            header = headers.take(rank)  # idle, no collective waits
             try:
-                call = receive(device)
+                call = receive(header, device)
             except Exception as exc:  # rank 0 is gone: nothing left to serve
                 log.error("rank 0 stopped answering (%s); exiting", exc)
                 os._exit(1)
