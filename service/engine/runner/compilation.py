@@ -22,7 +22,8 @@ def compile_layers(runner, backend: str | Callable = "inductor") -> bool:
     around them that run once a step: the rotary embedding's cosines and sines, the last norm and the output
     projection (some 20 small kernels a step in eager code, among them the int8-w8a8 projection's quantization).
 
-    A model that torch.compile cannot handle fails here, at start-up, and runs eager.
+    A model that torch.compile cannot handle fails here, at start-up, and runs eager (under tensor parallelism
+    start-up fails instead, each rank having run part of a pass: `--compile off` then).
     """
     model = runner.model
     layers = decoder_layers(model)
@@ -40,6 +41,8 @@ def compile_layers(runner, backend: str | Callable = "inductor") -> bool:
     try:
         dry_run(runner, 2 * runner.block_size)
     except Exception:
+        if runner.config.tensor_parallel_size > 1:  # the ranks could not agree on falling back: start-up fails
+            raise
         log.warning("torch.compile failed for this model; running it eagerly", exc_info=True)
         uncompile(runner.model)
         return False
