@@ -237,7 +237,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         launched = None
         if batch.seqs:
-            for seq in batch.seqs:
+            for seq in batch.admitted:  # (a sequence first runs in the step that admits it: not a pass over all)
                 if seq.timings.first_scheduled is None:
                     seq.timings.first_scheduled = start
             for seq in batch.preempted:
