@@ -112,6 +112,7 @@ class Grammars:
         self._compiler = self._pool.submit(self._new_compiler, tokenizer, vocab_size, sorted(stop_token_ids))
         self._cache: dict[tuple, Future] = {}  # insertion-ordered: the oldest is dropped first
         self._filler = ThreadPoolExecutor(1, thread_name_prefix="masks")
+        self._stops: frozenset[int] | None = None  # the tokenizer's stop tokens, as the matchers know them
         self._buffers = None  # two [max_rows, words] int32 masks, built with the first constrained step
         self._turn = 0
         self._max_rows = max_rows
@@ -186,12 +187,16 @@ class Grammars:
         None), which `_check_stop` reads. A sequence that finished since that step was launched drops its token, and
         takes none. (One call per matcher: xgrammar's batch call took twice as long for 32 or 256 rows, most of it
         reading back its list of results.)"""
+        stops = self._stops
         for seq, token in zip(seqs, tokens):
             matcher = seq.matcher
             if matcher is None or seq.is_finished:
                 continue
+            if stops is None:  # (every matcher has the tokenizer's: read once)
+                stops = self._stops = frozenset(matcher.stop_token_ids)
             seq.accepted = accepted = matcher.accept_token(token)
-            seq.grammar_end = None if not accepted else "terminated" if matcher.is_terminated() \
+            # only a stop token terminates a grammar: no call into the matcher for the others
+            seq.grammar_end = None if not accepted else "terminated" if token in stops and matcher.is_terminated() \
                 else "complete" if self.complete(matcher) else None
 
     def _matchers(self, rows: int):
@@ -209,8 +214,8 @@ class Grammars:
         taken every token before), in the mask thread; None when no row is constrained. A sequence that finished, or
         whose grammar took its stop token, gets no mask: its token will be dropped. Until `ready` has its result, no
         matcher of `seqs` may be used."""
-        rows = [i for i, s in enumerate(seqs)
-                if s.matcher is not None and not s.is_finished and not s.matcher.is_terminated()]
+        rows = [i for i, s in enumerate(seqs)  # (a grammar that took its stop token has finished its sequence, or
+                if s.matcher is not None and not s.is_finished and s.grammar_end != "terminated"]  # will at read-back)
         if not rows:
             return None
         import xgrammar
