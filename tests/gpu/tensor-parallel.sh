@@ -2,7 +2,7 @@
 # suite: tensor parallelism on 2+ GPUs, CUDA graphs and compiled layers on at every size (N=1 at its best)
 # Usage: bash tests/gpu/run.sh tensor-parallel [PHASE...]   (default: tests engine)
 #   tests    tests/cuda/test_cuda_tensor_parallel.py (N GPUs compute what one does; faults with graphs on) and the
-#            served fault tests on CUDA (tests/engine/test_tensor_parallel.py -k cuda)
+#            served fault tests on CUDA (tests/engine/test_tensor_parallel_faults.py -k cuda)
 #   engine   tests/gpu/engine/tensor_parallel.py on the 8B shape at N=1 and 2 (one request's step, 256 x 128/128,
 #            the first token of a 1,024-token prompt); the 70B shape in bf16 at N=2 (and 4 where there are four GPUs)
 #   fp8      the 70B shape in fp8-w8a8 on one GPU, the same measures: beside bf16 on two
@@ -24,7 +24,7 @@ for phase in "${PHASES[@]}"; do
   case $phase in
     tests)
       step tp-tests "$T" "$PYTHON" -m pytest -q -p no:cacheprovider -rfEs tests/cuda/test_cuda_tensor_parallel.py
-      step tp-served-faults "$T" "$PYTHON" -m pytest -q -p no:cacheprovider -rfEs tests/engine/test_tensor_parallel.py \
+      step tp-served-faults "$T" "$PYTHON" -m pytest -q -p no:cacheprovider -rfEs tests/engine/test_tensor_parallel_faults.py \
         -k "killed and cuda" ;;
     engine)
       step tp-8b "$T" "$PYTHON" tests/gpu/engine/tensor_parallel.py --model random:llama-8b --sizes 1 2
