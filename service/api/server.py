@@ -100,7 +100,7 @@ def run_engine(settings: Settings, folder: str, num_frontends: int, alive) -> No
     finally:
         engine.close()
         telemetry.shutdown()
-        if engine.parallel is not None and engine.parallel.failure:
+        if engine.stuck:
             os._exit(1)  # a lost rank's collective may never end: leave without tearing NCCL and CUDA down
 
 

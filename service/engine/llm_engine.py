@@ -113,15 +113,18 @@ class LLMEngine:
                  "nccl" if self.device.type == "cuda" else "gloo")
         return config, loaded
 
+    @property
+    def stuck(self) -> bool:
+        """A tensor-parallel rank was lost on CUDA: a collective waiting for it may never end, and freeing GPU memory
+        or tearing NCCL down would wait for it. The device is left as it is; the process should end (os._exit)."""
+        return bool(self.parallel is not None and self.parallel.failure and self.device.type == "cuda")
+
     def close(self) -> None:
-        """Give back the KV cache and CUDA graphs, and stop the other tensor-parallel ranks, if any (after the graphs:
-        destroying a communicator waits until the graphs that captured its kernels are freed). After a lost rank
-        on CUDA the device is left as it is: a collective waiting for the lost rank never ends, and freeing memory
-        would wait for it."""
+        """Give back the KV cache and CUDA graphs (not when `stuck`), and stop the other tensor-parallel ranks, if any
+        (after the graphs: destroying a communicator waits until the graphs that captured its kernels are freed)."""
         if self.grammars is not None:
             self.grammars.close()
-        stuck = self.parallel is not None and self.parallel.failure and self.device.type == "cuda"
-        if not stuck:
+        if not self.stuck:
             self.runner.release()
         if self.parallel is not None:
             self.parallel.close()
@@ -360,8 +363,6 @@ class LLMEngine:
             failed = self._fail(step.batch)
             self._observe(failed, finished=failed, batch=step.batch, error=type(exc).__name__)
             return failed
-        if self.parallel is not None and self.parallel.failure:  # a rank was lost while this step ran: its tokens
-            raise EngineDeadError(self.parallel.failure)  # are not to be trusted (NCCL's abort ended the step)
         now = time.perf_counter()
         outputs, first_tokens, finished, rows = [], [], [], self.rows
         for row, reason in self.scheduler.postprocess(step.batch, step.sampled, tokens, self._check_stop):

@@ -362,13 +362,6 @@ def wait_for_ranks(store: dist.TCPStore, world: int, rank: int, failure, what: s
                 raise RankFailedError(why)
 
 
-def fewest(value: int, device: torch.device) -> int:
-    """The smallest of every rank's `value` (each rank calls it): the KV blocks that fit on every GPU."""
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t)
-
-
 def load_shard(config, world: int, rank: int):
     """Load this rank's shard of the model onto the rank's device, its slices only (engine/weights.py).
 
@@ -435,8 +428,7 @@ class TensorParallelGroup:
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
 
     def _exited(self) -> str | None:
-        return next((f"{p.name} exited with code {p.exitcode} while starting" for p in self.procs if not p.is_alive()),
-                    None)
+        return next((f"{p.name} exited with code {p.exitcode}" for p in self.procs if not p.is_alive()), None)
 
     def wait_for_ranks(self) -> None:
         """Once rank 0 has loaded its shard: wait for the other ranks' (RankFailedError if one exits meanwhile)."""
@@ -571,6 +563,7 @@ def _worker(config, world: int, rank: int, port: int, parent: int, finished, hea
             timeout: timedelta) -> None:
     """Load this rank's shard, build its runner as rank 0 builds its own (compiled layers, KV cache, CUDA graphs:
     the same start-up passes, in step), then run each forward pass rank 0 sends until it says stop."""
+    from service.engine.runner import cuda_graphs
     from service.engine.runner.model_runner import ModelRunner
     from service.processes import die_with_parent
 
@@ -602,7 +595,7 @@ def _worker(config, world: int, rank: int, port: int, parent: int, finished, hea
                 graphs = ladders[call.kind]
                 receive_replay(graphs.mirrored(call.size, call.tables), device)
                 clock.start()
-                graphs.graphs[call.size][0].replay()
+                cuda_graphs.replay(runner, graphs, call.size, call.tables)  # (its runner has no group: it sends none)
             else:
                 if call.num_blocks not in caches:
                     if len(caches) >= 2:  # drop the older throwaway

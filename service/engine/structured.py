@@ -5,10 +5,9 @@ arrives (a front end: a 400 that says why, before the engine sees it). The engin
 grammar against the tokenizer's vocabulary once, in a thread beside its loop, and keeps it in xgrammar's cache
 (`Grammars`); a request waits for its grammar outside the scheduler, so the batch never does. Each constrained
 sequence then has a matcher that takes its tokens as the host reads them back and fills its row of a token
-bitmask for the next sample; the sampler's LogitEdits applies the bitmask (runner/logit_edits.py). The masks of a
-step fill in a thread of their own (xgrammar's batch call lets go of the GIL), while the engine's thread goes on
-with the step before's read-back and the next step's scheduling (llm_engine.py: a constrained step's sampler
-launches at the next step).
+bitmask for the next sample; the sampler's LogitEdits applies the bitmask (runner/logit_edits.py). With overlap
+the masks of a step fill in a thread of their own (xgrammar's batch call lets go of the GIL) while the engine's
+thread reads back the step before (llm_engine.py: the sampler launches after that read-back).
 """
 
 import json

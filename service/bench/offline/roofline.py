@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from service.bench.kernel.ops import DTYPES
 from service.bench.kernel.roofline import device_peak
 
 COMPUTE = {"fp8-w8a8": "fp8", "int8-w8a8": "int8"}  # the W8A8 modes multiply in 8 bits; the rest in the dtype
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 @dataclass
@@ -79,4 +79,5 @@ def roofline_seconds(shape: ModelShape, input_lens: list[int], output_lens: list
 
 def peaks(device_name: str, quantization: str, dtype: torch.dtype) -> tuple[float | None, float | None]:
     """(peak TFLOP/s of the matrix products, memory GB/s) for the run, or Nones where the device is unknown."""
-    return device_peak(device_name, COMPUTE.get(quantization) or DTYPE_NAMES.get(dtype, ""))
+    name = COMPUTE.get(quantization) or next((k for k, t in DTYPES.items() if t == dtype), "")
+    return device_peak(device_name, name)

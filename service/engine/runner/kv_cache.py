@@ -59,8 +59,9 @@ def blocks_that_fit(runner) -> int:
     budget = total * r.config.gpu_memory_utilization - peak - other
     blocks = int(budget // per_block)
     if r.config.tensor_parallel_size > 1:  # every rank's cache holds the same blocks: the fewest that fit on any GPU
-        from service.engine.parallel import fewest
-        blocks = fewest(blocks, r.device)
+        fewest = torch.tensor([blocks], dtype=torch.int64, device=r.device)  # (each rank's runner asks the same)
+        torch.distributed.all_reduce(fewest, op=torch.distributed.ReduceOp.MIN)
+        blocks = int(fewest)
     if blocks < 2:
         raise RuntimeError(f"no GPU memory left for the KV cache (peak {peak / 2**30:.1f} GiB)")
     log.info("KV cache: %d blocks of %d tokens (%.1f GiB, %s)", blocks, r.block_size, blocks * per_block / 2**30,
