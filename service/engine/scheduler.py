@@ -23,6 +23,8 @@ class ScheduledBatch:
     num_new_tokens: list[int]  # tokens computed for each sequence in this step
     preempted: list[Sequence]
     admitted: list[Sequence] = field(default_factory=list)  # taken from the waiting queue in this step
+    # rows that decode: a running sequence (not admitted in this step) computing its newest token, which it samples
+    num_decode: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -30,15 +32,8 @@ class ScheduledBatch:
 
     @property
     def phase(self) -> str:
-        """prefill, decode or mixed; read before the step updates num_computed_tokens."""
-        decode = prefill = False
-        for s, n in zip(self.seqs, self.num_new_tokens):
-            total = len(s.token_ids) + s.num_pending_tokens  # s.num_tokens (no calls: a step's host time)
-            if n == 1 and total > len(s.prompt_token_ids) and s.num_computed_tokens + 1 == total:
-                decode = True
-            else:
-                prefill = True
-        return "decode" if decode and not prefill else "prefill" if prefill and not decode else "mixed"
+        """decode (every row decodes: each samples, none computes prompt logprobs), prefill (none does) or mixed."""
+        return "decode" if self.num_decode == len(self.seqs) else "prefill" if not self.num_decode else "mixed"
 
 
 class Scheduler:
@@ -80,25 +75,35 @@ class Scheduler:
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
-        """Add the running sequences in admission order while the budget lasts; return the budget left."""
+        """Add the running sequences in admission order while the budget lasts; return the budget left.
+
+        Written without calls for a decoding sequence (one token to compute, a new block every block_size tokens):
+        this runs for every sequence of every step."""
         running, seqs, counts = self.running, batch.seqs, batch.num_new_tokens
-        i = 0
-        chunk_size, blocks_needed = self.chunk_size, self.blocks.blocks_needed
+        i = decode = 0
+        chunk_size, blocks_needed, block_size = self.chunk_size, self.blocks.blocks_needed, self.blocks.block_size
         while i < len(running) and budget > 0:
             seq = running[i]
-            pending = seq.num_pending_tokens
-            # its max_tokens-th token is still on the device (overlap): the host ends it on reading it back (written
-            # without calls: this runs for every sequence of every step)
-            if pending and len(seq.token_ids) + pending - len(seq.prompt_token_ids) >= seq.params.max_tokens:
+            pending, computed = seq.num_pending_tokens, seq.num_computed_tokens
+            total = len(seq.token_ids) + pending  # seq.num_tokens
+            # its max_tokens-th token is still on the device (overlap): the host ends it on reading it back
+            if pending and total - len(seq.prompt_token_ids) >= seq.params.max_tokens:
                 i += 1
                 continue
-            n = chunk_size(seq, budget)
-            if blocks_needed(seq, n) and not self.make_room(seq, n, batch):  # (most decode steps need no block)
-                break  # it was preempted itself: those after it in `running` were already
+            if total - computed == 1 and total > len(seq.prompt_token_ids):  # it decodes (chunk_size: 1)
+                n = 1
+                if computed >= len(seq.block_table) * block_size and not self.make_room(seq, 1, batch):
+                    break  # it was preempted itself: those after it in `running` were already
+                decode += 1
+            else:
+                n = chunk_size(seq, budget)
+                if blocks_needed(seq, n) and not self.make_room(seq, n, batch):
+                    break
             seqs.append(seq)
             counts.append(n)
             budget -= n
             i += 1
+        batch.num_decode = decode
         return budget
 
     # -- the policy's decisions ---------------------------------------------------------------------------
@@ -207,6 +212,11 @@ class Scheduler:
         and each sequence that sampled has one more token, on the device until `postprocess` reads it. The full
         blocks of prompt chunks go into the prefix cache now, so that a request admitted at the next step (a
         sample of the same prompt) shares them."""
+        if batch.num_decode == len(batch.seqs):  # every row computed and sampled one token
+            for seq in batch.seqs:
+                seq.num_computed_tokens += 1
+                seq.num_pending_tokens += 1
+            return
         commit = self.blocks.commit if self.blocks.enable_prefix_caching else None
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n

@@ -39,6 +39,9 @@ class Sequence:
     # with params.prompt_logprobs: (logprob, top) of prompt tokens 1, 2, ... as the runner computes them
     prompt_logprobs: list | None = None
     edits_logits: bool = False  # a bias or penalty edits its logits (params.edits_logits, read once)
+    # greedy with nothing for the sampler to edit, ban or report (no bias, penalty, logprobs, or stop tokens banned
+    # before min_tokens): its row takes the plain argmax (runner/sampler.py; read once)
+    plain: bool = False
     edit_slot: int = -1  # its slot in the sampler's LogitEdits, once it has one
     # with params.structured (engine/structured.py): the grammar compiling (a Future) and since when, then the matcher
     # that takes each token the host reads back
@@ -62,7 +65,10 @@ class Sequence:
         if self.params is not None:
             if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
                 self.prompt_logprobs = []
-            self.edits_logits = self.params.edits_logits
+            p = self.params
+            self.edits_logits = p.edits_logits
+            bans = p.min_tokens and (p.stop_token_ids or not p.ignore_eos and self.eos_token_ids)
+            self.plain = p.greedy and p.logprobs is None and not self.edits_logits and not bans
 
     @property
     def num_prompt_logprobs_missing(self) -> int:

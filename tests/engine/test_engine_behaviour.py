@@ -132,10 +132,10 @@ def test_top_k_and_top_p_keep_only_the_allowed_tokens():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_fast_path_takes_the_first_maximum_and_fails_on_one_nan_logit(dtype):
-    from types import SimpleNamespace
-
     from service.engine.runner.sampler import NonFiniteLogitsError
-    seqs = [SimpleNamespace(params=SamplingParams(temperature=0, max_tokens=4), edits_logits=False)] * 3
+    from service.engine.sequence import Sequence
+    seqs = [Sequence(f"r{i}", [1], SamplingParams(temperature=0, max_tokens=4)) for i in range(3)]
+    assert all(s.plain for s in seqs)  # nothing to edit: the plain path
     logits = torch.randn(3, 1000).to(dtype)
     logits[1, [7, 500]] = 99.0  # a tie: argmax's first index
     assert Sampler(torch.device("cpu"))(logits, seqs).read()[0] == logits.argmax(-1).tolist()

@@ -29,12 +29,14 @@ log = logging.getLogger(__name__)
 MIXED_MAX_TOKENS = 4096  # the largest step of prefill chunks replayed from a graph (at most max_num_batched_tokens)
 
 
-def capture(runner, meta: AttentionMetadata, ids: torch.Tensor, positions: torch.Tensor, keep, pool):
+def capture(runner, meta: AttentionMetadata, ids: torch.Tensor, positions: torch.Tensor, keep, pool, then=None):
     """One forward pass of the runner's model over the static inputs (ids, positions, the attention metadata) in
-    a CUDA graph sharing `pool`; returns the graph and its logits at the rows `keep` names (0: every row)."""
+    a CUDA graph sharing `pool`; returns the graph and its logits at the rows `keep` names (0: every row), or what
+    `then` makes of them in the same graph."""
+    then = then or (lambda logits: logits)
     with forward_context(ForwardContext(runner.kv_caches, meta, runner.backend)):
-        run = lambda: runner.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
-                                   logits_to_keep=keep).logits[0]
+        run = lambda: then(runner.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
+                                        logits_to_keep=keep).logits[0])
         with torch.inference_mode():
             run()  # compile kernels and settle allocations outside the graph
             torch.cuda.synchronize()
@@ -64,13 +66,18 @@ def replay(runner, ladder, size: int, tables: tuple[int, int, int]) -> None:
 
 
 class DecodeGraphs:
-    """The runner's decode graphs (`graphs`: batch size -> (graph, its logits)) and their input buffers."""
+    """The runner's decode graphs (`graphs`: batch size -> (graph, its logits)) and their input buffers.
+
+    Each graph also takes its rows' argmax (`argmax`: batch size -> (row maxima, tokens); the sampler's greedy
+    kernels, runner/triton_sampling.py), so that a step whose rows are all plain greedy launches no sampler at all:
+    a few microseconds of the device's time in a step that samples otherwise, against the host's launches of it."""
 
     KIND = 0  # which ladder a tensor-parallel replay names (parallel.Replay)
 
     def __init__(self, runner, pool=None):
         self.runner = runner
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.argmax: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pool = pool
         self._capture_graphs()
 
@@ -78,6 +85,8 @@ class DecodeGraphs:
         return decode_sizes(self.runner.config.max_num_seqs)
 
     def _capture_graphs(self) -> None:
+        from service.engine.runner import triton_sampling  # (Triton: CUDA only)
+
         r = self.runner
         dev, max_batch = r.device, max(self._graph_sizes())
         self.g_inputs = torch.zeros(3, max_batch, dtype=torch.long, device=dev)  # one upload: ids, positions, slots
@@ -102,14 +111,16 @@ class DecodeGraphs:
                 query_start_loc=self.g_starts[:size + 1], max_query_len=1, max_seq_len=r.max_model_len,
                 tile_seq=self.g_tile_seq[:size], tile_qstart=self.g_tile_qstart[:size],
                 block_m=block_m_for(r.group, True))
-            graph, out = capture(r, meta, self.g_ids[:size], self.g_pos[:size], 0, pool)
+            graph, (out, *argmax) = capture(r, meta, self.g_ids[:size], self.g_pos[:size], 0, pool,
+                                            lambda logits: (logits, *triton_sampling.row_max(logits)))
             pool = graph.pool()
-            self.graphs[size] = (graph, out)
+            self.graphs[size], self.argmax[size] = (graph, out), argmax
         self.pool = pool
         self.graph_sizes = sorted(self.graphs)
         log.info("captured CUDA graphs for decode batch sizes %s", sorted(self.graphs))
 
-    def replay(self, batch: ScheduledBatch) -> torch.Tensor:
+    def replay(self, batch: ScheduledBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Replay the step: its logits, and their rows' (maxima, argmax)."""
         seqs, n = batch.seqs, len(batch.seqs)
         size = next(s for s in self.graph_sizes if s >= n)
         block_size = self.runner.block_size
@@ -129,7 +140,8 @@ class DecodeGraphs:
         self.up_lens.send(lens_t, self.g_lens)
         self.runner._feed_back(self.g_ids, batch)
         replay(self.runner, self, size, tables)
-        return self.graphs[size][1][:n]
+        top, tokens = self.argmax[size]
+        return self.graphs[size][1][:n], (top[:n], tokens[:n])
 
     def mirrored(self, size: int, tables: tuple[int, int, int]) -> list[torch.Tensor]:
         """The input buffers a replay fills (padding included), and the block-table rows it changed."""

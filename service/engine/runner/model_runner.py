@@ -57,6 +57,8 @@ class ModelRunner:
         self.kv_caches = new_kv_caches(self, self.num_blocks)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # decode batch size -> graph, logits
         self._fed: tuple[torch.Tensor, dict[Sequence, int]] | None = None  # last launch's samples, by sequence
+        # the last forward pass's logits and their rows' (maxima, argmax), when its graph took them
+        self._argmax: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
         self.mixed_graphs: MixedGraphs | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.eager_steps = 0  # steps run outside the CUDA graphs (all of them without graphs)
@@ -93,32 +95,42 @@ class ModelRunner:
 
         Nothing waits for the device: a token that the previous launch sampled and the host has not read back yet
         is fed to this step on the device, and `sample` leaves its samples there until the caller reads them."""
-        sample_rows, sample_seqs, offset, scored = [], [], 0, []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.prompt_logprobs is not None:
-                scored.append((seq, offset, n))
-            offset += n
-            if seq.num_computed_tokens + n == seq.num_tokens:
-                sample_rows.append(offset - 1)
-                sample_seqs.append(seq)
+        argmax, scored = None, []
+        if batch.num_decode == len(batch.seqs):  # every row decodes: each samples, none scores its prompt
+            offset = len(batch.seqs)
+            sample_seqs, sample_rows = list(batch.seqs), range(offset)
+        else:
+            sample_rows, sample_seqs, offset = [], [], 0
+            for seq, n in zip(batch.seqs, batch.num_new_tokens):
+                if seq.prompt_logprobs is not None:
+                    scored.append((seq, offset, n))
+                offset += n
+                if seq.num_computed_tokens + n == seq.num_tokens:
+                    sample_rows.append(offset - 1)
+                    sample_seqs.append(seq)
         decode_only = offset == len(batch.seqs)
         wanted = prompt_logprobs.Wanted(scored) if scored else None
         if wanted:  # prompt logprobs: every row's hidden state, outside the graphs
             logits = self._eager(batch, decode_only, sample_rows, wanted)
             sample_rows = list(range(len(sample_rows)))
         elif decode_only and self.graphs and offset <= max(self.graphs):
-            logits = self.decode_graphs.replay(batch)
+            logits, argmax = self.decode_graphs.replay(batch)
         elif self.mixed_graphs is not None and self.mixed_graphs.fits(offset):
             logits = self.mixed_graphs.replay(batch, sample_rows)
             sample_rows = list(range(len(sample_rows)))
         else:
             logits = self._eager(batch, decode_only, sample_rows)
             sample_rows = list(range(len(sample_rows)))
+        self._argmax = None
         if not sample_seqs:
             return [], None
-        if sample_rows != list(range(len(sample_rows))):  # a decode-only step with a one-token prefill chunk
-            logits = logits.index_select(0, to_device(sample_rows, torch.long, self.device))
-        return sample_seqs, logits[:len(sample_seqs)]
+        if not isinstance(sample_rows, range) and sample_rows != list(range(len(sample_rows))):
+            # a decode-only step with a one-token prefill chunk
+            return sample_seqs, logits.index_select(0, to_device(sample_rows, torch.long, self.device))
+        logits = logits[:len(sample_seqs)]
+        if argmax is not None:  # the graph's own argmax of these logits, for `sample`
+            self._argmax = (logits, argmax)
+        return sample_seqs, logits
 
     @torch.inference_mode()
     def sample(self, seqs: list[Sequence], logits: torch.Tensor | None,
@@ -128,7 +140,9 @@ class ModelRunner:
         if not seqs:
             self._fed = None
             return None
-        result = self.sampler(logits, seqs, masks)
+        argmax = self._argmax[1] if self._argmax is not None and self._argmax[0] is logits else None
+        self._argmax = None
+        result = self.sampler(logits, seqs, masks, argmax)
         self._fed = (result.token_ids, {seq: row for row, seq in enumerate(seqs)})
         return result
 

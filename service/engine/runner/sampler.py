@@ -9,15 +9,20 @@ the sampled ids stay there (the next step reads them as inputs) and are copied t
 stream of their own; `SampleResult.read` waits for that copy only when the host needs the ids.
 """
 
+import operator
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
 from service.engine.errors import RankFailedError
 from service.engine.runner.logit_edits import LogitEdits
 from service.engine.runner.pinned_upload import to_device
 from service.engine.sequence import Sequence
+
+
+_plain = operator.attrgetter("plain")
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -28,24 +33,17 @@ class SampleResult:
     """One step's samples: `token_ids` on the device at once, on the host once `read` has waited."""
 
     def __init__(self, token_ids: torch.Tensor, top: torch.Tensor, logprob_rows: list[int], logprob_ks: list[int],
-                 logprob_tensors: list[torch.Tensor], copy_stream: torch.cuda.Stream | None):
+                 logprob_tensors: list[torch.Tensor], ring: "HostRing | None"):
         self.token_ids = token_ids  # [rows] int64 on the device
         # top: each row's largest logit, NaN where the row holds a NaN (the host looks, once it has the copy)
         self.logprob_rows, self.logprob_ks = logprob_rows, logprob_ks
         self._read = None
         self.waited = 0.0  # seconds `read` waited for the device (the host's idle time in the step)
-        tensors = [token_ids, top, *logprob_tensors]
-        if copy_stream is None:  # CPU: the values are already there
-            self._host, self._event = tensors, None
+        if ring is None:  # CPU: the values are already there
+            self._host, self._event = [token_ids.numpy(), top.float().numpy(), *logprob_tensors], None
             return
-        copy_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(copy_stream):
-            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                          for t in tensors]
-            self._event = torch.cuda.Event()
-            self._event.record()
-        for t in tensors:  # the allocator must not hand their memory out before the copy has read it
-            t.record_stream(copy_stream)
+        self._ring, self._slot, self._generation, self._event, self._host = ring, *ring.copy(token_ids, top,
+                                                                                              logprob_tensors)
 
     def read(self, failure: Callable[[], str | None] | None = None) \
             -> tuple[list[int], list[tuple[float, list[tuple[int, float]]] | None]]:
@@ -64,39 +62,83 @@ class SampleResult:
                         raise RankFailedError(why)
                     time.sleep(0)  # (the watcher, which names the failure, gets the GIL)
             self.waited = time.perf_counter() - begin
-        tokens = self._host[0].tolist()
-        if self._host[1].isnan().any():  # a NaN makes the argmax meaningless: fail the step rather than emit garbage
+            self._ring.check(self._slot, self._generation)
+        token_ids, top, *extra = self._host
+        tokens = token_ids.tolist()
+        if np.isnan(top).any():  # a NaN makes the argmax meaningless: fail the step rather than emit garbage
             raise NonFiniteLogitsError(f"the model produced NaN logits for {len(tokens)} sequences")
         logprobs = [None] * len(tokens)
         if self.logprob_rows:
-            chosen, top_v, top_i = (t.tolist() for t in self._host[2:])
+            chosen, top_v, top_i = (t.tolist() for t in extra)
             for j, (row, k) in enumerate(zip(self.logprob_rows, self.logprob_ks)):
                 logprobs[row] = (chosen[j], list(zip(top_i[j][:k], top_v[j][:k])))
         self._read = tokens, logprobs
         return self._read
 
 
+class HostRing:
+    """Pinned host memory for the samples' copies to the host, in SLOTS slots used in turn: a step's copy goes into
+    the next slot, on the compute stream right after its sampler (a few hundred bytes), so that no step allocates
+    pinned memory or switches streams. A result is read one step later at most (overlap), long before its slot comes
+    round again; `check` says if one was not. Logprob tensors (rare) are copied into pinned memory of their own."""
+
+    SLOTS = 4
+
+    def __init__(self, rows: int):
+        self.tokens = torch.empty(self.SLOTS, rows, dtype=torch.int64, pin_memory=True)
+        self.tops = torch.empty(self.SLOTS, rows, dtype=torch.float32, pin_memory=True)
+        self.tokens_np, self.tops_np = self.tokens.numpy(), self.tops.numpy()
+        self.events = [torch.cuda.Event() for _ in range(self.SLOTS)]
+        self.generations = [0] * self.SLOTS
+        self.turn = 0
+
+    def copy(self, token_ids: torch.Tensor, top: torch.Tensor, extra: list[torch.Tensor]):
+        """Queue the copies of one step's samples: (slot, its generation, the event after the copies, host arrays)."""
+        i = self.turn
+        self.turn = (i + 1) % self.SLOTS
+        self.generations[i] += 1
+        n = len(token_ids)
+        self.tokens[i, :n].copy_(token_ids, non_blocking=True)
+        self.tops[i, :n].copy_(top, non_blocking=True)
+        host = [self.tokens_np[i, :n], self.tops_np[i, :n]]
+        for t in extra:
+            copy = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            copy.copy_(t, non_blocking=True)
+            host.append(copy)
+        self.events[i].record()
+        return i, self.generations[i], self.events[i], host
+
+    def check(self, slot: int, generation: int) -> None:
+        if self.generations[slot] != generation:
+            raise RuntimeError("a step's samples were read after their pinned slot was reused")
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0, max_num_seqs: int = 256):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.ring = HostRing(max_num_seqs) if device.type == "cuda" else None
         # the one place logits change before sampling, and greedy steps' argmax: on CUDA a kernel that spreads each
         # row over the SMs (engine/runner/triton_sampling.py: PyTorch's reduction reads a row on one SM, 28-41 us for
         # 128,256 logits on the H100)
         self.edits = LogitEdits(device, max_num_seqs)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
-                 masks: "tuple[list[int], torch.Tensor] | None" = None) -> SampleResult:
+                 masks: "tuple[list[int], torch.Tensor] | None" = None,
+                 argmax: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampleResult:
         """Sample a token per row of `logits` [len(seqs), vocab]; `masks` (rows, bitmask): the grammars' allowed
-        tokens of constrained rows (engine/structured.py)."""
+        tokens of constrained rows (engine/structured.py); `argmax`: the rows' (maxima, argmax) as `LogitEdits.argmax`
+        gives them unedited, when a CUDA graph took them already."""
+        if all(map(_plain, seqs)) and masks is None:  # plain greedy rows: nothing to edit, ban or report
+            top, tokens = argmax or self.edits.argmax(logits, seqs, [], [])
+            return SampleResult(tokens, top, [], [], [], self.ring)
         banned, wanted, edited, all_greedy = self._scan(seqs)
         if all_greedy and not wanted:
             # argmax is the same in the model's dtype: skip the float copy of [rows, vocab] (edits are computed in
             # float32 as the logits are read). max propagates NaN, so the row maxima tell whether any logit was NaN:
             # one pass over the logits instead of two
             top, tokens = self.edits.argmax(logits, seqs, edited, banned, masks)
-            return SampleResult(tokens, top, [], [], [], self.copy_stream)
+            return SampleResult(tokens, top, [], [], [], self.ring)
         top = logits.amax(-1)  # NaN where a row holds one, read back with the tokens: no extra device sync
         logits = logits.float()
         recorded = self.edits.apply(logits, seqs, edited, banned, masks) if edited or banned or masks else None
@@ -111,7 +153,7 @@ class Sampler:
             top_v, top_i = lp.topk(max(max(ks), 1), -1)
             chosen = lp.gather(1, tokens.index_select(0, index).unsqueeze(1)).squeeze(1)
             extra = [chosen, top_v, top_i]
-        return SampleResult(tokens, top, wanted, ks, extra, self.copy_stream)
+        return SampleResult(tokens, top, wanted, ks, extra, self.ring)
 
     @staticmethod
     def _scan(seqs: list[Sequence]) -> tuple[list[tuple[int, int]], list[int], list[int], bool]:
