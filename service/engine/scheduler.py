@@ -234,17 +234,20 @@ class Scheduler:
         aborted) drops its token. Returns, for each row of `sampled` whose sequence took its token, the row and
         the reason it finished (None: it goes on).
         """
-        done = Status.FINISHED
-        for seq, token in zip(sampled, tokens):
-            if seq.status is not done:
-                seq.token_ids.append(token)
-                seq.num_pending_tokens -= 1
-        # register full blocks: every token they hold is known now
-        self.blocks.commit_all(seq for seq in batch.seqs if seq.status is not done)
-        taken = []
+        done, blocks = Status.FINISHED, self.blocks
+        commit = blocks.commit if blocks.enable_prefix_caching else None
+        if commit is not None and batch.num_decode != len(batch.seqs):  # a prompt chunk may fill blocks too
+            blocks.commit_all(seq for seq in batch.seqs if seq.status is not done)
+        block_size, taken = blocks.block_size, []
         for row, (seq, token) in enumerate(zip(sampled, tokens)):
             if seq.status is done:
                 continue
+            ids = seq.token_ids
+            ids.append(token)
+            seq.num_pending_tokens -= 1
+            # register its full blocks (one in block_size tokens): every token they hold is known now
+            if commit is not None and min(seq.num_computed_tokens, len(ids)) // block_size > seq.num_hashed_blocks:
+                commit(seq)
             reason = check_stop(seq, token)
             if reason:
                 self.finish(seq, reason)

@@ -13,7 +13,9 @@ first token. Larger steps run outside the graphs, where the device's time exceed
 """
 
 import gc
+import itertools
 import logging
+import operator
 
 import numpy as np
 import torch
@@ -29,14 +31,20 @@ log = logging.getLogger(__name__)
 MIXED_MAX_TOKENS = 4096  # the largest step of prefill chunks replayed from a graph (at most max_num_batched_tokens)
 
 
-def capture(runner, meta: AttentionMetadata, ids: torch.Tensor, positions: torch.Tensor, keep, pool, then=None):
+def capture(runner, meta: AttentionMetadata, ids: torch.Tensor, positions: torch.Tensor, keep, pool, then=None,
+            before=None):
     """One forward pass of the runner's model over the static inputs (ids, positions, the attention metadata) in
-    a CUDA graph sharing `pool`; returns the graph and its logits at the rows `keep` names (0: every row), or what
-    `then` makes of them in the same graph."""
+    a CUDA graph sharing `pool`, after `before()` if given; returns the graph and its logits at the rows `keep`
+    names (0: every row), or what `then` makes of them in the same graph."""
     then = then or (lambda logits: logits)
+
+    def run():
+        if before is not None:
+            before()
+        return then(runner.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
+                                 logits_to_keep=keep).logits[0])
+
     with forward_context(ForwardContext(runner.kv_caches, meta, runner.backend)):
-        run = lambda: then(runner.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
-                                        logits_to_keep=keep).logits[0])
         with torch.inference_mode():
             run()  # compile kernels and settle allocations outside the graph
             torch.cuda.synchronize()
@@ -89,30 +97,38 @@ class DecodeGraphs:
 
         r = self.runner
         dev, max_batch = r.device, max(self._graph_sizes())
-        self.g_inputs = torch.zeros(3, max_batch, dtype=torch.long, device=dev)  # one upload: ids, positions, slots
-        self.g_ids, self.g_pos, self.g_slots = self.g_inputs
-        self.g_tables = torch.zeros(max_batch, r.max_blocks_per_seq, dtype=torch.int32, device=dev)
-        # the host's copy of g_tables, and per row the block table (list) it holds and how many of its blocks,
-        # so that a step uploads only the rows whose blocks changed
-        self.table_rows = np.zeros((max_batch, r.max_blocks_per_seq), dtype=np.int32)
-        self.table_owners: list[tuple[list[int] | None, int]] = [(None, 0)] * max_batch
-        self.up_inputs = PinnedUpload(3 * max_batch, torch.long)
-        self.up_lens = PinnedUpload(2 * max_batch, torch.int32)  # context lengths, and the tiles' order
-        self.up_tables = PinnedUpload(max_batch * r.max_blocks_per_seq, torch.int32)
+        # one upload a step: ids, positions, slots, context lengths and the tiles' order (a graph of size n runs
+        # sequence tile_seq[i] i-th); the graph casts the last two to the kernels' int32 itself
+        self.g_inputs = torch.zeros(5, max_batch, dtype=torch.long, device=dev)
+        self.g_ids, self.g_pos, self.g_slots = self.g_inputs[:3]
         self.g_lens = torch.ones(2, max_batch, dtype=torch.int32, device=dev)
-        self.g_seq_lens, self.g_tile_seq = self.g_lens  # a graph of size n runs sequence g_tile_seq[i] i-th
-        self.g_tile_seq.copy_(torch.arange(max_batch))
+        self.g_seq_lens, self.g_tile_seq = self.g_lens
+        self.g_tables = torch.zeros(max_batch, r.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        # the host's copy of g_tables, and per row the block table (list) it holds, its id and its length then, so
+        # that a step uploads only the rows whose blocks changed
+        self.table_rows = np.zeros((max_batch, r.max_blocks_per_seq), dtype=np.int32)
+        self.table_owners: list[list[int] | None] = [None] * max_batch  # (kept: an id stays its list's)
+        self.owner_ids = np.zeros(max_batch, dtype=np.int64)
+        self.owner_widths = np.zeros(max_batch, dtype=np.int64)
+        self.up_inputs = PinnedUpload(5 * max_batch, torch.long)
+        self.up_tables = PinnedUpload(max_batch * r.max_blocks_per_seq, torch.int32)
         self.g_starts = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self.g_tile_qstart = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        self.g_inputs[3].fill_(1)
+        self.g_inputs[4].copy_(torch.arange(max_batch))
         pool = self.pool
+
+        def then(logits):
+            return logits, *triton_sampling.row_max(logits)
+
         for size in reversed(self._graph_sizes()):
             meta = AttentionMetadata(
                 slot_mapping=self.g_slots[:size], block_tables=self.g_tables[:size], seq_lens=self.g_seq_lens[:size],
                 query_start_loc=self.g_starts[:size + 1], max_query_len=1, max_seq_len=r.max_model_len,
                 tile_seq=self.g_tile_seq[:size], tile_qstart=self.g_tile_qstart[:size],
                 block_m=block_m_for(r.group, True))
-            graph, (out, *argmax) = capture(r, meta, self.g_ids[:size], self.g_pos[:size], 0, pool,
-                                            lambda logits: (logits, *triton_sampling.row_max(logits)))
+            graph, (out, *argmax) = capture(r, meta, self.g_ids[:size], self.g_pos[:size], 0, pool, then,
+                                            lambda: self.g_lens.copy_(self.g_inputs[3:]))
             pool = graph.pool()
             self.graphs[size], self.argmax[size] = (graph, out), argmax
         self.pool = pool
@@ -125,19 +141,20 @@ class DecodeGraphs:
         size = next(s for s in self.graph_sizes if s >= n)
         block_size = self.runner.block_size
         tables = self._update_tables(seqs)
-        pos = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
-        # whole buffers go up (a few KB), so padding rows are always token 0 at position 0 in scratch block 0
-        inputs_t, inputs = self.up_inputs.take((3, len(self.g_ids)))
-        inputs.fill(0)
-        inputs[0, :n] = [0 if s.num_pending_tokens else s.token_ids[p] for s, p in zip(seqs, pos.tolist())]
+        pos = np.fromiter(map(_computed, seqs), np.int64, n)
+        # whole buffers go up (a few KB), so padding rows are always token 0 at position 0 in scratch block 0, with
+        # context 1
+        inputs_t, inputs = self.up_inputs.take((5, len(self.g_ids)))
+        inputs[:3].fill(0)
+        known = np.flatnonzero(np.fromiter(map(_pending, seqs), np.int64, n) == 0)  # the rest: _feed_back's
+        if len(known):
+            inputs[0, known] = [seqs[i].token_ids[p] for i, p in zip(known.tolist(), pos[known].tolist())]
         inputs[1, :n] = pos
         inputs[2, :n] = self.table_rows[np.arange(n), pos // block_size] * block_size + pos % block_size
-        lens_t, lens = self.up_lens.take(tuple(self.g_lens.shape))
-        lens[0].fill(1)
-        lens[0, :n] = pos + 1
-        lens[1, :size] = np.argsort(-lens[0, :size], kind="stable")  # longest first, as build_tiles orders tiles
+        inputs[3].fill(1)
+        inputs[3, :n] = pos + 1
+        inputs[4, :size] = np.argsort(-inputs[3, :size], kind="stable")  # longest first, as build_tiles orders tiles
         self.up_inputs.send(inputs_t, self.g_inputs)
-        self.up_lens.send(lens_t, self.g_lens)
         self.runner._feed_back(self.g_ids, batch)
         replay(self.runner, self, size, tables)
         top, tokens = self.argmax[size]
@@ -146,32 +163,39 @@ class DecodeGraphs:
     def mirrored(self, size: int, tables: tuple[int, int, int]) -> list[torch.Tensor]:
         """The input buffers a replay fills (padding included), and the block-table rows it changed."""
         start, end, width = tables
-        return [self.g_inputs, self.g_lens, self.g_tables[start:end, :width]]
+        return [self.g_inputs, self.g_tables[start:end, :width]]
 
     def _update_tables(self, seqs: list[Sequence]) -> tuple[int, int, int]:
         """Bring g_tables up to date with the batch, uploading only the rows whose blocks changed: returns those
         rows [start, end) and the columns [0, width) uploaded.
 
-        Decode steps keep the running sequences in the same rows, and a sequence gains a block every
-        block_size tokens, so most steps upload a few rows instead of rebuilding the whole table.
-        """
-        host, owners = self.table_rows, self.table_owners
-        first, last, width = len(seqs), -1, 0
-        for i, seq in enumerate(seqs):
-            table = seq.block_table
-            owner, written = owners[i]
-            if owner is table and written == len(table):
-                continue
-            start = written if owner is table else 0  # tables only grow; a freed sequence gets a new list
-            host[i, start:len(table)] = table[start:]
-            owners[i] = (table, len(table))
-            first, last, width = min(first, i), i, max(width, len(table))
-        if last < 0:
+        A row changed when it holds another sequence's table (a list: a freed sequence gets a new one) or its table
+        grew (a block every block_size tokens). Found for all rows at once, and the changed rows rebuilt at once: when
+        a sequence ends, every row after it holds another sequence."""
+        n = len(seqs)
+        tables = list(map(_table, seqs))
+        ids = np.fromiter(map(id, tables), np.int64, n)
+        widths = np.fromiter(map(len, tables), np.int64, n)
+        changed = np.flatnonzero((ids != self.owner_ids[:n]) | (widths != self.owner_widths[:n]))
+        if not len(changed):
             return 0, 0, 0
-        rows_t, rows = self.up_tables.take((last + 1 - first, width))
-        rows[:] = host[first:last + 1, :width]
-        self.up_tables.send(rows_t, self.g_tables[first:last + 1, :width])
-        return first, last + 1, width
+        self.table_owners[:n] = tables
+        self.owner_ids[:n], self.owner_widths[:n] = ids, widths
+        rows, lengths = changed.tolist(), widths[changed]
+        flat = np.fromiter(itertools.chain.from_iterable([tables[i] for i in rows]), np.int32, int(lengths.sum()))
+        block = np.zeros((len(rows), int(lengths.max())), dtype=np.int32)
+        block[np.arange(block.shape[1]) < lengths[:, None]] = flat  # each row's first `length` places, in order
+        self.table_rows[changed, :block.shape[1]] = block
+        first, last = rows[0], rows[-1] + 1
+        width = int(widths[first:last].max())
+        rows_t, host = self.up_tables.take((last - first, width))
+        host[:] = self.table_rows[first:last, :width]
+        self.up_tables.send(rows_t, self.g_tables[first:last, :width])
+        return first, last, width
+
+
+_computed, _pending, _table = (operator.attrgetter(name) for name in
+                               ("num_computed_tokens", "num_pending_tokens", "block_table"))
 
 
 def decode_sizes(max_num_seqs: int) -> list[int]:

@@ -10,6 +10,7 @@ pinned_upload's double-buffered uploads), kv_cache (the cache's shape and size) 
 
 import contextlib
 
+import numpy as np
 import torch
 
 from service.engine import fusion
@@ -56,7 +57,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.kv_caches = new_kv_caches(self, self.num_blocks)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # decode batch size -> graph, logits
-        self._fed: tuple[torch.Tensor, dict[Sequence, int]] | None = None  # last launch's samples, by sequence
+        self._fed: tuple[torch.Tensor, list[Sequence]] | None = None  # last launch's samples, and whose they are
         # the last forward pass's logits and their rows' (maxima, argmax), when its graph took them
         self._argmax: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
         self.mixed_graphs: MixedGraphs | None = None
@@ -143,7 +144,7 @@ class ModelRunner:
         argmax = self._argmax[1] if self._argmax is not None and self._argmax[0] is logits else None
         self._argmax = None
         result = self.sampler(logits, seqs, masks, argmax)
-        self._fed = (result.token_ids, {seq: row for row, seq in enumerate(seqs)})
+        self._fed = (result.token_ids, seqs)
         return result
 
     def _eager(self, batch: ScheduledBatch, decode_only: bool, sample_rows: list[int],
@@ -162,17 +163,23 @@ class ModelRunner:
         return logits if sample_rows else None
 
     def _feed_back(self, ids: torch.Tensor, batch: ScheduledBatch) -> None:
-        """Write into the packed `ids` the tokens the previous launch sampled that the host has not read yet."""
-        dst, src, offset = [], [], 0
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            offset += n
-            if seq.num_pending_tokens:  # its one pending token is its last input: it sampled last step
-                dst.append(offset - 1)
-                src.append(self._fed[1][seq])
-        if dst and dst == src == list(range(len(dst))):  # steady decode: the same sequences in the same rows
-            ids[:len(dst)] = self._fed[0][:len(dst)]
-        elif dst:
-            ids[to_device(dst, torch.long, self.device)] = self._fed[0][to_device(src, torch.long, self.device)]
+        """Write into the packed `ids` the tokens the previous launch sampled that the host has not read yet (a
+        launch is read back whole: with overlap, every sequence of it that runs again; without, none)."""
+        if self._fed is None:
+            return
+        tokens, fed = self._fed
+        seqs = batch.seqs
+        if seqs == fed and batch.num_decode == len(seqs):  # steady decode: the same sequences in the same rows
+            if seqs[0].num_pending_tokens:
+                ids[:len(seqs)] = tokens
+            return
+        rows = {seq: row for row, seq in enumerate(fed)}
+        src = np.fromiter((rows.get(seq, -1) if seq.num_pending_tokens else -1 for seq in seqs), np.int64, len(seqs))
+        dst = np.cumsum(batch.num_new_tokens) - 1  # its one pending token is its last input
+        taken = src >= 0
+        if taken.any():
+            index = to_device(np.stack([dst[taken], src[taken]]), torch.long, self.device)
+            ids[index[0]] = tokens[index[1]]
 
     def pack_inputs(self, batch: ScheduledBatch, decode_only: bool):
         """The batch as this runner's model inputs: (token ids, positions, attention metadata).
