@@ -197,3 +197,14 @@ def test_the_engine_core_streams_and_abort_on_early_exit_frees_blocks(default_mo
         assert text == expected and outs[-1].finished and outs[-1].num_output_tokens == 10
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
     assert not engine.seqs
+
+
+def test_a_request_is_plain_for_the_sampler_only_with_nothing_to_edit_ban_or_report():
+    from service.engine.sequence import Sequence
+    plain = lambda eos=frozenset(), **p: Sequence("r", [1], SamplingParams(max_tokens=4, **p), eos_token_ids=eos).plain
+    assert plain(temperature=0) and plain(top_k=1) and plain(temperature=0, min_tokens=2, ignore_eos=True)
+    assert plain(temperature=0, min_tokens=2)  # no EOS to ban
+    assert not plain(temperature=0, min_tokens=2, eos=frozenset({2}))  # EOS banned before min_tokens
+    assert not plain(temperature=0, min_tokens=2, ignore_eos=True, stop_token_ids=[3])
+    assert not plain(temperature=1.0) and not plain(temperature=0, logprobs=1)
+    assert not plain(temperature=0, logit_bias={5: 1.0}) and not plain(temperature=0, presence_penalty=0.5)

@@ -1,8 +1,9 @@
 """CUDA graphs: captured once at start-up for a ladder of sizes, replayed with fresh inputs.
 
-Decode-only steps replay graphs captured per batch size (DecodeGraphs). A replay uploads the step's token ids,
-positions, slots and sequence lengths as whole (small) buffers through double-buffered pinned memory, and only
-the block-table rows that changed; padding rows are token 0 at position 0 in scratch block 0.
+Decode-only steps replay graphs captured per batch size (DecodeGraphs), each with its rows' argmax. A replay uploads
+the step's token ids, positions, slots, sequence lengths and tile order as one whole (small) buffer through
+double-buffered pinned memory, and only the block-table rows that changed; padding rows are token 0 at position 0 in
+scratch block 0.
 
 Steps that carry prefill chunks (alone or beside decode tokens) replay graphs captured per number of tokens
 (MixedGraphs), up to MIXED_MAX_TOKENS: the step's tokens are padded to the next size of the ladder and its

@@ -2,11 +2,12 @@
 
 First the rows that ask get their logits edited (runner/logit_edits.py: min_tokens' bans, grammar masks, bias,
 penalties).
-Greedy rows take the argmax. Other rows apply temperature, top-k and top-p, then draw with the
+Greedy rows take the argmax (a decode graph takes it already: a step of plain greedy rows, `Sequence.plain`,
+launches nothing here). Other rows apply temperature, top-k and top-p, then draw with the
 exponential race (argmax of p / Exp(1)), using the request's own generator when it has a seed so
 that its output does not depend on what else is in the batch. Nothing here waits for the device:
-the sampled ids stay there (the next step reads them as inputs) and are copied to the host on a
-stream of their own; `SampleResult.read` waits for that copy only when the host needs the ids.
+the sampled ids stay there (the next step reads them as inputs) and are copied into pinned host memory
+(`HostRing`) behind the step; `SampleResult.read` waits for that copy only when the host needs the ids.
 """
 
 import operator
