@@ -43,6 +43,7 @@ class Sequence:
     # before min_tokens): its row takes the plain argmax (runner/sampler.py; read once)
     plain: bool = False
     edit_slot: int = -1  # its slot in the sampler's LogitEdits, once it has one
+    graph_row: int = 0  # its row of the decode graphs' block table (runner/cuda_graphs.TableRows), once it has one
     # with params.structured (engine/structured.py): the grammar compiling (a Future) and since when, then the matcher
     # that takes each token the host reads back
     grammar: object = None

@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.engine.runner.cuda_graphs import (decode_sizes, logits_rows_held, mixed_sizes, padded_metadata,
+from service.engine.runner.cuda_graphs import (TableRows, decode_sizes, logits_rows_held, mixed_sizes, padded_metadata,
                                                seq_capacity, tile_capacity)
 from service.engine.runner.input_packing import block_m_for, build_tiles, host_inputs
 from service.engine.sampling import SamplingParams
@@ -193,3 +193,37 @@ def test_host_inputs_equal_a_plain_per_token_reading(data, decode, block_size):
         assert np.asarray(a).tolist() == b, name
     assert host.positions.dtype == host.slots.dtype == np.int64
     assert host.tables.dtype == host.q_lens.dtype == host.seq_lens.dtype == host.starts.dtype == np.int32
+
+
+def test_decode_graph_table_rows_change_only_when_a_sequence_gains_a_block_or_a_new_one_takes_a_row():
+    from service.engine.sequence import Status
+
+    def running(name, blocks):
+        seq = Sequence(name, [1], SamplingParams())
+        seq.status, seq.block_table = Status.RUNNING, list(blocks)
+        return seq
+
+    def check(rows, seqs):  # every sequence's row holds its table, and no two share a row
+        assert len(set(rows.tolist())) == len(seqs) and 0 not in rows
+        for row, seq in zip(rows.tolist(), seqs):
+            assert seq.graph_row == row and table.host[row, :len(seq.block_table)].tolist() == seq.block_table
+
+    table = TableRows(rows=7, width=4)  # three sequences at once at most: row 0 and twice three
+    a, b, c = running("a", [5]), running("b", [6, 7]), running("c", [8])
+    rows, changed = table.update([a, b, c])
+    check(rows, [a, b, c])
+    assert changed == (1, 4, 2)
+    rows_again, changed = table.update([a, b, c])
+    assert rows_again.tolist() == rows.tolist() and changed is None  # nothing new: nothing to upload
+    a.status = Status.FINISHED  # a ends: those behind it keep their rows, and nothing is uploaded
+    kept, changed = table.update([b, c])
+    assert kept.tolist() == rows[1:].tolist() and changed is None
+    b.block_table.append(9)  # b gains a block: its row alone is uploaded
+    rows, changed = table.update([b, c])
+    check(rows, [b, c])
+    assert changed == (rows[0], rows[0] + 1, 3)
+    c.block_table = [10]  # c was preempted and runs again with a new table: a row of its own again
+    d, e, f = running("d", [11]), running("e", [12, 13, 14, 15]), running("f", [1])
+    rows, _ = table.update([b, c, d, e, f])  # rows run out: a's and c's old rows are taken back
+    check(rows, [b, c, d, e, f])
+    assert (table.host[0] == 0).all()  # the padding rows' row

@@ -33,6 +33,7 @@ class AttentionMetadata:
     tile_seq: torch.Tensor | None = None  # [num_tiles] int32
     tile_qstart: torch.Tensor | None = None  # [num_tiles] int32
     block_m: int = 16
+    table_rows: torch.Tensor | None = None  # [S] int32: each sequence's row of block_tables (None: row i; triton)
 
 
 @dataclass

@@ -25,7 +25,7 @@ from service.engine.runner.attention import AttentionMetadata, ForwardContext, f
 from service.engine.runner.input_packing import HostInputs, block_m_for, build_tiles, host_inputs
 from service.engine.runner.pinned_upload import PinnedUpload
 from service.engine.scheduler import ScheduledBatch
-from service.engine.sequence import Sequence
+from service.engine.sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
 
@@ -98,25 +98,21 @@ class DecodeGraphs:
 
         r = self.runner
         dev, max_batch = r.device, max(self._graph_sizes())
-        # one upload a step: ids, positions, slots, context lengths and the tiles' order (a graph of size n runs
-        # sequence tile_seq[i] i-th); the graph casts the last two to the kernels' int32 itself
-        self.g_inputs = torch.zeros(5, max_batch, dtype=torch.long, device=dev)
+        # one upload a step: ids, positions, slots, then context lengths, the tiles' order (a graph of size n runs
+        # sequence tile_seq[i] i-th) and each sequence's row of the block table, which the graph casts to int32 itself
+        self.g_inputs = torch.zeros(6, max_batch, dtype=torch.long, device=dev)
         self.g_ids, self.g_pos, self.g_slots = self.g_inputs[:3]
-        self.g_lens = torch.ones(2, max_batch, dtype=torch.int32, device=dev)
-        self.g_seq_lens, self.g_tile_seq = self.g_lens
-        self.g_tables = torch.zeros(max_batch, r.max_blocks_per_seq, dtype=torch.int32, device=dev)
-        # the host's copy of g_tables, and per row the block table (list) it holds, its id and its length then, so
-        # that a step uploads only the rows whose blocks changed
-        self.table_rows = np.zeros((max_batch, r.max_blocks_per_seq), dtype=np.int32)
-        self.table_owners: list[list[int] | None] = [None] * max_batch  # (kept: an id stays its list's)
-        self.owner_ids = np.zeros(max_batch, dtype=np.int64)
-        self.owner_widths = np.zeros(max_batch, dtype=np.int64)
-        self.up_inputs = PinnedUpload(5 * max_batch, torch.long)
-        self.up_tables = PinnedUpload(max_batch * r.max_blocks_per_seq, torch.int32)
+        self.g_ints = torch.ones(3, max_batch, dtype=torch.int32, device=dev)
+        self.g_seq_lens, self.g_tile_seq, self.g_table_rows = self.g_ints
+        self.tables = TableRows(2 * max_batch + 1, r.max_blocks_per_seq)
+        self.g_tables = torch.zeros(self.tables.host.shape, dtype=torch.int32, device=dev)
+        self.up_inputs = PinnedUpload(6 * max_batch, torch.long)
+        self.up_tables = PinnedUpload(self.tables.host.size, torch.int32)
         self.g_starts = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self.g_tile_qstart = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.g_inputs[3].fill_(1)
         self.g_inputs[4].copy_(torch.arange(max_batch))
+        self.g_inputs[5].fill_(0)
         pool = self.pool
 
         def then(logits):
@@ -124,79 +120,118 @@ class DecodeGraphs:
 
         for size in reversed(self._graph_sizes()):
             meta = AttentionMetadata(
-                slot_mapping=self.g_slots[:size], block_tables=self.g_tables[:size], seq_lens=self.g_seq_lens[:size],
+                slot_mapping=self.g_slots[:size], block_tables=self.g_tables, seq_lens=self.g_seq_lens[:size],
                 query_start_loc=self.g_starts[:size + 1], max_query_len=1, max_seq_len=r.max_model_len,
                 tile_seq=self.g_tile_seq[:size], tile_qstart=self.g_tile_qstart[:size],
-                block_m=block_m_for(r.group, True))
+                block_m=block_m_for(r.group, True), table_rows=self.g_table_rows[:size])
             graph, (out, *argmax) = capture(r, meta, self.g_ids[:size], self.g_pos[:size], 0, pool, then,
-                                            lambda: self.g_lens.copy_(self.g_inputs[3:]))
+                                            lambda: self.g_ints.copy_(self.g_inputs[3:]))
             pool = graph.pool()
             self.graphs[size], self.argmax[size] = (graph, out), argmax
         self.pool = pool
         self.graph_sizes = sorted(self.graphs)
         log.info("captured CUDA graphs for decode batch sizes %s", sorted(self.graphs))
 
-    def replay(self, batch: ScheduledBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """Replay the step: its logits, and their rows' (maxima, argmax)."""
+    def replay(self, batch: ScheduledBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], np.ndarray]:
+        """Replay the step: its logits, their rows' (maxima, argmax), and its sequences' table rows."""
         seqs, n = batch.seqs, len(batch.seqs)
         size = next(s for s in self.graph_sizes if s >= n)
         block_size = self.runner.block_size
-        tables = self._update_tables(seqs)
+        rows, changed = self.tables.update(seqs)
+        tables = (0, 0, 0)
+        if changed is not None:
+            first, last, width = tables = changed
+            up_t, up = self.up_tables.take((last - first, width))
+            up[:] = self.tables.host[first:last, :width]
+            self.up_tables.send(up_t, self.g_tables[first:last, :width])
         pos = np.fromiter(map(_computed, seqs), np.int64, n)
-        # whole buffers go up (a few KB), so padding rows are always token 0 at position 0 in scratch block 0, with
-        # context 1
-        inputs_t, inputs = self.up_inputs.take((5, len(self.g_ids)))
+        # whole buffers go up (a few KB), so padding rows are always token 0 at position 0 in scratch block 0 (row 0
+        # of the table), with context 1
+        inputs_t, inputs = self.up_inputs.take((6, len(self.g_ids)))
         inputs[:3].fill(0)
-        known = np.flatnonzero(np.fromiter(map(_pending, seqs), np.int64, n) == 0)  # the rest: _feed_back's
+        pending = np.fromiter(map(_pending, seqs), np.int64, n)
+        known = np.flatnonzero(pending == 0)  # the rest: _feed_back's
         if len(known):
             inputs[0, known] = [seqs[i].token_ids[p] for i, p in zip(known.tolist(), pos[known].tolist())]
         inputs[1, :n] = pos
-        inputs[2, :n] = self.table_rows[np.arange(n), pos // block_size] * block_size + pos % block_size
+        inputs[2, :n] = self.tables.host[rows, pos // block_size] * block_size + pos % block_size
         inputs[3].fill(1)
         inputs[3, :n] = pos + 1
         inputs[4, :size] = np.argsort(-inputs[3, :size], kind="stable")  # longest first, as build_tiles orders tiles
+        inputs[5].fill(0)
+        inputs[5, :n] = rows
         self.up_inputs.send(inputs_t, self.g_inputs)
-        self.runner._feed_back(self.g_ids, batch)
+        self.runner._feed_back(self.g_ids, batch, (rows, pending))
         replay(self.runner, self, size, tables)
         top, tokens = self.argmax[size]
-        return self.graphs[size][1][:n], (top[:n], tokens[:n])
+        return self.graphs[size][1][:n], (top[:n], tokens[:n]), rows
 
     def mirrored(self, size: int, tables: tuple[int, int, int]) -> list[torch.Tensor]:
         """The input buffers a replay fills (padding included), and the block-table rows it changed."""
         start, end, width = tables
         return [self.g_inputs, self.g_tables[start:end, :width]]
 
-    def _update_tables(self, seqs: list[Sequence]) -> tuple[int, int, int]:
-        """Bring g_tables up to date with the batch, uploading only the rows whose blocks changed: returns those
-        rows [start, end) and the columns [0, width) uploaded.
 
-        A row changed when it holds another sequence's table (a list: a freed sequence gets a new one) or its table
-        grew (a block every block_size tokens). Found for all rows at once, and the changed rows rebuilt at once: when
-        a sequence ends, every row after it holds another sequence."""
+class TableRows:
+    """The decode graphs' block table: a row for each sequence that runs in them, which it keeps while it runs
+    (`Sequence.graph_row`), so that a row changes only when its sequence gains a block (one in block_size tokens) or
+    a new sequence takes it, not whenever the batch's order moves (every sequence behind one that ends). Row 0 is
+    all zeros (block 0, the scratch block): the padding rows'. A sequence that has ended or was preempted gives its
+    row up when one is needed (its table list is no longer the one the row holds)."""
+
+    def __init__(self, rows: int, width: int):
+        self.host = np.zeros((rows, width), dtype=np.int32)  # what the device's copy holds, once uploaded
+        self.owners: list[Sequence | None] = [None] * rows
+        self.lists: list[list[int] | None] = [None] * rows  # the block table (list) each row holds (kept alive)
+        self.list_ids = np.zeros(rows, dtype=np.int64)  # its id: 0 for none, so row 0 matches no sequence
+        self.widths = np.zeros(rows, dtype=np.int64)  # how many of its blocks the row holds
+        self.free = list(range(rows - 1, 0, -1))  # the lowest first
+
+    def update(self, seqs: list[Sequence]) -> tuple[np.ndarray, tuple[int, int, int] | None]:
+        """Each sequence's row (taking rows for those without one) and the host rows brought up to date: the rows'
+        numbers, and the range that changed ([first, last) rows, columns [0, width)), None if none did."""
         n = len(seqs)
+        rows = np.fromiter(map(_graph_row, seqs), np.int64, n)
         tables = list(map(_table, seqs))
         ids = np.fromiter(map(id, tables), np.int64, n)
+        for i in np.flatnonzero(self.list_ids[rows] != ids).tolist():  # new, re-admitted, or its row was taken
+            rows[i] = self._take(seqs[i], tables[i], int(ids[i]))
         widths = np.fromiter(map(len, tables), np.int64, n)
-        changed = np.flatnonzero((ids != self.owner_ids[:n]) | (widths != self.owner_widths[:n]))
-        if not len(changed):
-            return 0, 0, 0
-        self.table_owners[:n] = tables
-        self.owner_ids[:n], self.owner_widths[:n] = ids, widths
-        rows, lengths = changed.tolist(), widths[changed]
-        flat = np.fromiter(itertools.chain.from_iterable([tables[i] for i in rows]), np.int32, int(lengths.sum()))
-        block = np.zeros((len(rows), int(lengths.max())), dtype=np.int32)
+        grown = np.flatnonzero(self.widths[rows] != widths)
+        if not len(grown):
+            return rows, None
+        at, lengths = rows[grown], widths[grown]
+        flat = np.fromiter(itertools.chain.from_iterable([tables[i] for i in grown.tolist()]), np.int32,
+                           int(lengths.sum()))
+        block = np.zeros((len(at), int(lengths.max())), dtype=np.int32)
         block[np.arange(block.shape[1]) < lengths[:, None]] = flat  # each row's first `length` places, in order
-        self.table_rows[changed, :block.shape[1]] = block
-        first, last = rows[0], rows[-1] + 1
-        width = int(widths[first:last].max())
-        rows_t, host = self.up_tables.take((last - first, width))
-        host[:] = self.table_rows[first:last, :width]
-        self.up_tables.send(rows_t, self.g_tables[first:last, :width])
-        return first, last, width
+        self.host[at, :block.shape[1]] = block
+        self.widths[at] = lengths
+        first, last = int(at.min()), int(at.max()) + 1
+        return rows, (first, last, int(self.widths[first:last].max()))
+
+    def _take(self, seq: Sequence, table: list[int], table_id: int) -> int:
+        if not self.free:
+            self._reclaim()
+        row = self.free.pop()
+        seq.graph_row = row
+        self.owners[row], self.lists[row], self.list_ids[row], self.widths[row] = seq, table, table_id, 0
+        return row
+
+    def _reclaim(self) -> None:
+        """Free the rows of sequences that no longer run with the table their row holds (at least half the rows:
+        there are twice as many as sequences that run at once)."""
+        for row in range(1, len(self.owners)):
+            seq = self.owners[row]
+            if seq is not None and (seq.status is not Status.RUNNING or seq.block_table is not self.lists[row]):
+                self.owners[row] = self.lists[row] = None
+                self.list_ids[row] = self.widths[row] = 0
+                self.free.append(row)
+        self.free.sort(reverse=True)
 
 
-_computed, _pending, _table = (operator.attrgetter(name) for name in
-                               ("num_computed_tokens", "num_pending_tokens", "block_table"))
+_computed, _pending, _table, _graph_row = (operator.attrgetter(name) for name in
+                                           ("num_computed_tokens", "num_pending_tokens", "block_table", "graph_row"))
 
 
 def decode_sizes(max_num_seqs: int) -> list[int]:

@@ -57,9 +57,10 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.kv_caches = new_kv_caches(self, self.num_blocks)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # decode batch size -> graph, logits
-        self._fed: tuple[torch.Tensor, list[Sequence]] | None = None  # last launch's samples, and whose they are
-        # the last forward pass's logits and their rows' (maxima, argmax), when its graph took them
-        self._argmax: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
+        # last launch's samples, whose they are, and (a decode graph's) their table rows
+        self._fed: tuple[torch.Tensor, list[Sequence], np.ndarray | None] | None = None
+        # the last forward pass's logits, their rows' (maxima, argmax) and table rows, when a decode graph took them
+        self._argmax: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], np.ndarray] | None = None
         self.mixed_graphs: MixedGraphs | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.eager_steps = 0  # steps run outside the CUDA graphs (all of them without graphs)
@@ -96,7 +97,7 @@ class ModelRunner:
 
         Nothing waits for the device: a token that the previous launch sampled and the host has not read back yet
         is fed to this step on the device, and `sample` leaves its samples there until the caller reads them."""
-        argmax, scored = None, []
+        argmax, scored, rows = None, [], None
         if batch.num_decode == len(batch.seqs):  # every row decodes: each samples, none scores its prompt
             offset = len(batch.seqs)
             sample_seqs, sample_rows = list(batch.seqs), range(offset)
@@ -115,7 +116,7 @@ class ModelRunner:
             logits = self._eager(batch, decode_only, sample_rows, wanted)
             sample_rows = list(range(len(sample_rows)))
         elif decode_only and self.graphs and offset <= max(self.graphs):
-            logits, argmax = self.decode_graphs.replay(batch)
+            logits, argmax, rows = self.decode_graphs.replay(batch)
         elif self.mixed_graphs is not None and self.mixed_graphs.fits(offset):
             logits = self.mixed_graphs.replay(batch, sample_rows)
             sample_rows = list(range(len(sample_rows)))
@@ -129,8 +130,8 @@ class ModelRunner:
             # a decode-only step with a one-token prefill chunk
             return sample_seqs, logits.index_select(0, to_device(sample_rows, torch.long, self.device))
         logits = logits[:len(sample_seqs)]
-        if argmax is not None:  # the graph's own argmax of these logits, for `sample`
-            self._argmax = (logits, argmax)
+        if argmax is not None:  # the graph's own argmax of these logits, and its rows' table rows, for `sample`
+            self._argmax = (logits, argmax, rows)
         return sample_seqs, logits
 
     @torch.inference_mode()
@@ -141,10 +142,10 @@ class ModelRunner:
         if not seqs:
             self._fed = None
             return None
-        argmax = self._argmax[1] if self._argmax is not None and self._argmax[0] is logits else None
+        argmax, rows = self._argmax[1:] if self._argmax is not None and self._argmax[0] is logits else (None, None)
         self._argmax = None
         result = self.sampler(logits, seqs, masks, argmax)
-        self._fed = (result.token_ids, seqs)
+        self._fed = (result.token_ids, seqs, rows)
         return result
 
     def _eager(self, batch: ScheduledBatch, decode_only: bool, sample_rows: list[int],
@@ -162,20 +163,29 @@ class ModelRunner:
             prompt_logprobs.compute(self.model, hidden[-1][0], wanted)
         return logits if sample_rows else None
 
-    def _feed_back(self, ids: torch.Tensor, batch: ScheduledBatch) -> None:
+    def _feed_back(self, ids: torch.Tensor, batch: ScheduledBatch,
+                   graph: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         """Write into the packed `ids` the tokens the previous launch sampled that the host has not read yet (a
-        launch is read back whole: with overlap, every sequence of it that runs again; without, none)."""
+        launch is read back whole: with overlap, every sequence of it that runs again; without, none). `graph`: a
+        decode graph's step, its sequences' table rows and pending tokens."""
         if self._fed is None:
             return
-        tokens, fed = self._fed
+        tokens, fed, fed_rows = self._fed
         seqs = batch.seqs
         if seqs == fed and batch.num_decode == len(seqs):  # steady decode: the same sequences in the same rows
             if seqs[0].num_pending_tokens:
                 ids[:len(seqs)] = tokens
             return
-        rows = {seq: row for row, seq in enumerate(fed)}
-        src = np.fromiter((rows.get(seq, -1) if seq.num_pending_tokens else -1 for seq in seqs), np.int64, len(seqs))
-        dst = np.cumsum(batch.num_new_tokens) - 1  # its one pending token is its last input
+        if graph is not None and fed_rows is not None:  # two decode graphs' steps: the table rows pair the sequences
+            rows, pending = graph  # (a sequence keeps its row while it has a token pending)
+            where = np.full(len(self.decode_graphs.tables.owners), -1, dtype=np.int64)
+            where[fed_rows] = np.arange(len(fed_rows))
+            src, dst = np.where(pending > 0, where[rows], -1), np.arange(len(seqs))
+        else:
+            by_seq = {seq: row for row, seq in enumerate(fed)}
+            src = np.fromiter((by_seq.get(seq, -1) if seq.num_pending_tokens else -1 for seq in seqs), np.int64,
+                              len(seqs))
+            dst = np.cumsum(batch.num_new_tokens) - 1  # its one pending token is its last input
         taken = src >= 0
         if taken.any():
             index = to_device(np.stack([dst[taken], src[taken]]), torch.long, self.device)

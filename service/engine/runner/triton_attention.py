@@ -116,14 +116,14 @@ def _attend_keys_pipelined(acc, m_i, l_i, q, K, V, table, kv_start, kv_stop, hea
 
 @triton.jit
 def _paged_attention_kernel(
-    Q, K, V, O, block_tables, seq_lens, query_start_loc, tile_seq, tile_qstart,
+    Q, K, V, O, block_tables, table_rows, seq_lens, query_start_loc, tile_seq, tile_qstart,
     scale, softcap, window,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_N: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr,
     PART_O, PART_LSE, NUM_PARTS, COUNTS, SPLITS: tl.constexpr, MIN_TILES: tl.constexpr, USE_PDL: tl.constexpr,
-    PIPELINE: tl.constexpr,
+    PIPELINE: tl.constexpr, TABLE_ROWS: tl.constexpr,
 ):
     if USE_PDL:  # the kernel before has finished and its writes are visible (engine/pdl.py)
         tl.extra.cuda.gdc_wait()
@@ -173,7 +173,10 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # keys before the tile's first query token are visible to all its rows: whole tiles of them need no mask, and
     # go WIDE_N at a time (fewer, larger loads), the rest BLOCK_N at a time
-    table, head_offset = block_tables + seq * stride_bt, kv_head * stride_kh
+    table_row = seq
+    if TABLE_ROWS:  # (the decode graphs': each sequence keeps a row of the table while it runs)
+        table_row = tl.load(table_rows + seq)
+    table, head_offset = block_tables + table_row * stride_bt, kv_head * stride_kh
     visible = 0
     if not USE_WINDOW:
         visible = tl.maximum(tl.minimum(context + q_first + 1, kv_end) - kv_start, 0)
@@ -367,7 +370,8 @@ def triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: 
     grid = (meta.tile_seq.shape[0], kv_heads, splits)
     block_d = triton.next_power_of_2(head_dim)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        q, k_cache, v_cache, out, meta.block_tables,
+        meta.table_rows if meta.table_rows is not None else meta.seq_lens, meta.seq_lens, meta.query_start_loc,
         meta.tile_seq, meta.tile_qstart,
         scale, float(softcap or 1.0), int(sliding_window or 0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -378,6 +382,7 @@ def triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: 
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP16_DOTS=k_cache.element_size() == 1 and q.dtype != torch.float32,
         PART_O=part_o, PART_LSE=part_lse, NUM_PARTS=num_parts, COUNTS=counts, SPLITS=splits, MIN_TILES=min_tiles,
-        PIPELINE=meta.block_m >= LONG_PREFILL_ROWS, num_warps=warps, num_stages=stages, **pdl.launch(),
+        PIPELINE=meta.block_m >= LONG_PREFILL_ROWS, TABLE_ROWS=meta.table_rows is not None, num_warps=warps,
+        num_stages=stages, **pdl.launch(),
     )
     return out
