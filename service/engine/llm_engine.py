@@ -4,10 +4,12 @@ import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import operator
 import sys
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from service.engine.block_manager import BlockManager
@@ -25,6 +27,7 @@ from service.engine.sequence import Sequence
 from service.engine.structured import SWITCH_INTERVAL, Grammars
 
 log = logging.getLogger(__name__)
+_token_ids, _length_at = operator.attrgetter("token_ids"), operator.attrgetter("length_at")
 
 
 @dataclass
@@ -64,6 +67,7 @@ class LLMEngine:
         self.quantization = loaded.quantization
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
+        self._eos = np.array(sorted(self.eos_token_ids), dtype=np.int64)
         try:
             self.runner = ModelRunner(loaded.model, config, self.device, loaded.max_model_len)
         except BaseException as exc:
@@ -155,6 +159,8 @@ class LLMEngine:
     def new_sequence(self, request_id: str, ids: list[int], params: SamplingParams, arrival: float) -> Sequence:
         """The sequence of a request already validated (check_request) and tokenized."""
         seq = Sequence(request_id, ids, params, eos_token_ids=self.eos_token_ids, timings=Timings(arrival=arrival))
+        if params.max_tokens and params.structured is None and not params.stop_token_ids:
+            seq.length_at = min(len(ids) + params.max_tokens, self.max_model_len)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.detokenizer.start(seq)
@@ -365,7 +371,8 @@ class LLMEngine:
             return failed
         now = time.perf_counter()
         outputs, first_tokens, finished, rows = [], [], [], self.rows
-        for row, reason in self.scheduler.postprocess(step.batch, step.sampled, tokens, self._check_stop):
+        for row, reason in self.scheduler.postprocess(step.batch, step.sampled, tokens, self._check_stop,
+                                                      self._may_stop(step.sampled, tokens)):
             seq, token, lp = step.sampled[row], tokens[row], logprobs[row]
             timings = seq.timings
             if not rows:  # the engine process: the front end keeps the token times, where the client's clock is
@@ -426,6 +433,16 @@ class LLMEngine:
                      mask_seconds=self._mask_seconds)
         self._grammar_waits, self._grammar_hits, self._mask_seconds = [], 0, 0.0
         return stats
+
+    def _may_stop(self, seqs: list[Sequence], tokens: list[int]) -> "np.ndarray | None":
+        """Which rows `_check_stop` must look at (None: all): with text left to the front ends (the engine process),
+        a row whose sequence only EOS and its length can end (`Sequence.length_at`) and that reached neither goes on
+        without a look. For the whole step at once: most rows of a step go on."""
+        if self.detokenizer.tokenizer is not None or not seqs:  # every token goes through the detokenizer
+            return None
+        lengths = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, len(seqs))  # before this step's token
+        limits = np.fromiter(map(_length_at, seqs), np.int64, len(seqs))  # -1: always looked at
+        return (lengths + 1 >= limits) | np.isin(np.asarray(tokens, dtype=np.int64), self._eos)
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p, produced = seq.params, len(seq.token_ids) - len(seq.prompt_token_ids)  # seq.num_output_tokens

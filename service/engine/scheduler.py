@@ -143,7 +143,7 @@ class Scheduler:
         """
         if not self.waiting or self.held_steps >= self.admission_wait_steps or batch.preempted:
             return False
-        if len(self.running) < max(1, self.max_num_seqs // 4) or any(n > 1 for n in batch.num_new_tokens):
+        if len(self.running) < max(1, self.max_num_seqs // 4) or max(batch.num_new_tokens, default=0) > 1:
             return False  # light load, or a prefill chunk runs in this step anyway
         waiting_tokens = 0
         for seq in self.waiting:
@@ -226,9 +226,11 @@ class Scheduler:
             seq.num_pending_tokens += 1
 
     def postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], tokens: list[int],
-                    check_stop: Callable[[Sequence, int], str | None]) -> list[tuple[int, str | None]]:
+                    check_stop: Callable[[Sequence, int], str | None],
+                    may_stop=None) -> list[tuple[int, str | None]]:
         """A launched step's sampled tokens are back on the host: append them, register the full blocks, check
-        each for a stop and finish those that stopped (their blocks are freed).
+        each for a stop (only the rows `may_stop` marks, when given) and finish those that stopped (their blocks are
+        freed).
 
         A sequence that finished since the launch (it stopped at the step before, found out a step late, or was
         aborted) drops its token. Returns, for each row of `sampled` whose sequence took its token, the row and
@@ -248,7 +250,7 @@ class Scheduler:
             # register its full blocks (one in block_size tokens): every token they hold is known now
             if commit is not None and min(seq.num_computed_tokens, len(ids)) // block_size > seq.num_hashed_blocks:
                 commit(seq)
-            reason = check_stop(seq, token)
+            reason = check_stop(seq, token) if may_stop is None or may_stop[row] else None
             if reason:
                 self.finish(seq, reason)
             taken.append((row, reason))

@@ -44,6 +44,9 @@ class Sequence:
     plain: bool = False
     edit_slot: int = -1  # its slot in the sampler's LogitEdits, once it has one
     graph_row: int = 0  # its row of the decode graphs' block table (runner/cuda_graphs.TableRows), once it has one
+    # when only EOS and its length can end it (no stop token ids, grammar or prompt-only): the token count at which it
+    # ends for length (the engine sets it; -1: every token it samples is checked in full)
+    length_at: int = -1
     # with params.structured (engine/structured.py): the grammar compiling (a Future) and since when, then the matcher
     # that takes each token the host reads back
     grammar: object = None

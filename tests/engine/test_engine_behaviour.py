@@ -208,3 +208,33 @@ def test_a_request_is_plain_for_the_sampler_only_with_nothing_to_edit_ban_or_rep
     assert not plain(temperature=0, min_tokens=2, ignore_eos=True, stop_token_ids=[3])
     assert not plain(temperature=1.0) and not plain(temperature=0, logprobs=1)
     assert not plain(temperature=0, logit_bias={5: 1.0}) and not plain(temperature=0, presence_penalty=0.5)
+
+
+def test_rows_left_unchecked_for_a_stop_are_rows_that_would_go_on(engine):
+    """The engine process (text left to the front ends) checks only the rows `_may_stop` marks: every row that a full
+    check would stop is among them, for requests of every kind of stop."""
+    from service.engine.detokenizer import Detokenizer
+    eos = min(engine.eos_token_ids)
+    kinds = [SamplingParams(max_tokens=3), SamplingParams(max_tokens=3, ignore_eos=True),
+             SamplingParams(max_tokens=5, min_tokens=2), SamplingParams(max_tokens=4, stop_token_ids=[7]),
+             SamplingParams(max_tokens=engine.max_model_len)]  # ends at the context's length
+    seqs = [engine.new_sequence(f"s{i}", [5] * (engine.max_model_len - 4 if p.max_tokens > 10 else 4), p, 0.0)
+            for i, p in enumerate(kinds)]
+    assert [s.length_at >= 0 for s in seqs] == [True, True, True, False, True]  # stop token ids: always checked
+    text, engine.detokenizer = engine.detokenizer, Detokenizer(None)
+    try:
+        for _ in range(5):  # each output length up to past max_tokens, each kind of token
+            for token in (eos, 7, 9):
+                marked = engine._may_stop(seqs, [token] * len(seqs))
+                for seq, mark in zip(seqs, marked):
+                    seq.token_ids.append(token)
+                    if engine._check_stop(seq, token):
+                        assert mark, (seq.params, len(seq.output_token_ids), token)
+                    seq.token_ids.pop()
+            for seq in seqs:
+                seq.token_ids.append(9)
+        assert engine._may_stop(seqs, [9] * len(seqs)).tolist() == [  # 9 is neither EOS nor a stop token
+            s.length_at < 0 or len(s.token_ids) + 1 >= s.length_at for s in seqs]
+    finally:
+        engine.detokenizer = text
+    assert engine._may_stop(seqs, [9] * len(seqs)) is None  # with text made here, every row goes to the detokenizer
