@@ -219,6 +219,17 @@ def test_cuda_engine_greedy_matches_transformers(tiny_cuda, overrides):
         assert engine.runner.mixed_graphs.replays > 0 and engine.runner.eager_steps == 0
 
 
+def test_cuda_decode_graph_step_whose_last_row_is_a_prompt_chunk_that_samples_nothing(tiny_cuda):
+    """Seven one-token prompts decode while a long prompt gets the step's last token of budget: decode-only steps
+    (one token a row, replayed from a decode graph) whose last row samples nothing; the graph's argmax of that row
+    is not a sample."""
+    prompts = [[5 + i] for i in range(7)] + [list(range(10, 60))]
+    refs = [reference_greedy(tiny_cuda, p, 12) for p in prompts]
+    engine = make_engine(tiny_cuda, device="cuda", max_num_seqs=8, max_num_batched_tokens=8, num_blocks=128)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert [o["token_ids"] for o in outs] == refs
+
+
 def test_cuda_engine_long_prefill_tiles_match_transformers():
     """A step of long prompt chunks with 128-wide heads runs outside the graphs in long prefill tiles
     (input_packing.block_m_for), compiled and overlapped as served: token for token as transformers in float32."""

@@ -9,6 +9,7 @@ pinned_upload's double-buffered uploads), kv_cache (the cache's shape and size) 
 """
 
 import contextlib
+import operator
 
 import numpy as np
 import torch
@@ -24,6 +25,8 @@ from service.engine.runner.pinned_upload import to_device
 from service.engine.runner.sampler import SampleResult, Sampler
 from service.engine.scheduler import ScheduledBatch
 from service.engine.sequence import Sequence
+
+_pending = operator.attrgetter("num_pending_tokens")
 
 
 class ModelRunner:
@@ -76,7 +79,7 @@ class ModelRunner:
         """Give back the KV cache and the CUDA graphs now, not when a reference cycle is next collected (a
         process that makes engines one after another, such as `bench run`, would otherwise run out of GPU memory).
         The runner cannot run after this."""
-        self.kv_caches, self.graphs, self._fed = [], {}, None
+        self.kv_caches, self.graphs, self._fed, self._argmax = [], {}, None, None
         self.decode_graphs = self.mixed_graphs = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -129,9 +132,10 @@ class ModelRunner:
         if not isinstance(sample_rows, range) and sample_rows != list(range(len(sample_rows))):
             # a decode-only step with a one-token prefill chunk
             return sample_seqs, logits.index_select(0, to_device(sample_rows, torch.long, self.device))
-        logits = logits[:len(sample_seqs)]
+        k = len(sample_seqs)  # (fewer than the graph's rows when its last row is a prompt chunk that does not sample)
+        logits = logits[:k]
         if argmax is not None:  # the graph's own argmax of these logits, and its rows' table rows, for `sample`
-            self._argmax = (logits, argmax, rows)
+            self._argmax = (logits, (argmax[0][:k], argmax[1][:k]), rows[:k])
         return sample_seqs, logits
 
     @torch.inference_mode()
@@ -180,13 +184,15 @@ class ModelRunner:
             rows, pending = graph  # (a sequence keeps its row while it has a token pending)
             where = np.full(len(self.decode_graphs.tables.owners), -1, dtype=np.int64)
             where[fed_rows] = np.arange(len(fed_rows))
-            src, dst = np.where(pending > 0, where[rows], -1), np.arange(len(seqs))
+            src, dst = where[rows], np.arange(len(seqs))
         else:
             by_seq = {seq: row for row, seq in enumerate(fed)}
-            src = np.fromiter((by_seq.get(seq, -1) if seq.num_pending_tokens else -1 for seq in seqs), np.int64,
-                              len(seqs))
+            src = np.fromiter((by_seq.get(seq, -1) for seq in seqs), np.int64, len(seqs))
+            pending = np.fromiter(map(_pending, seqs), np.int64, len(seqs))
             dst = np.cumsum(batch.num_new_tokens) - 1  # its one pending token is its last input
-        taken = src >= 0
+        if (src[pending > 0] < 0).any():  # its token would be lost: a wrong input, not a quiet one
+            raise RuntimeError("a sequence's pending token is not among the previous launch's samples")
+        taken = (src >= 0) & (pending > 0)
         if taken.any():
             index = to_device(np.stack([dst[taken], src[taken]]), torch.long, self.device)
             ids[index[0]] = tokens[index[1]]
