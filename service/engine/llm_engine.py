@@ -261,9 +261,7 @@ class LLMEngine:
                                           "of step") from exc
                 log.exception("engine step failed; failing its %d requests", len(batch.seqs))
                 outputs += self._read_in_flight()
-                failed = self._fail(batch)
-                self._observe(failed, finished=failed, batch=batch, error=type(exc).__name__)
-                return outputs + failed
+                return outputs + self._fail(batch, exc)
         elif self._in_flight is None and self._compiling and not outputs:
             # nothing to run but grammars compiling: wait for one a moment instead of spinning
             concurrent.futures.wait([s.grammar for s in self._compiling], timeout=0.001,
@@ -330,9 +328,7 @@ class LLMEngine:
         except Exception as exc:
             log.exception("the masks of an engine step failed; failing its %d requests", len(step.batch.seqs))
             self._in_flight = None
-            failed = self._fail(step.batch)
-            self._observe(failed, finished=failed, batch=step.batch, error=type(exc).__name__)
-            return failed
+            return self._fail(step.batch, exc)
         return []
 
     def _admit_compiled(self, now: float) -> list:
@@ -366,9 +362,7 @@ class LLMEngine:
             raise
         except Exception as exc:  # a device fault (or NaN logits) surfaces here, when the host waits for the step
             log.exception("engine step failed on the device; failing its %d requests", len(step.batch.seqs))
-            failed = self._fail(step.batch)
-            self._observe(failed, finished=failed, batch=step.batch, error=type(exc).__name__)
-            return failed
+            return self._fail(step.batch, exc)
         now = time.perf_counter()
         outputs, first_tokens, finished, rows = [], [], [], self.rows
         for row, reason in self.scheduler.postprocess(step.batch, step.sampled, tokens, self._check_stop,
@@ -471,7 +465,8 @@ class LLMEngine:
             return "length"
         return None
 
-    def _fail(self, batch: ScheduledBatch) -> list[RequestOutput]:
+    def _fail(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
+        """Finish the step's requests with an error (the step failed with `exc`) and report them."""
         outputs = []
         for seq in batch.seqs:
             self.blocks.forget(seq)  # registered at launch: what its blocks hold is not to be reused
@@ -481,6 +476,7 @@ class LLMEngine:
             seq.timings.finished = time.perf_counter()
             self.seqs.pop(seq.request_id, None)
             outputs.append(self._output(seq, [], []))
+        self._observe(outputs, finished=outputs, batch=batch, error=type(exc).__name__)
         return outputs
 
     def _output(self, seq: Sequence, new_tokens: list[int], logprobs: list, first: bool = False):

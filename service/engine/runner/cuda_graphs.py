@@ -112,7 +112,6 @@ class DecodeGraphs:
         self.g_tile_qstart = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.g_inputs[3].fill_(1)
         self.g_inputs[4].copy_(torch.arange(max_batch))
-        self.g_inputs[5].fill_(0)
         pool = self.pool
 
         def then(logits):

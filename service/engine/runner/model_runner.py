@@ -117,20 +117,19 @@ class ModelRunner:
         wanted = prompt_logprobs.Wanted(scored) if scored else None
         if wanted:  # prompt logprobs: every row's hidden state, outside the graphs
             logits = self._eager(batch, decode_only, sample_rows, wanted)
-            sample_rows = list(range(len(sample_rows)))
+            sample_rows = range(len(sample_rows))
         elif decode_only and self.graphs and offset <= max(self.graphs):
             logits, argmax, rows = self.decode_graphs.replay(batch)
         elif self.mixed_graphs is not None and self.mixed_graphs.fits(offset):
             logits = self.mixed_graphs.replay(batch, sample_rows)
-            sample_rows = list(range(len(sample_rows)))
+            sample_rows = range(len(sample_rows))
         else:
             logits = self._eager(batch, decode_only, sample_rows)
-            sample_rows = list(range(len(sample_rows)))
+            sample_rows = range(len(sample_rows))
         self._argmax = None
         if not sample_seqs:
             return [], None
-        if not isinstance(sample_rows, range) and sample_rows != list(range(len(sample_rows))):
-            # a decode-only step with a one-token prefill chunk
+        if sample_rows[-1] != len(sample_rows) - 1:  # (rows ascend) a decode-only step with a one-token prefill chunk
             return sample_seqs, logits.index_select(0, to_device(sample_rows, torch.long, self.device))
         k = len(sample_seqs)  # (fewer than the graph's rows when its last row is a prompt chunk that does not sample)
         logits = logits[:k]

@@ -130,15 +130,16 @@ class Sampler:
         """Sample a token per row of `logits` [len(seqs), vocab]; `masks` (rows, bitmask): the grammars' allowed
         tokens of constrained rows (engine/structured.py); `argmax`: the rows' (maxima, argmax) as `LogitEdits.argmax`
         gives them unedited, when a CUDA graph took them already."""
-        if all(map(_plain, seqs)) and masks is None:  # plain greedy rows: nothing to edit, ban or report
-            top, tokens = argmax or self.edits.argmax(logits, seqs, [], [])
-            return SampleResult(tokens, top, [], [], [], self.ring)
-        banned, wanted, edited, all_greedy = self._scan(seqs)
+        if masks is None and all(map(_plain, seqs)):  # plain greedy rows: nothing to edit, ban or report
+            banned, wanted, edited, all_greedy = [], [], [], True
+        else:
+            banned, wanted, edited, all_greedy = self._scan(seqs)
+            argmax = None  # (the graph's is of the logits unedited)
         if all_greedy and not wanted:
             # argmax is the same in the model's dtype: skip the float copy of [rows, vocab] (edits are computed in
             # float32 as the logits are read). max propagates NaN, so the row maxima tell whether any logit was NaN:
             # one pass over the logits instead of two
-            top, tokens = self.edits.argmax(logits, seqs, edited, banned, masks)
+            top, tokens = argmax or self.edits.argmax(logits, seqs, edited, banned, masks)
             return SampleResult(tokens, top, [], [], [], self.ring)
         top = logits.amax(-1)  # NaN where a row holds one, read back with the tokens: no extra device sync
         logits = logits.float()
@@ -163,6 +164,8 @@ class Sampler:
         penalties edit their logits, and whether every row is greedy."""
         bans, wanted, edited, all_greedy = [], [], [], True
         for i, s in enumerate(seqs):
+            if s.plain:  # greedy, and nothing to ban, report or edit
+                continue
             p = s.params
             # tokens on the device count; a grammar decides for itself when the output may end
             if p.min_tokens and s.num_tokens - s.num_prompt_tokens < p.min_tokens and s.matcher is None:
