@@ -143,10 +143,9 @@ def _read_shard(folder: Path, config, dtype: torch.dtype, trust_remote_code: boo
     source = weights.Checkpoint(folder) if folder.is_dir() else None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-    extra = [name for name, b in model.named_buffers() if b.is_meta and not name.startswith("model.rotary_emb.")]
-    if source is None or not source.covers(model) or extra:  # (buffers other than rotary frequencies: made whole)
-        log.info("%s: its files do not name every parameter of %s; each rank loads it whole, then slices it", folder,
-                 type(model).__name__)
+    if source is None or not source.covers(model):
+        log.info("%s: its files cannot make every parameter and buffer of %s; each rank loads it whole, then slices it",
+                 folder, type(model).__name__)
         return None
     weights.fill(model, source, torch.device("cpu"), shard(model))
     try:

@@ -18,7 +18,6 @@ import collections
 import dataclasses
 import fnmatch
 import gc
-import importlib
 import logging
 import math
 import multiprocessing
@@ -36,7 +35,6 @@ import torch.distributed as dist
 from service.engine.errors import RankFailedError
 from service.engine.runner import attention
 from service.engine.runner.attention import AttentionMetadata, ForwardContext, forward_context
-from service.engine.runner.kv_cache import new_kv_caches
 from service.engine.runner.pinned_upload import to_device
 
 log = logging.getLogger(__name__)
@@ -151,8 +149,10 @@ def _(x):
 # reads it as soon as rank 0 has written it, without waiting for its own device; then one byte buffer holding the
 # tensors one after another (each padded to 8 bytes, so that each views as its dtype) goes by broadcast. On CUDA the
 # buffer stays on the device: rank 0 packs its inputs there and NCCL moves them. Two kinds of forward pass:
-# - FORWARD, an eager one: its integers are which KV cache, the backend and the attention metadata's integers, then
-#   each tensor's dtype and shape; its tensors the model's arguments and the metadata's.
+# Every header starts with its kind and whether to gather every rank's busy time after the pass (`report`).
+# - FORWARD, an eager one: its integers are the attention metadata's integers, then each tensor's dtype and shape; its
+#   tensors the model's arguments and the metadata's. Every rank runs it over its own KV cache and attention backend
+#   (the same config made them).
 # - REPLAY, a CUDA graph's: which ladder (its KIND: cuda_graphs), which size, and the block-table rows the step changed;
 #   its tensors the graph's input buffers, as rank 0 filled them (cuda_graphs: `mirrored`), which the other ranks
 #   copy into theirs before replaying the same graph. The graphs hold the all-reduces.
@@ -161,9 +161,7 @@ META_INTS = tuple(f.name for f in dataclasses.fields(AttentionMetadata) if f.typ
 META_TENSORS = tuple(f.name for f in dataclasses.fields(AttentionMetadata) if f.name not in META_INTS)
 TENSORS = KWARGS + META_TENSORS
 DTYPES = (torch.int64, torch.int32, torch.bool)
-BACKENDS = ((attention.__name__, "torch_paged_attention"),
-            ("service.engine.runner.triton_attention", "triton_paged_attention"))
-FIELDS = 4 + len(META_INTS)  # op, num_blocks, report, backend, the metadata's integers; then 3 per tensor
+FIELDS = 2 + len(META_INTS)  # op, report, the metadata's integers; then 3 per tensor
 HEADER = FIELDS + 3 * len(TENSORS)
 STOP, FORWARD, REPLAY = 0, 1, 2
 
@@ -171,9 +169,7 @@ STOP, FORWARD, REPLAY = 0, 1, 2
 class Forward(NamedTuple):
     kwargs: dict
     meta: AttentionMetadata
-    num_blocks: int  # which KV cache: the engine's, or a throwaway one of another size
     report: bool  # gather every rank's busy time after it
-    backend: object
 
 
 class Replay(NamedTuple):
@@ -224,7 +220,9 @@ def _packed(tensors) -> torch.Tensor:
     parts = []
     for t in tensors:
         data = t.reshape(-1).view(torch.uint8)
-        parts += [data, data.new_zeros(-len(data) % 8)]
+        parts.append(data)
+        if pad := -len(data) % 8:
+            parts.append(data.new_zeros(pad))
     return torch.cat(parts)
 
 
@@ -240,12 +238,10 @@ def _receive_packed(specs, device: torch.device) -> list[torch.Tensor]:
     return views
 
 
-def forward_message(kwargs: dict, ctx: ForwardContext, report: bool) -> tuple[list[int], list[torch.Tensor]]:
-    """An eager forward pass as (header, tensors): `kwargs` input_ids and position_ids, the attention metadata, which
-    cache, which backend."""
-    meta = ctx.meta
-    backend = BACKENDS.index((ctx.backend.__module__, ctx.backend.__name__))
-    header = [FORWARD, ctx.kv_caches[0][0].shape[0], int(report), backend, *(getattr(meta, f) for f in META_INTS)]
+def forward_message(kwargs: dict, meta: AttentionMetadata) -> tuple[list[int], list[torch.Tensor]]:
+    """An eager forward pass as (its header's integers, tensors): `kwargs` input_ids and position_ids, and the
+    attention metadata."""
+    header = [getattr(meta, f) for f in META_INTS]
     tensors = []
     for name in TENSORS:
         t = kwargs[name] if name in KWARGS else getattr(meta, name)
@@ -256,12 +252,6 @@ def forward_message(kwargs: dict, ctx: ForwardContext, report: bool) -> tuple[li
         header += [DTYPES.index(t.dtype), t.shape[0], t.shape[1] if t.dim() == 2 else -1]
         tensors.append(t)
     return header, tensors
-
-
-def replay_message(kind: int, size: int, report: bool, tables: tuple[int, int, int],
-                   inputs: list[torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
-    """A graph replay as (header, tensors): which graph, and its input buffers `inputs` as filled for this step."""
-    return [REPLAY, kind, size, int(report), *tables], inputs
 
 
 def receive_replay(inputs: list[torch.Tensor], device: torch.device) -> None:
@@ -276,7 +266,7 @@ def receive(h: list[int], device: torch.device) -> Forward | Replay | None:
     if h[0] == STOP:
         return None
     if h[0] == REPLAY:
-        return Replay(h[1], h[2], bool(h[3]), tuple(h[4:7]))
+        return Replay(h[2], h[3], bool(h[1]), tuple(h[4:7]))
     names, specs = [], []
     for k, name in enumerate(TENSORS):
         code, rows, cols = h[FIELDS + 3 * k:FIELDS + 3 * k + 3]
@@ -285,9 +275,13 @@ def receive(h: list[int], device: torch.device) -> Forward | Replay | None:
             specs.append((DTYPES[code], (rows,) if cols < 0 else (rows, cols)))
     tensors = dict(zip(names, _receive_packed(specs, device)))
     kwargs = {name: tensors[name] for name in KWARGS}
-    meta = AttentionMetadata(**{name: tensors.get(name) for name in META_TENSORS}, **dict(zip(META_INTS, h[4:FIELDS])))
-    module, name = BACKENDS[h[3]]
-    return Forward(kwargs, meta, h[1], bool(h[2]), getattr(importlib.import_module(module), name))
+    meta = AttentionMetadata(**{name: tensors.get(name) for name in META_TENSORS}, **dict(zip(META_INTS, h[2:FIELDS])))
+    return Forward(kwargs, meta, bool(h[1]))
+
+
+def _exit_reason(proc) -> str:
+    """Why the group is lost when the process of a rank (named tp-rank-N) has ended."""
+    return f"tensor-parallel rank {proc.name.rsplit('-', 1)[1]} exited with code {proc.exitcode}"
 
 
 class BusyClock:
@@ -428,7 +422,7 @@ class TensorParallelGroup:
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
 
     def _exited(self) -> str | None:
-        return next((f"{p.name} exited with code {p.exitcode}" for p in self.procs if not p.is_alive()), None)
+        return next((_exit_reason(p) for p in self.procs if not p.is_alive()), None)
 
     def wait_for_ranks(self) -> None:
         """Once rank 0 has loaded its shard: wait for the other ranks' (RankFailedError if one exits meanwhile)."""
@@ -445,7 +439,7 @@ class TensorParallelGroup:
         runner.parallel = self
 
     def _before_forward(self, module, args, kwargs):
-        self._send(lambda report: forward_message(kwargs, attention._context, report))
+        self._send(FORWARD, *forward_message(kwargs, attention._context.meta))
 
     def _after_forward(self, module, args, output):
         self.forward_done()
@@ -453,16 +447,16 @@ class TensorParallelGroup:
 
     def send_replay(self, kind: int, size: int, tables: tuple[int, int, int], inputs: list[torch.Tensor]) -> None:
         """Before rank 0 replays graph `size` of ladder `kind`: the graph's `inputs`, as filled, to the other ranks."""
-        self._send(lambda report: replay_message(kind, size, report, tables, inputs))
+        self._send(REPLAY, [kind, size, *tables], inputs)
 
-    def _send(self, send) -> None:
+    def _send(self, op: int, ints: list[int], tensors: list[torch.Tensor]) -> None:
+        """A forward pass's header (`op`, whether to report, its integers `ints`) and its tensors, to the other ranks."""
         if self.failure:
             raise RankFailedError(self.failure)
         self._calls += 1  # counted before it is sent: a rank that hangs takes the broadcast down with it
         self._report = self._calls % self.REPORT_EVERY == 0
-        header, tensors = send(self._report)
         try:
-            self.headers.post(header, lambda: self.failure)
+            self.headers.post([op, int(self._report), *ints], lambda: self.failure)
             dist.broadcast(_packed(tensors).to(self.device), src=0)
         except RankFailedError:
             raise
@@ -509,7 +503,7 @@ class TensorParallelGroup:
             if ready:
                 dead = sentinels[ready[0]]
                 dead.join(5)  # the sentinel can fire before the exit status is collected: exitcode would read None
-                reason = f"tensor-parallel rank {dead.name.rsplit('-', 1)[1]} exited with code {dead.exitcode}"
+                reason = _exit_reason(dead)
                 break
             now, sent = time.monotonic(), self._calls
             for rank, proc in enumerate(self.procs, start=1):
@@ -578,7 +572,6 @@ def _worker(config, world: int, rank: int, port: int, parent: int, finished, hea
     wait_for_ranks(store, world, rank, gone)
     runner = ModelRunner(loaded.model, config, device, loaded.max_model_len)
     ladders = (runner.decode_graphs, runner.mixed_graphs)  # by their KIND
-    caches = {runner.num_blocks: runner.kv_caches}  # the engine's, and a throwaway of another size (a dry run)
     clock = BusyClock(device)
     finished[rank] = 0  # ready: from now on the watcher expects each pass sent to finish
     with torch.inference_mode():
@@ -597,12 +590,8 @@ def _worker(config, world: int, rank: int, port: int, parent: int, finished, hea
                 clock.start()
                 cuda_graphs.replay(runner, graphs, call.size, call.tables)  # (its runner has no group: it sends none)
             else:
-                if call.num_blocks not in caches:
-                    if len(caches) >= 2:  # drop the older throwaway
-                        caches.pop(next(k for k in caches if k != runner.num_blocks))
-                    caches[call.num_blocks] = new_kv_caches(runner, call.num_blocks)
                 clock.start()
-                with forward_context(ForwardContext(caches[call.num_blocks], call.meta, call.backend)):
+                with forward_context(ForwardContext(runner.kv_caches, call.meta, runner.backend)):
                     runner.model(**call.kwargs, use_cache=False, logits_to_keep=1)
             clock.stop()
             finished[rank] += 1

@@ -50,7 +50,7 @@ def fill(model: nn.Module, source, device: torch.device, slices: dict[int, tuple
                     made[id(p)] = nn.Parameter(tensor.to(device, p.dtype), requires_grad=False)
                 module._parameters[key] = made[id(p)]
 
-    rotary = getattr(model.model, "rotary_emb", None)
+    rotary = _rotary(model)
     if rotary is not None and any(b.is_meta for b in rotary.buffers()):
         with torch.device(device):  # its frequencies are made at construction
             model.model.rotary_emb = type(rotary)(config=model.config)
@@ -62,6 +62,11 @@ def fill(model: nn.Module, source, device: torch.device, slices: dict[int, tuple
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ValueError(f"nothing fills {', '.join(left[:3])}")
+
+
+def _rotary(model: nn.Module) -> nn.Module | None:
+    """The model's rotary embedding, whose frequencies are buffers made at construction."""
+    return getattr(model.model, "rotary_emb", None)
 
 
 class Random:
@@ -85,7 +90,12 @@ class Checkpoint:
                 self.files.update(dict.fromkeys(f.keys(), path))
 
     def covers(self, model: nn.Module) -> bool:
-        return bool(self.files) and all(name in self.files for name, _ in model.named_parameters())
+        """Whether `fill` can make `model` (on meta) from these files: they name every parameter, and its only buffers
+        left to make are the rotary frequencies, which `fill` makes itself."""
+        rotary = _rotary(model)
+        made = {id(b) for b in rotary.buffers()} if rotary is not None else set()
+        return (bool(self.files) and all(name in self.files for name, _ in model.named_parameters())
+                and all(not b.is_meta or id(b) in made for b in model.buffers()))
 
     def __call__(self, name: str, p: torch.Tensor, piece: Piece) -> torch.Tensor:
         with safe_open(self.files[name], framework="pt") as f:

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from service.engine import EngineConfig, LLMEngine, SamplingParams
 from tests import web
 from tests.conftest import free_port, make_engine, wait_until
+from tests.served import sample
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -96,13 +97,12 @@ def test_killed_or_hung_rank_fails_in_flight_requests_and_the_server_exits_non_z
                                                  "ignore_eos": True}, timeout=60).raise_for_status()
         metrics = wait_until(lambda: (text := web.get(base + "/metrics").text) and 'rank="1"' in text and text,
                              30, "each rank's forward time on /metrics")
-        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-                   for family in text_string_to_metric_families(metrics) for s in family.samples}
         for rank in "01":
-            assert samples[("llm_tensor_parallel_forward_seconds_total", (("model", "random:tiny"), ("rank", rank)))] > 0
+            assert sample(metrics, "llm_tensor_parallel_forward_seconds_total", model="random:tiny", rank=rank) > 0
         if device == "cuda":
-            assert {("gpu", "0"), ("gpu", "1")} <= {label for (name, labels) in samples
-                                                    if name == "llm_gpu_memory_used_bytes" for label in labels}
+            assert {("gpu", "0"), ("gpu", "1")} <= {label for family in text_string_to_metric_families(metrics)
+                                                    if family.name == "llm_gpu_memory_used_bytes"
+                                                    for s in family.samples for label in s.labels.items()}
         body = {"model": "random:tiny", "prompt": [1, 2, 3], "max_tokens": 900, "ignore_eos": True, "stream": True}
         events = []
         with web.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
@@ -123,5 +123,3 @@ def test_killed_or_hung_rank_fails_in_flight_requests_and_the_server_exits_non_z
     text = log.read()  # the engine process fails its requests with the reason, exits 1, and so does the service
     assert f"{reason}: failing 1 request(s) in flight" in text
     assert "the engine process exited (status 1)" in text
-
-
