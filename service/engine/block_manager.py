@@ -76,26 +76,27 @@ class BlockManager:
 
     def commit(self, seq: Sequence) -> None:
         """Register the sequence's full blocks in the prefix cache: those computed, or launched to be (a later step
-        reads them after this one wrote them, in stream order), whose tokens the host knows."""
-        self.commit_all((seq,))
-
-    def commit_all(self, seqs) -> None:
-        """`commit` each of `seqs` (a step's: most fill no block, and cost one comparison each)."""
+        reads them after this one wrote them, in stream order), whose tokens the host knows. Most calls fill no
+        block, and cost one comparison."""
         if not self.enable_prefix_caching:
             return
         block_size = self.block_size
+        full = min(seq.num_computed_tokens, len(seq.token_ids)) // block_size
+        if full <= seq.num_hashed_blocks:
+            return
+        h = self.block_hash[seq.block_table[seq.num_hashed_blocks - 1]] if seq.num_hashed_blocks else None
+        for i in range(seq.num_hashed_blocks, full):
+            chunk = tuple(seq.token_ids[i * block_size:(i + 1) * block_size])
+            h = hash((h, chunk))
+            block = seq.block_table[i]
+            self.block_hash[block], self.block_tokens[block] = h, chunk
+            self.cached.setdefault(h, block)
+        seq.num_hashed_blocks = full
+
+    def commit_all(self, seqs) -> None:
+        """`commit` each of `seqs`."""
         for seq in seqs:
-            full = min(seq.num_computed_tokens, len(seq.token_ids)) // block_size
-            if full <= seq.num_hashed_blocks:
-                continue
-            h = self.block_hash[seq.block_table[seq.num_hashed_blocks - 1]] if seq.num_hashed_blocks else None
-            for i in range(seq.num_hashed_blocks, full):
-                chunk = tuple(seq.token_ids[i * block_size:(i + 1) * block_size])
-                h = hash((h, chunk))
-                block = seq.block_table[i]
-                self.block_hash[block], self.block_tokens[block] = h, chunk
-                self.cached.setdefault(h, block)
-            seq.num_hashed_blocks = full
+            self.commit(seq)
 
     def forget(self, seq: Sequence) -> None:
         """Take the sequence's blocks out of the prefix cache (their step failed: what they hold is not to be read)."""

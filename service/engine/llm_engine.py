@@ -306,7 +306,7 @@ class LLMEngine:
             begin = time.perf_counter()  # the wait for the tokens is the device's time, not the masks'
             if tokens is not None:
                 self.grammars.accept(previous.sampled, tokens)
-            fill = self.grammars.fill(sampled, self.device)
+            fill = self.grammars.fill(sampled, self.device, inline=not self.overlap)
             self._mask_seconds += time.perf_counter() - begin
             if self.overlap and fill is not None:
                 return _Launched(batch, phase, sampled, None, start, logits, fill)

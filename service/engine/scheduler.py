@@ -247,7 +247,8 @@ class Scheduler:
             ids = seq.token_ids
             ids.append(token)
             seq.num_pending_tokens -= 1
-            # register its full blocks (one in block_size tokens): every token they hold is known now
+            # register its full blocks (one in block_size tokens): every token they hold is known now (commit's own
+            # test, written here: it runs for every row of every step)
             if commit is not None and min(seq.num_computed_tokens, len(ids)) // block_size > seq.num_hashed_blocks:
                 commit(seq)
             reason = check_stop(seq, token) if may_stop is None or may_stop[row] else None

@@ -163,6 +163,8 @@ class Grammars:
 
         seq.matcher = xgrammar.GrammarMatcher(future.result())
         seq.grammar = None
+        if self._stops is None:  # (every matcher has the tokenizer's: read once)
+            self._stops = frozenset(seq.matcher.stop_token_ids)
         return ""
 
     def complete(self, matcher) -> bool:
@@ -175,7 +177,7 @@ class Grammars:
         mask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
         matcher.fill_next_token_bitmask(mask)
         words = mask[0].numpy().view(np.uint32).copy()
-        for t in matcher.stop_token_ids:
+        for t in self._stops:
             words[t // 32] &= ~np.uint32(1 << (t % 32))
         return not words.any()
 
@@ -191,8 +193,6 @@ class Grammars:
             matcher = seq.matcher
             if matcher is None or seq.is_finished:
                 continue
-            if stops is None:  # (every matcher has the tokenizer's: read once)
-                stops = self._stops = frozenset(matcher.stop_token_ids)
             seq.accepted = accepted = matcher.accept_token(token)
             # only a stop token terminates a grammar: no call into the matcher for the others
             seq.grammar_end = None if not accepted else "terminated" if token in stops and matcher.is_terminated() \
@@ -208,9 +208,10 @@ class Grammars:
             self._batch = xgrammar.BatchGrammarMatcher(max_threads=1), xgrammar.BatchGrammarMatcher(max_threads=4)
         return self._batch[rows >= 32]
 
-    def fill(self, seqs: list, device) -> Future | None:
+    def fill(self, seqs: list, device, inline: bool = False) -> Future | None:
         """Start filling the token masks of the constrained rows of a step about to sample `seqs` (their matchers have
-        taken every token before), in the mask thread; None when no row is constrained. A sequence that finished, or
+        taken every token before), in the mask thread, or here with `inline` (the caller waits for them at once); None
+        when no row is constrained. A sequence that finished, or
         whose grammar took its stop token, gets no mask: its token will be dropped. Until `ready` has its result, no
         matcher of `seqs` may be used."""
         rows = [i for i, s in enumerate(seqs)  # (a grammar that took its stop token has finished its sequence, or
@@ -231,7 +232,14 @@ class Grammars:
             begin = time.perf_counter()
             batch.batch_fill_next_token_bitmask(matchers, host)
             return rows, host, time.perf_counter() - begin
-        return self._filler.submit(work)
+        if not inline:
+            return self._filler.submit(work)
+        done = Future()
+        try:
+            done.set_result(work())
+        except Exception as exc:  # (raised by `ready`, as from the thread)
+            done.set_exception(exc)
+        return done
 
     @staticmethod
     def ready(fill: Future | None, device) -> tuple[tuple[list[int], "torch.Tensor"] | None, float]:

@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 
-
 from service.engine import StepObserver, StepStats
 from service.engine.config import dtype_name
 from service.settings import TelemetrySettings

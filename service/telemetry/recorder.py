@@ -51,8 +51,8 @@ class RequestRecorder:
         self._input, self._output = ({"gen_ai.token.type": kind, **model} for kind in ("input", "output"))
         self._slowest, self._lock = Slowest(), threading.Lock()  # the dashboard's table; read on another thread
 
-    def _exemplar(self, request_id: str) -> dict[str, str] | None:
-        trace_id = self.trace_id(request_id)
+    @staticmethod
+    def _exemplar(trace_id: str | None) -> dict[str, str] | None:
         return {"trace_id": trace_id} if trace_id else None
 
     def _genai(self, operation: str) -> dict:
@@ -64,7 +64,7 @@ class RequestRecorder:
     def first_token(self, stream) -> None:
         m, t = self.m, stream.timings
         ttft = on_grid(t.first_token - t.arrival)
-        m.ttft_m.observe(ttft, self._exemplar(stream.request_id))
+        m.ttft_m.observe(ttft, self._exemplar(self.trace_id(stream.request_id)))
         if t.first_scheduled is not None:
             m.queue_m.observe(t.first_scheduled - t.arrival)
             m.prefill_m.observe(t.first_token - t.first_scheduled)
@@ -105,7 +105,7 @@ class RequestRecorder:
             self._prompt(stream)
         duration = on_grid(t.finished - t.arrival)
         trace_id = self.trace_id(stream.request_id)
-        m.duration_m.observe(duration, {"trace_id": trace_id} if trace_id else None)
+        m.duration_m.observe(duration, self._exemplar(trace_id))
         if t.first_token is not None:
             m.decode_m.observe(t.finished - t.first_token)
         if self.otlp is not None:

@@ -39,6 +39,7 @@ class ModelShape:
 
 def shape_of(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelShape:
     """The shape of a loaded (whole, not tensor-parallel) transformers model with a KV cache of `kv_dtype`."""
+    from service.engine.quant.quantization import stored_bytes
     from service.engine.runner.compilation import decoder_layers
     from service.engine.runner.kv_cache import kv_shape
 
@@ -48,9 +49,9 @@ def shape_of(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelShape:
     embedding = model.get_input_embeddings()
     matrices = sum(p.numel() for layer in decoder_layers(model) for p in layer.parameters()
                    if p.dim() == 2 and min(p.shape) > 1)  # (not a W8A8 layer's [1, out] scales)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = sum(map(stored_bytes, model.parameters()))  # (a quantized weight's codes and scales)
     if embedding is not None and head is not None and embedding.weight is not head.weight:
-        weight_bytes -= embedding.weight.numel() * embedding.weight.element_size()
+        weight_bytes -= stored_bytes(embedding.weight)
     return ModelShape(matrices, config.hidden_size * config.vocab_size, weight_bytes, layers,
                       config.num_attention_heads, head_dim, 2 * layers * kv_heads * head_dim * kv_dtype.itemsize)
 

@@ -178,6 +178,11 @@ def _storages(t: torch.Tensor):
         yield t
 
 
+def stored_bytes(t: torch.Tensor) -> int:
+    """Bytes a (possibly quantized) tensor's storages hold: its codes, scales..."""
+    return sum(s.numel() * s.element_size() for s in _storages(t))
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes the model's parameters really occupy, each storage counted once (tied weights)."""
     seen, total = set(), 0

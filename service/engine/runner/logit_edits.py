@@ -14,7 +14,6 @@ indices; a step with no such row costs nothing here. Slots are reused on demand:
 (preempted) gives its slot up when one is needed, never a sequence of the step being sampled.
 """
 
-import importlib
 from typing import NamedTuple
 
 import torch
@@ -49,8 +48,10 @@ class LogitEdits:
         self.free = list(range(capacity - 1, -1, -1))
         self.vocab = 0  # the tensors are made at first use, when the vocabulary is known
         self.triton = device.type == "cuda"
-        # the Triton kernels (runner/triton_sampling.py), on CUDA; imported here, not at every step (no Triton on a CPU)
-        self.kernels = importlib.import_module("service.engine.runner.triton_sampling") if self.triton else None
+        self.kernels = None  # the Triton kernels (runner/triton_sampling.py), on CUDA (no Triton on a CPU)
+        if self.triton:
+            from service.engine.runner import triton_sampling
+            self.kernels = triton_sampling
         self._plan: _Plan | None = None  # the last step's, reused while the edited rows hold the same sequences
 
     def _allocate(self, vocab: int) -> None:
