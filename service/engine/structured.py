@@ -115,7 +115,7 @@ class Grammars:
         self._buffers = None  # two [max_rows, words] int32 masks, built with the first constrained step
         self._turn = 0
         self._max_rows = max_rows
-        self._batch = None  # xgrammar's batch matchers (few rows, many rows), made at the first step that needs them
+        self._batch = None  # xgrammar's batch matcher, made at the first step that needs it
 
     @staticmethod
     def _new_compiler(tokenizer, vocab_size: int, stop_token_ids: list[int]):
@@ -198,15 +198,15 @@ class Grammars:
             seq.grammar_end = None if not accepted else "terminated" if token in stops and matcher.is_terminated() \
                 else "complete" if self.complete(matcher) else None
 
-    def _matchers(self, rows: int):
-        """xgrammar's batch matcher: one thread for fewer than 32 rows, four for more. A row's mask takes from a few
-        microseconds to tens of them (inside a number or a string); on the H200 machine (16 cores) eight threads
-        filled 256 rows slower than four (2.2 against 1.7 ms a step), and 32 rows too (0.70 against 0.55 ms)."""
-        import xgrammar
-
+    def _matcher(self):
+        """xgrammar's batch matcher, on one thread: a row's mask takes a microsecond or two (256 rows in an array of
+        integers: 0.30 ms on one thread of this development machine, 0.51-0.53 ms on two or four, which xgrammar
+        starts for each call)."""
         if self._batch is None:
-            self._batch = xgrammar.BatchGrammarMatcher(max_threads=1), xgrammar.BatchGrammarMatcher(max_threads=4)
-        return self._batch[rows >= 32]
+            import xgrammar
+
+            self._batch = xgrammar.BatchGrammarMatcher(max_threads=1)
+        return self._batch
 
     def fill(self, seqs: list, device, inline: bool = False) -> Future | None:
         """Start filling the token masks of the constrained rows of a step about to sample `seqs` (their matchers have
@@ -226,7 +226,7 @@ class Grammars:
                 self._buffers = [b.pin_memory() for b in self._buffers]
         self._turn ^= 1
         host = self._buffers[self._turn][:len(rows)]
-        matchers, batch = [seqs[i].matcher for i in rows], self._matchers(len(rows))
+        matchers, batch = [seqs[i].matcher for i in rows], self._matcher()
 
         def work():
             begin = time.perf_counter()

@@ -38,6 +38,7 @@ def test_server_delta_reads_the_catalog_names_and_only_this_models_series():
     other.observe(9.0)
     m.generation_tokens_m.inc(24)
     m.prompt_tokens_m.inc(48)
+    m.prompt_cached_m.inc(32)
     m.finish_m["length"].inc(2)
     m.finish_m["stop"].inc(1)
     for gap in (0.01, 0.02, 0.03):
@@ -45,7 +46,7 @@ def test_server_delta_reads_the_catalog_names_and_only_this_models_series():
     after = _samples(generate_latest(m.registry).decode())
     d = crosscheck.server_delta(before, after, "mine")
     assert d.kind == "llm-service" and d.ttft_count == 3 and d.ttft_sum == pytest.approx(0.46)
-    assert d.generation_tokens == 24 and d.prompt_tokens == 48 and d.requests == 3
+    assert d.generation_tokens == 24 and d.prompt_tokens == 48 and d.prompt_cached == 32 and d.requests == 3
     assert d.itl_count == 3 and d.itl_sum == pytest.approx(0.06)
     assert d.ttft_buckets[0.05] == 1 and d.ttft_buckets[0.15] == 2 and d.ttft_buckets[math.inf] == 3
 
@@ -58,9 +59,11 @@ def test_server_delta_understands_vllm_names_and_knows_nothing_else():
                 f'vllm:time_to_first_token_seconds_sum{{model_name="m"}} {total}\n'
                 f'vllm:generation_tokens_total{{model_name="m"}} {gen}\n'
                 f'vllm:prompt_tokens_total{{model_name="m"}} {gen * 2}\n'
+                f'vllm:prefix_cache_hits_total{{model_name="m"}} {gen}\n'
                 f'vllm:request_success_total{{finished_reason="length",model_name="m"}} {count}\n')
     d = crosscheck.server_delta(_samples(vllm(1, 0.05, 10)), _samples(vllm(5, 0.25, 50)), "m")
     assert d.kind == "vllm" and d.ttft_count == 4 and d.ttft_sum == pytest.approx(0.2) and d.generation_tokens == 40
+    assert d.prompt_tokens == 80 and d.prompt_cached == 40
     assert crosscheck.server_delta([], _samples("tgi_request_count 3\n"), "m") is None
 
 
@@ -126,3 +129,18 @@ def test_client_ttft_and_tokens_agree_with_the_servers_metrics(server, monkeypat
     assert check["rows"]["ttft_ms.mean"]["server"] >= delay * 1e3
     assert check["rows"]["itl_ms.mean"]["server"] > 0  # streamed: the mean gap is checked too
     assert all(row["agrees"] for row in check["rows"].values()), check["rows"]
+
+
+def test_a_run_that_repeats_an_earlier_runs_prompts_is_told_it_found_them_in_the_prefix_cache(server):
+    """The same --seed draws the same prompts: the server's prefix cache holds them from the run before, their
+    prefill is skipped, and the second run's figures are not those of new prompts. The cross-check says so."""
+    def run(seed: int) -> dict:
+        [doc] = serve.main(["--url", server.url, "--model", "random:tiny", "--num-requests", "4",
+                            "--max-concurrency", "1", "--input-len", "48", "--output-len", "2", "--range-ratio", "0",
+                            "--random-token-range", "10:500", "--seed", str(seed), "--progress", "off"])
+        return doc["crosscheck"]
+
+    first, again, other = run(11), run(11), run(12)
+    assert first["prompt_cached_share"] < crosscheck.CACHED_NOTE_SHARE and "prefix cache" not in first["note"]
+    assert again["prompt_cached_share"] >= 32 / 48 and "prefix cache" in again["note"]  # its full blocks, at least
+    assert other["prompt_cached_share"] < crosscheck.CACHED_NOTE_SHARE

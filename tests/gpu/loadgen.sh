@@ -8,7 +8,8 @@
 #         out: bench serve (8,192 requests, GEN_WORKERS workers, default 8; its check against the server's
 #         histograms on) and tests/gpu/serving/http_load.py (aiohttp, 8 processes, 8,192 requests), ROUNDS rounds
 #         (default 2) in ABBA order (ours, theirs, theirs, ours: an even number), with the connections each front
-#         end holds mid-run
+#         end holds mid-run; every run sends prompts of its own (bench serve --seed RUN, http_load.py a new seed
+#         each run): a run that repeats the prompts of the run before finds them in the prefix cache
 #   LOADGEN_TIMEOUT  seconds for each client run (default 300)
 source "$(dirname "$0")/env.sh"
 T=${LOADGEN_TIMEOUT:-300}
@@ -24,7 +25,7 @@ ours() {
   spread & spreading=$!
   step "bench-serve-$1" "$T" "$PYTHON" -m service bench serve --url "$URL" --model "$MODEL" --max-concurrency 256 \
     --num-requests 8192 --input-len 128 --output-len 128 --random-token-range 100:30000 \
-    --workers "${GEN_WORKERS:-8}" --progress off --label "bench-serve-$1" --json "$RESULTS/bench-serve-$1.json"
+    --seed "$1" --workers "${GEN_WORKERS:-8}" --progress off --label "bench-serve-$1" --json "$RESULTS/bench-serve-$1.json"
   wait "$spreading"
 }
 theirs() {

@@ -7,7 +7,8 @@ Each process sends its share of the requests (closed loop, its share of the conc
 time, chunk gaps and token count. The window is first request sent to last byte received, across processes.
 With --pids, each listed process's CPU seconds over the window are reported (the server's processes); each of
 the client's own processes reports its CPU share too. --extra adds fields to every request (e.g. penalties).
-Prints one JSON line.
+Each run draws new prompts (--seed, random unless given, is in the output): prompts repeated from an earlier run
+would be found in the server's prefix cache, and that run would be faster for it. Prints one JSON line.
 """
 
 import argparse
@@ -88,13 +89,16 @@ def main() -> None:
     ap.add_argument("--pids", default="")
     ap.add_argument("--label", default="")
     ap.add_argument("--extra", default="{}", help="JSON object of fields added to every request body")
+    ap.add_argument("--seed", type=int, default=None, help="seeds the prompts (default: a new one each run)")
     args = ap.parse_args()
+    if args.seed is None:
+        args.seed = random.SystemRandom().randrange(2 ** 31)
     procs = min(args.procs, args.concurrency)
     shares = [args.requests // procs + (i < args.requests % procs) for i in range(procs)]
     concs = [args.concurrency // procs + (i < args.concurrency % procs) for i in range(procs)]
     start_at = time.time() + 1.0
     q = mp.get_context("fork").Queue()
-    ps = [mp.get_context("fork").Process(target=_proc, args=(args, s, c, 1000 + i, start_at, q))
+    ps = [mp.get_context("fork").Process(target=_proc, args=(args, s, c, args.seed * 1000 + i, start_at, q))
           for i, (s, c) in enumerate(zip(shares, concs))]
     for p in ps:
         p.start()
@@ -125,7 +129,7 @@ def main() -> None:
     ok = [r for r in results if r[4]]
     ttft = [(r[2][0] - r[0]) * 1e3 for r in ok if r[2]]
     itl = [(b - a) * 1e3 for r in ok for a, b in zip(r[2], r[2][1:])] if args.stream else []
-    out = {"label": args.label, "stream": args.stream, "requests": len(results), "errors": len(results) - len(ok),
+    out = {"label": args.label, "seed": args.seed, "stream": args.stream, "requests": len(results), "errors": len(results) - len(ok),
            "concurrency": args.concurrency, "procs": procs, "window_s": round(window, 3),
            "output_tok_s": round(sum(r[3] for r in ok) / window, 1),
            "ttft_p50_ms": round(statistics.median(ttft), 2) if ttft else None,

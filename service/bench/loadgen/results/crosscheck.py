@@ -3,7 +3,9 @@
 From the deltas: server TTFT mean (sum / count) and bucket-interpolated p50 / p95 next to the client's, the mean
 gap between output tokens (the server's inter-token histogram, sum / count, next to the client's first-to-last
 token time over its gaps: chunks that carry several tokens count as they should), and the server's token and
-request counters next to the client's `usage` sums. Client TTFT is a little larger than the
+request counters next to the client's `usage` sums. The share of the run's prompt tokens the server found in its
+prefix cache is reported beside them: a run that repeats an earlier run's prompts (the same --seed) skips their
+prefill and is faster for it, which a note then says. Client TTFT is a little larger than the
 server's: it also holds the HTTP request's way in (up to the server's ASGI request start, where this service's clock
 starts) and the first chunk's way out. A server without these metrics gets a note, never an error.
 """
@@ -22,11 +24,11 @@ from service.telemetry.metrics import histogram_quantile
 # metric names per server kind; the first whose TTFT histogram the server exports is used
 NAME_SETS = {
     "llm-service": {"ttft": "llm_time_to_first_token_seconds", "itl": "llm_time_per_output_token_seconds",
-                    "prompt": "llm_prompt_tokens_total",
+                    "prompt": "llm_prompt_tokens_total", "cached": "llm_prompt_tokens_cached_total",
                     "generation": "llm_generation_tokens_total", "requests": "llm_requests_total",
                     "model_label": "model"},
     "vllm": {"ttft": "vllm:time_to_first_token_seconds", "itl": "vllm:inter_token_latency_seconds",
-             "prompt": "vllm:prompt_tokens_total",
+             "prompt": "vllm:prompt_tokens_total", "cached": "vllm:prefix_cache_hits_total",
              "generation": "vllm:generation_tokens_total", "requests": "vllm:request_success_total",
              "model_label": "model_name"},
 }
@@ -38,6 +40,9 @@ NAME_SETS = {
 # CPU-starved host up to ~1.2% of the server's mean, so 10 ms or 5% leaves room for both.
 TTFT_OVERHEAD_S = 0.010
 TTFT_OVERHEAD_RATIO = 0.05
+# a run whose prompt tokens came from the prefix cache at this share or more gets a note: its figures are not those
+# of prompts the server has not seen
+CACHED_NOTE_SHARE = 0.05
 # The mean inter-token gap may differ either way (the network may bunch or spread chunks), by the same bound.
 
 Samples = list[tuple[str, dict, float]]
@@ -105,6 +110,7 @@ class ServerDelta:
     requests: float
     itl_sum: float = 0.0  # the inter-token histogram's delta (0 when the server has none)
     itl_count: float = 0.0
+    prompt_cached: float = 0.0  # prompt tokens found in the prefix cache (0 when the server does not say)
 
 
 def server_delta(before: Samples, after: Samples, model: str | None) -> ServerDelta | None:
@@ -117,7 +123,7 @@ def server_delta(before: Samples, after: Samples, model: str | None) -> ServerDe
             return ServerDelta(kind, d(names["ttft"] + "_sum"), d(names["ttft"] + "_count"),
                                {le: c - b0.get(le, 0.0) for le, c in b1.items()}, d(names["prompt"]),
                                d(names["generation"]), d(names["requests"]), d(names["itl"] + "_sum"),
-                               d(names["itl"] + "_count"))
+                               d(names["itl"] + "_count"), d(names["cached"]))
     return None
 
 
@@ -179,6 +185,10 @@ def check_run(base_url: str, api_key: str | None, model: str, before: Samples | 
     decode = (sum(r.chunk_times[-1] - r.chunk_times[0] for r in streamed), sum(r.output_tokens - 1 for r in streamed))
     rows = compare(delta, [r.ttft for r in ok], sum(r.prompt_tokens or 0 for r in ok),
                    sum(r.output_tokens or 0 for r in ok), len(ok), decode)
-    return {"kind": delta.kind, "rows": rows,
-            "note": "counts are exact only when this run was the server's only traffic; client TTFT includes "
-                    "the HTTP round trip the server does not see"}
+    note = ("counts are exact only when this run was the server's only traffic; client TTFT includes the HTTP "
+            "round trip the server does not see")
+    share = delta.prompt_cached / delta.prompt_tokens if delta.prompt_tokens > 0 else 0.0
+    if share >= CACHED_NOTE_SHARE:
+        note += (f". The server found {share:.0%} of the prompt tokens in its prefix cache: prompts an earlier run "
+                 "sent (the same --seed) skip their prefill, so this run is faster than new prompts would be")
+    return {"kind": delta.kind, "rows": rows, "prompt_cached_share": round(share, 4), "note": note}
