@@ -192,6 +192,7 @@ class LiveServer:
         import uvicorn
 
         from service.api.app import create_app
+        from service.api.arrival import StampingHttpTools
         from service.api.server import DrainingServer
         from service.settings import ServerSettings, Settings, TelemetrySettings
 
@@ -202,8 +203,8 @@ class LiveServer:
                             telemetry=TelemetrySettings(**(telemetry or {})))
         self.app = create_app(settings, engine=self.engine)
         self.url = f"http://127.0.0.1:{port}"
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning",
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning", http=StampingHttpTools,
+                                timeout_graceful_shutdown=5)  # (the protocol serve's front ends run)
         self.server = DrainingServer(config, self.app.state.server)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

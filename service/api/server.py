@@ -111,9 +111,10 @@ def run_frontend(settings: Settings, folder: str, index: int, processes: tuple[s
     logging.basicConfig(level=settings.server.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s {messages.frontend_name(index)} %(name)s: %(message)s")
     from service.api.app import create_app
+    from service.api.arrival import StampingHttpTools
 
     app = create_app(settings, folder=folder, frontend=index, alive=alive, processes=processes)
-    config = uvicorn.Config(app, log_level=settings.server.log_level.lower(), loop="uvloop", http="httptools",
+    config = uvicorn.Config(app, log_level=settings.server.log_level.lower(), loop="uvloop", http=StampingHttpTools,
                             timeout_graceful_shutdown=settings.server.drain_timeout)
     state = app.state.server
     DrainingServer(config, state).run(sockets=[sock])

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 class Timings:
     """Monotonic clock readings (time.perf_counter) of one request's life.
 
-    `arrival` is when the server received the request (its ASGI start), `submitted` when it was handed to
+    `arrival` is when the server received the request (its first bytes parsed), `submitted` when it was handed to
     the engine, validated and tokenized: the time between them is the server's front end.
     """
 

@@ -5,9 +5,12 @@ A deliberately slow chat template and tokenizer make the front end take at least
 lower bounds that those sleeps guarantee, never a bound on how fast this machine is.
 """
 
+import json
+import threading
 import time
 
 import httpx
+from http.client import HTTPConnection
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -48,6 +51,47 @@ def test_a_slow_tokenizer_is_inside_the_native_timings(server, monkeypatch):
     client_total = time.perf_counter() - sent
     assert DELAY <= t["frontend"] <= t["queue"] <= t["ttft"] == t["token_times"][0] <= t["total"]
     assert t["total"] <= client_total  # the server's clock runs inside the client's: it never starts earlier
+
+
+def test_the_clock_starts_when_the_request_is_read_not_when_its_handler_first_runs(server, monkeypatch):
+    """Requests read in one turn of the event loop each wait there for the handlers before theirs: that wait is the
+    server's too (StampingHttpTools starts the clock as a request is parsed). "first" holds the loop until "second"
+    and "third" are in the server's socket buffers; then "second"'s handler takes DELAY before "third"'s first runs,
+    and "third"'s TTFT holds that DELAY (a clock started by the handler's middleware would not)."""
+    tokenizer = server.app.state.server.tokenizer
+    encode, holding, sent = tokenizer.encode, threading.Event(), threading.Event()
+
+    def slow(text, *args, **kwargs):
+        if text == "first":
+            holding.set()
+            sent.wait(60)  # the loop stops here while the other two connect and send
+        elif text == "second":
+            time.sleep(DELAY)
+        return encode(text, *args, **kwargs)
+    monkeypatch.setattr(tokenizer, "encode", slow)
+    host, port = server.host.split(":")
+
+    def connection() -> HTTPConnection:
+        """A keep-alive connection the server has accepted and read from already: its next request is read as
+        soon as the loop runs."""
+        c = HTTPConnection(host, int(port), timeout=60)
+        c.request("GET", "/health")
+        c.getresponse().read()
+        return c
+
+    def generate(c: HTTPConnection, prompt: str) -> None:
+        c.request("POST", "/generate", json.dumps({"prompt": prompt, "max_tokens": 1}),
+                  {"Content-Type": "application/json"})
+
+    first, second, third = connection(), connection(), connection()
+    generate(first, "first")
+    assert holding.wait(60)
+    generate(second, "second")
+    generate(third, "third")
+    sent.set()
+    ttft = [json.loads(c.getresponse().read())["timings"]["ttft"] for c in (first, second, third)]
+    assert ttft[1] >= DELAY
+    assert ttft[2] >= DELAY  # it waited for "second"'s handler, after it was read
 
 
 def test_chat_template_and_tokenizer_time_is_inside_ttft_and_shown_on_its_own(server, monkeypatch):
