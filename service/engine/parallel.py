@@ -541,6 +541,7 @@ class TensorParallelGroup:
             p.join(5)
             if p.is_alive():
                 p.kill()
+                p.join(5)  # reaped: a killed rank counts as alive until then
         if dist.is_initialized() and not self.failure:  # with a rank gone, tearing down could wait on it
             dist.destroy_process_group()
 
