@@ -129,8 +129,9 @@ def main() -> None:
     ok = [r for r in results if r[4]]
     ttft = [(r[2][0] - r[0]) * 1e3 for r in ok if r[2]]
     itl = [(b - a) * 1e3 for r in ok for a, b in zip(r[2], r[2][1:])] if args.stream else []
-    out = {"label": args.label, "seed": args.seed, "stream": args.stream, "requests": len(results), "errors": len(results) - len(ok),
-           "concurrency": args.concurrency, "procs": procs, "window_s": round(window, 3),
+    out = {"label": args.label, "seed": args.seed, "stream": args.stream, "requests": len(results),
+           "errors": len(results) - len(ok), "concurrency": args.concurrency, "procs": procs,
+           "window_s": round(window, 3),
            "output_tok_s": round(sum(r[3] for r in ok) / window, 1),
            "ttft_p50_ms": round(statistics.median(ttft), 2) if ttft else None,
            "ttft_mean_ms": round(statistics.mean(ttft), 2) if ttft else None,

@@ -6,8 +6,8 @@ token time over its gaps: chunks that carry several tokens count as they should)
 request counters next to the client's `usage` sums. The share of the run's prompt tokens the server found in its
 prefix cache is reported beside them: a run that repeats an earlier run's prompts (the same --seed) skips their
 prefill and is faster for it, which a note then says. Client TTFT is a little larger than the
-server's: it also holds the HTTP request's way in (up to the server's ASGI request start, where this service's clock
-starts) and the first chunk's way out. A server without these metrics gets a note, never an error.
+server's: it also holds the HTTP request's way in (until the server parses its first bytes, where this service's
+clock starts) and the first chunk's way out. A server without these metrics gets a note, never an error.
 """
 
 import functools
