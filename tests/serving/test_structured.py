@@ -118,6 +118,30 @@ def test_response_format_on_completions_and_generate(client, server):
     jsonschema.validate(json.loads(r.json()["text"]), BOUNDED)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_of_tokens_the_grammar_rules_out_are_a_finite_floor(server, stream):
+    """Where a grammar allows one token, the other top_logprobs have -inf logits: JSON cannot carry -inf (a
+    non-streamed answer failed to encode, a 500; a streamed one sent -Infinity), so they come as -9999.0."""
+    one_way = {"type": "object", "properties": {"a": {"enum": ["x"]}}, "required": ["a"]}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "logprobs": True,
+            "top_logprobs": 5, "stream": stream,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "one_way", "schema": one_way}}}
+    r = web.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+
+    def strict(text: str):  # JSON as the standard has it: no NaN, no Infinity
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in {text[:200]}"))
+    if stream:
+        chunks = [strict(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        entries = [e for c in chunks for ch in c["choices"] for e in ((ch.get("logprobs") or {}).get("content") or [])]
+    else:
+        entries = strict(r.text)["choices"][0]["logprobs"]["content"]
+    tops = [t["logprob"] for e in entries for t in e["top_logprobs"]]
+    assert entries and len(tops) == 5 * len(entries)
+    assert min(tops) == -9999.0  # a position with one way on: the other four are the floor
+    assert all(-9999.0 <= e["logprob"] <= 0 for e in entries)
+
+
 def test_structured_requests_are_counted_by_constraint(client, server):
     before = metric(server, "llm_structured_requests_total", constraint="json_object")
     client.completions.create(model=MODEL, prompt="{", max_tokens=2, extra_body={"response_format": {

@@ -22,6 +22,10 @@ from service.engine.runner.logit_edits import LogitEdits
 from service.engine.runner.pinned_upload import to_device
 from service.engine.sequence import Sequence
 
+# the least log-probability reported: a token the request's grammar or its bans rule out has -inf, which JSON cannot
+# carry (a non-streamed answer failed to encode, a streamed one sent -Infinity); vLLM reports the same floor
+LOGPROB_FLOOR = -9999.0
+
 
 _plain = operator.attrgetter("plain")
 
@@ -150,7 +154,7 @@ class Sampler:
         extra, ks = [], []
         if wanted:
             index = to_device(wanted, torch.long, self.device)
-            lp = torch.log_softmax(logits.index_select(0, index), -1)
+            lp = torch.log_softmax(logits.index_select(0, index), -1).clamp_(min=LOGPROB_FLOOR)
             ks = [seqs[i].params.logprobs for i in wanted]
             top_v, top_i = lp.topk(max(max(ks), 1), -1)
             chosen = lp.gather(1, tokens.index_select(0, index).unsqueeze(1)).squeeze(1)
