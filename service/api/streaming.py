@@ -1,8 +1,8 @@
 """Server-sent events and the token-level details (logprobs, timings) that responses carry."""
 
-import json
 from collections.abc import AsyncIterator
 
+import msgspec
 from fastapi.responses import StreamingResponse
 
 from service.api.errors import to_api_error
@@ -11,15 +11,18 @@ from service.engine.sequence import Timings
 
 
 def sse(events: AsyncIterator[dict]) -> StreamingResponse:
-    """Each event as `data: <json>`, then `data: [DONE]`; an error mid-stream becomes an error event."""
+    """Each event as `data: <json>`, then `data: [DONE]`; an error mid-stream becomes an error event. The JSON is
+    msgspec's (compact, UTF-8): a streamed chunk is a front end's most frequent work, and the standard library's
+    encoder took about a third of it."""
+    encode = msgspec.json.encode
 
     async def body():
         try:
             async for event in events:
-                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+                yield b"data: " + encode(event) + b"\n\n"
         except Exception as exc:
-            yield f"data: {json.dumps(to_api_error(exc).body())}\n\n"
-        yield "data: [DONE]\n\n"
+            yield b"data: " + encode(to_api_error(exc).body()) + b"\n\n"
+        yield b"data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
