@@ -537,11 +537,14 @@ class TensorParallelGroup:
                 self.headers.post([STOP], lambda: self.failure or self._exited())
             except Exception:
                 pass
+        deadline = time.monotonic() + 5
         for p in self.procs:
-            p.join(5)
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
             if p.is_alive():
                 p.kill()
-                p.join(5)  # reaped: a killed rank counts as alive until then
+        for p in self.procs:
+            p.join(5)  # reaped: a killed rank counts as alive until then
         if dist.is_initialized() and not self.failure:  # with a rank gone, tearing down could wait on it
             dist.destroy_process_group()
 

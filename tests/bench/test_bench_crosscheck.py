@@ -39,6 +39,7 @@ def test_server_delta_reads_the_catalog_names_and_only_this_models_series():
     m.generation_tokens_m.inc(24)
     m.prompt_tokens_m.inc(48)
     m.prompt_cached_m.inc(32)
+    m.prompt_computed_m.inc(16)
     m.finish_m["length"].inc(2)
     m.finish_m["stop"].inc(1)
     for gap in (0.01, 0.02, 0.03):
@@ -46,7 +47,8 @@ def test_server_delta_reads_the_catalog_names_and_only_this_models_series():
     after = _samples(generate_latest(m.registry).decode())
     d = crosscheck.server_delta(before, after, "mine")
     assert d.kind == "llm-service" and d.ttft_count == 3 and d.ttft_sum == pytest.approx(0.46)
-    assert d.generation_tokens == 24 and d.prompt_tokens == 48 and d.prompt_cached == 32 and d.requests == 3
+    assert d.generation_tokens == 24 and d.prompt_tokens == 48 and d.requests == 3
+    assert d.cached_share == pytest.approx(32 / 48)
     assert d.itl_count == 3 and d.itl_sum == pytest.approx(0.06)
     assert d.ttft_buckets[0.05] == 1 and d.ttft_buckets[0.15] == 2 and d.ttft_buckets[math.inf] == 3
 
@@ -59,11 +61,14 @@ def test_server_delta_understands_vllm_names_and_knows_nothing_else():
                 f'vllm:time_to_first_token_seconds_sum{{model_name="m"}} {total}\n'
                 f'vllm:generation_tokens_total{{model_name="m"}} {gen}\n'
                 f'vllm:prompt_tokens_total{{model_name="m"}} {gen * 2}\n'
-                f'vllm:prefix_cache_hits_total{{model_name="m"}} {gen}\n'
+                f'vllm:gpu_prefix_cache_hits_total{{model_name="m"}} {gen}\n'
+                f'vllm:gpu_prefix_cache_queries_total{{model_name="m"}} {gen * 4}\n'
                 f'vllm:request_success_total{{finished_reason="length",model_name="m"}} {count}\n')
     d = crosscheck.server_delta(_samples(vllm(1, 0.05, 10)), _samples(vllm(5, 0.25, 50)), "m")
     assert d.kind == "vllm" and d.ttft_count == 4 and d.ttft_sum == pytest.approx(0.2) and d.generation_tokens == 40
-    assert d.prompt_tokens == 80 and d.prompt_cached == 40
+    assert d.prompt_tokens == 80 and d.cached_share == pytest.approx(40 / 160)  # (the older names)
+    no_cache = [(n, labels, v) for n, labels, v in _samples(vllm(5, 0.25, 50)) if "prefix_cache" not in n]
+    assert crosscheck.server_delta(_samples(vllm(1, 0.05, 10)), no_cache, "m").cached_share is None
     assert crosscheck.server_delta([], _samples("tgi_request_count 3\n"), "m") is None
 
 

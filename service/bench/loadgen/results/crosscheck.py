@@ -3,9 +3,9 @@
 From the deltas: server TTFT mean (sum / count) and bucket-interpolated p50 / p95 next to the client's, the mean
 gap between output tokens (the server's inter-token histogram, sum / count, next to the client's first-to-last
 token time over its gaps: chunks that carry several tokens count as they should), and the server's token and
-request counters next to the client's `usage` sums. The share of the run's prompt tokens the server found in its
-prefix cache is reported beside them: a run that repeats an earlier run's prompts (the same --seed) skips their
-prefill and is faster for it, which a note then says. Client TTFT is a little larger than the
+request counters next to the client's `usage` sums. The share of the prompt tokens the server looked up in its
+prefix cache and found there is reported beside them: a run whose prompts the server has seen (an earlier run with
+the same --seed) skips their prefill and is faster for it, which a note then says. Client TTFT is a little larger than the
 server's: it also holds the HTTP request's way in (until the server parses its first bytes, where this service's
 clock starts) and the first chunk's way out. A server without these metrics gets a note, never an error.
 """
@@ -24,11 +24,16 @@ from service.telemetry.metrics import histogram_quantile
 # metric names per server kind; the first whose TTFT histogram the server exports is used
 NAME_SETS = {
     "llm-service": {"ttft": "llm_time_to_first_token_seconds", "itl": "llm_time_per_output_token_seconds",
-                    "prompt": "llm_prompt_tokens_total", "cached": "llm_prompt_tokens_cached_total",
+                    "prompt": "llm_prompt_tokens_total",
+                    # (found, not found) in the prefix cache, both counted as each request is admitted
+                    "cache": [("llm_prompt_tokens_cached_total", "llm_prompt_tokens_computed_total", False)],
                     "generation": "llm_generation_tokens_total", "requests": "llm_requests_total",
                     "model_label": "model"},
     "vllm": {"ttft": "vllm:time_to_first_token_seconds", "itl": "vllm:inter_token_latency_seconds",
-             "prompt": "vllm:prompt_tokens_total", "cached": "vllm:prefix_cache_hits_total",
+             "prompt": "vllm:prompt_tokens_total",
+             # (hits, queries) in tokens; older releases named them gpu_prefix_cache_...
+             "cache": [("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", True),
+                       ("vllm:gpu_prefix_cache_hits_total", "vllm:gpu_prefix_cache_queries_total", True)],
              "generation": "vllm:generation_tokens_total", "requests": "vllm:request_success_total",
              "model_label": "model_name"},
 }
@@ -110,7 +115,7 @@ class ServerDelta:
     requests: float
     itl_sum: float = 0.0  # the inter-token histogram's delta (0 when the server has none)
     itl_count: float = 0.0
-    prompt_cached: float = 0.0  # prompt tokens found in the prefix cache (0 when the server does not say)
+    cached_share: float | None = None  # of the prompt tokens looked up in the prefix cache, those found (None: unsaid)
 
 
 def server_delta(before: Samples, after: Samples, model: str | None) -> ServerDelta | None:
@@ -123,7 +128,18 @@ def server_delta(before: Samples, after: Samples, model: str | None) -> ServerDe
             return ServerDelta(kind, d(names["ttft"] + "_sum"), d(names["ttft"] + "_count"),
                                {le: c - b0.get(le, 0.0) for le, c in b1.items()}, d(names["prompt"]),
                                d(names["generation"]), d(names["requests"]), d(names["itl"] + "_sum"),
-                               d(names["itl"] + "_count"), d(names["cached"]))
+                               d(names["itl"] + "_count"), _cached_share(after, d, names["cache"]))
+    return None
+
+
+def _cached_share(after: Samples, d, alternatives) -> float | None:
+    """Found over looked up in the prefix cache, from the first (found, other, other-is-the-total) names the server
+    exports; None when it exports none of them or looked nothing up."""
+    names = {n for n, _, _ in after}
+    for found, other, total in alternatives:
+        if found in names and other in names:
+            hits, looked = d(found), d(other) + (0 if total else d(found))
+            return hits / looked if looked > 0 else None
     return None
 
 
@@ -187,8 +203,10 @@ def check_run(base_url: str, api_key: str | None, model: str, before: Samples | 
                    sum(r.output_tokens or 0 for r in ok), len(ok), decode)
     note = ("counts are exact only when this run was the server's only traffic; client TTFT includes the HTTP "
             "round trip the server does not see")
-    share = delta.prompt_cached / delta.prompt_tokens if delta.prompt_tokens > 0 else 0.0
-    if share >= CACHED_NOTE_SHARE:
-        note += (f". The server found {share:.0%} of the prompt tokens in its prefix cache: prompts an earlier run "
-                 "sent (the same --seed) skip their prefill, so this run is faster than new prompts would be")
-    return {"kind": delta.kind, "rows": rows, "prompt_cached_share": round(share, 4), "note": note}
+    share = delta.cached_share
+    if share is not None and share >= CACHED_NOTE_SHARE:
+        note += (f". The server found {share:.0%} of the prompt tokens it looked up in its prefix cache and skipped "
+                 "their prefill: prompts (or prefixes) it had seen before, as an earlier run with the same --seed "
+                 "sends, run faster than new ones would")
+    return {"kind": delta.kind, "rows": rows, "prompt_cached_share": None if share is None else round(share, 4),
+            "note": note}
