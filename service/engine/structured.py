@@ -211,9 +211,8 @@ class Grammars:
     def fill(self, seqs: list, device, inline: bool = False) -> Future | None:
         """Start filling the token masks of the constrained rows of a step about to sample `seqs` (their matchers have
         taken every token before), in the mask thread, or here with `inline` (the caller waits for them at once); None
-        when no row is constrained. A sequence that finished, or
-        whose grammar took its stop token, gets no mask: its token will be dropped. Until `ready` has its result, no
-        matcher of `seqs` may be used."""
+        when no row is constrained. A sequence that finished, or whose grammar took its stop token, gets no mask: its
+        token will be dropped. Until `ready` has its result, no matcher of `seqs` may be used."""
         rows = [i for i, s in enumerate(seqs)  # (a grammar that took its stop token has finished its sequence, or
                 if s.matcher is not None and not s.is_finished and s.grammar_end != "terminated"]  # will at read-back)
         if not rows:

@@ -76,7 +76,8 @@ def compute(model: torch.nn.Module, hidden: torch.Tensor, wanted: Wanted) -> Non
     chunk = max(1, CHUNK_LOGITS // head.weight.shape[0])
     chosen, top_v, top_i = [], [], []
     for s in range(0, len(rows), chunk):
-        lp = finish_logits(model, head(hidden.index_select(0, rows_t[s:s + chunk]))).log_softmax(-1).clamp_(min=LOGPROB_FLOOR)
+        logits = finish_logits(model, head(hidden.index_select(0, rows_t[s:s + chunk])))
+        lp = logits.log_softmax(-1).clamp_(min=LOGPROB_FLOOR)
         chosen.append(lp.gather(1, targets_t[s:s + chunk, None]).squeeze(1))
         if k:
             v, i = lp.topk(k, -1)

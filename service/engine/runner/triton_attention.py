@@ -371,7 +371,8 @@ def triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: 
     block_d = triton.next_power_of_2(head_dim)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, meta.block_tables,
-        meta.table_rows if meta.table_rows is not None else meta.seq_lens, meta.seq_lens, meta.query_start_loc,
+        meta.table_rows if meta.table_rows is not None else meta.seq_lens,  # (unread without TABLE_ROWS)
+        meta.seq_lens, meta.query_start_loc,
         meta.tile_seq, meta.tile_qstart,
         scale, float(softcap or 1.0), int(sliding_window or 0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
