@@ -5,6 +5,7 @@ and the garbage collector's time per run.
 
 Usage (on a CUDA machine; on the CPU it runs random:tiny):
   python3 tests/gpu/engine/host_steps.py [--model random:llama-1b] [--num-requests 256] [--input-len 128] [--output-len 128]
+      [--max-num-seqs 256]
 """
 
 import argparse
@@ -27,10 +28,11 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--overlap", choices=["on", "off"], default=None, help="default: the engine's")
     args = ap.parse_args()
-    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=256, max_num_batched_tokens=8192,
+    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=8192,
                                     gpu_memory_utilization=0.5, enable_prefix_caching=False))
     if args.overlap:
         engine.overlap = args.overlap == "on"
