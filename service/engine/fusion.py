@@ -7,8 +7,11 @@ reach the memory bandwidth: on an H100 at one row the three took 15.1 us and one
 weights 5.3 us; at 256 rows 17.3 us and 8.2 us (tests/gpu/kernels/decode_kernels.py). `fuse_qkv` concatenates them into
 one `qkv_proj` and gives the attention module a forward pass that splits its output; what follows is the
 model's own code (Qwen3's norms, the attention function, o_proj) as its own forward pass calls it, but for the
-rotary embedding, which turns q's and k's heads together (the family's formula, with its rotate_half: compiled,
-one kernel instead of two a layer; Qwen3 keeps the model's own, after its per-head norms). `fuse_gate_up` does
+rotary embedding: under the engine's paged attention the attention backend turns the queries as it reads them and
+the keys as it writes them into the cache (runner/attention.py; on CUDA inside the Triton kernels, where a pass of
+its own over q and k took 7% of a prefill step's device time on an H200); under any other attention q's and k's
+heads are turned together (the family's formula, with its rotate_half: compiled, one kernel instead of two a
+layer). Qwen3 keeps the model's own, after its per-head norms. `fuse_gate_up` does
 the same for the MLP's gate_proj and up_proj (one `gate_up_proj`; the forward pass splits it and runs
 down_proj(act(gate) * up), the family's own formula).
 
@@ -24,6 +27,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from service.engine.quant.w8a8 import W8A8Linear, silu_mul_quantize
+from service.engine.runner.attention import ATTN_IMPLEMENTATION, rotate_half
 
 # transformers attention classes whose forward pass is Llama's: project, (Qwen3: per-head norms of q and k),
 # rotary embedding, attention (Mistral, Qwen2 and Qwen3: with a sliding window), o_proj
@@ -62,7 +66,8 @@ def unfuse_qkv(model: torch.nn.Module) -> None:
             continue
         for name, part in zip(QKV, _split(module.qkv_proj, module.qkv_sizes)):
             setattr(module, name, part)
-        del module.qkv_proj, module.qkv_sizes, module.fused_sliding_window, module.model_code, module.forward
+        del module.qkv_proj, module.qkv_sizes, module.fused_sliding_window, module.model_code, module.fused_rotary
+        del module.forward
 
 
 def fuse_gate_up(model: torch.nn.Module) -> int:
@@ -150,6 +155,11 @@ def _fuse(module) -> None:
     module.fused_sliding_window = (module.sliding_window if hasattr(module, "sliding_window")
                                    else getattr(module.config, "sliding_window", None))
     module.model_code = sys.modules[type(module).__module__]  # its apply_rotary_pos_emb and eager attention
+    # under the engine's paged attention the rotary embedding is the attention's (attention.apply_rotary), where the
+    # family turns heads as that does (Qwen3 turns them after its per-head norms, in its own code)
+    probe = torch.arange(4.0)
+    module.fused_rotary = not hasattr(module, "q_norm") and torch.equal(module.model_code.rotate_half(probe),
+                                                                        rotate_half(probe))
     module.forward = _fused_forward.__get__(module)
 
 
@@ -167,6 +177,10 @@ def _fused_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
         q, k, v = (t.view(hidden_shape) for t in qkv.split(self.qkv_sizes, dim=-1))
         q, k, v = self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), v.transpose(1, 2)
         q, k = self.model_code.apply_rotary_pos_emb(q, k, cos, sin)
+    elif self.fused_rotary and past_key_values is None and self.config._attn_implementation == ATTN_IMPLEMENTATION:
+        # the engine's paged attention turns them as it reads the queries and writes the keys
+        q, k, v = (t.view(hidden_shape).transpose(1, 2) for t in qkv.split(self.qkv_sizes, dim=-1))
+        kwargs["rotary"] = (cos[0], sin[0])
     else:  # q's and k's heads turned together, as apply_rotary_pos_emb turns each: one kernel where compiled
         q_size, k_size, v_size = self.qkv_sizes
         qk, v = (t.view(hidden_shape).transpose(1, 2) for t in qkv.split([q_size + k_size, v_size], dim=-1))

@@ -64,6 +64,37 @@ def test_triton_kernel_matches_torch_reference(dtype, heads, kv_heads, head_dim,
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 64), (8, 1, 80)])
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_triton_kernels_turn_queries_and_keys_by_the_rotary_embedding(dtype, heads, kv_heads, head_dim, decode_only):
+    """Unturned queries and keys, as views of one fused q/k/v projection's output, with the rotary embedding's
+    (cos, sin): the keys stored as the torch backend stores them once turned (within one rounding of their dtype),
+    and the output within the other tests' bounds of the float64 oracle, which turns them first."""
+    from service.engine.runner.triton_attention import triton_paged_attention
+    torch.manual_seed(4)
+    shapes = [(5, 1), (40, 1), (200, 1), (16, 1)] if decode_only else [(5, 1), (0, 33), (20, 7), (200, 1), (0, 100)]
+    batch, num_blocks = scattered_batch(shapes, random.Random(4))
+    k_cache, v_cache = (_cache(num_blocks, kv_heads, head_dim, dtype) for _ in "kv")
+    tokens = sum(batch.num_new_tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda", dtype=dtype)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in qkv.split([heads * head_dim, kv_heads * head_dim,
+                                                                 kv_heads * head_dim], dim=-1))
+    angles = torch.rand(tokens, head_dim // 2, device="cuda", dtype=torch.float64) * 100
+    cos, sin = (f(torch.cat([angles, angles], dim=-1)).to(dtype) for f in (torch.cos, torch.sin))
+    scale = head_dim ** -0.5
+    k_ref, v_ref = k_cache.double(), v_cache.double()
+    ref = torch_paged_attention(q.double(), k_ref, v_ref, _metadata("torch", batch, heads // kv_heads, decode_only),
+                                scale, new_kv=(k.double(), v.double()), rotary=(cos.double(), sin.double()))
+    out = triton_paged_attention(q, k_cache, v_cache, _metadata("triton", batch, heads // kv_heads, decode_only),
+                                 scale, new_kv=(k, v), rotary=(cos, sin))
+    bf16 = dtype == torch.bfloat16  # the turned keys rounded once to the cache's dtype
+    torch.testing.assert_close(k_cache.double(), k_ref, atol=2e-2 if bf16 else 1e-6, rtol=1e-2 if bf16 else 1e-5)
+    assert torch.equal(v_cache.double(), v_ref)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
 @pytest.mark.parametrize("dtype, cache_dtype", [(torch.bfloat16, None), (torch.float32, None),
                                                 (torch.bfloat16, torch.float8_e4m3fn)])
 @pytest.mark.parametrize("softcap", [None, 30.0])

@@ -53,10 +53,11 @@ def test_fused_attention_gives_the_models_own_logits_and_unfusing_restores_it(na
         assert torch.equal(model(ids).logits, before)  # the very weights and code path it was loaded with
 
 
-@pytest.mark.parametrize("name", ["qwen3-norms", "mistral-window"])
+@pytest.mark.parametrize("name", ["qwen3-norms", "mistral-window", "llama-bias"])
 def test_the_engine_runs_a_fused_model_like_transformers(name):
-    """The paged path, with Qwen3's norms and Mistral's sliding window (8 tokens, prompts up to 37): the engine's
-    greedy output on the fused model equals transformers' on the unfused one, token for token."""
+    """The paged path, with Qwen3's norms, Mistral's sliding window (8 tokens, prompts up to 37) and Llama's biases:
+    the engine's greedy output on the fused model equals transformers' on the unfused one, token for token; but
+    for Qwen3 (its norms come first), the paged attention turns the queries and keys by the rotary embedding."""
     model = model_for(name)
     prompts = [[7, 8, 9, 10, 11], list(range(20, 57))]
     ids = [greedy_generate(model, torch.tensor([p]), 8)[0, len(p):].tolist() for p in prompts]
@@ -64,6 +65,7 @@ def test_the_engine_runs_a_fused_model_like_transformers(name):
     loaded = LoadedModel(model=model, tokenizer=None, name=name, max_model_len=256, eos_token_ids=frozenset())
     engine = make_engine(loaded)
     assert engine.runner.fused_layers == 2 and engine.runner.fused_mlps == 2
+    assert model.model.layers[0].self_attn.fused_rotary == (name != "qwen3-norms")
     outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert [o["token_ids"] for o in outs] == ids
 

@@ -58,45 +58,66 @@ def forward_context(ctx: ForwardContext):
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                            sliding_window=None, softcap=None, **kwargs):
+                            sliding_window=None, softcap=None, rotary=None, **kwargs):
     """transformers attention interface: query [1, H, T, D], key/value [1, KVH, T, D] -> [1, T, H, D].
 
+    `rotary`: (cos, sin) [T, D] when the queries and keys come unturned (engine/fusion.py): the backend turns them
+    by the rotary embedding as it reads the queries and writes the keys (rotate_half's convention), instead of a
+    pass of their own over both.
     Inside a compiled decoder layer it is one custom op (below), so that dynamo traces the layer as one graph."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    cos, sin = rotary if rotary is not None else (None, None)
     if torch.compiler.is_compiling():
-        out = paged_attention(query, key, value, module.paged_layer, scale, sliding_window or 0, softcap or 0.0)
+        out = paged_attention(query, key, value, module.paged_layer, scale, sliding_window or 0, softcap or 0.0,
+                              cos, sin)
     else:
-        out = _attend(module.layer_idx, query, key, value, scale, sliding_window, softcap)
+        out = _attend(module.layer_idx, query, key, value, scale, sliding_window, softcap, rotary)
     return out.unsqueeze(0), None
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 
 
-def _attend(layer: int, query, key, value, scale, sliding_window, softcap) -> torch.Tensor:
+def _attend(layer: int, query, key, value, scale, sliding_window, softcap, rotary=None) -> torch.Tensor:
     """The step's keys and values into layer `layer`'s cache, and its queries' attention: [T, H, D]."""
     ctx = _context
     k_cache, v_cache = ctx.kv_caches[layer]
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    return ctx.backend(q, k_cache, v_cache, ctx.meta, scale, sliding_window, softcap, new_kv=(k, v))
+    return ctx.backend(q, k_cache, v_cache, ctx.meta, scale, sliding_window, softcap, new_kv=(k, v), rotary=rotary)
 
 
 @torch.library.custom_op("llm_service::paged_attention", mutates_args=())
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: torch.Tensor, scale: float,
-                    sliding_window: int, softcap: float) -> torch.Tensor:
+                    sliding_window: int, softcap: float, cos: torch.Tensor | None,
+                    sin: torch.Tensor | None) -> torch.Tensor:
     """Paged attention as compiled layers see it: an opaque op, whose cache and metadata it finds in the forward
     context when it runs (as vLLM's attention op does), so that its writes into the cache are not the graph's
     business. The layer comes as a 0-d CPU tensor (runner/compilation.py gives each attention module its own,
     `paged_layer`): dynamo would make an int attribute a constant and compile the same layer once per index."""
     # contiguous, as the fake below says (the backends' output has the queries' layout, which the graph chose)
-    return _attend(int(layer), query, key, value, scale, sliding_window or None, softcap or None).contiguous()
+    rotary = (cos, sin) if cos is not None else None
+    return _attend(int(layer), query, key, value, scale, sliding_window or None, softcap or None, rotary).contiguous()
 
 
 @paged_attention.register_fake
-def _(query, key, value, layer, scale, sliding_window, softcap):
+def _(query, key, value, layer, scale, sliding_window, softcap, cos, sin):
     return query.new_empty(query.shape[2], query.shape[1], value.shape[-1])
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding's partner of each element: the second half of the last dimension negated, then the
+    first (the Llama family's rotate_half)."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Queries or keys [T, heads, D] turned by the rotary embedding (cos, sin) [T, D]: the very operations of the
+    Llama family's apply_rotary_pos_emb, in x's dtype."""
+    cos, sin = (t[:, None, :] for t in rotary)
+    return (x * cos) + (rotate_half(x) * sin)
 
 
 def cache_limit(dtype: torch.dtype) -> float:
@@ -115,12 +136,18 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def torch_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                           sliding_window: int | None = None, softcap: float | None = None,
-                          new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                          new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                          rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Reference backend in plain PyTorch: gather each sequence's context, pad, one masked SDPA call.
 
     Every backend takes the same arguments: `new_kv`, this step's keys and values [tokens, KV heads, head dim],
     goes into the cache at meta.slot_mapping before the queries attend (here by indexing, whatever the cache's
-    layout in memory: kv_cache.cache_tensor)."""
+    layout in memory: kv_cache.cache_tensor); `rotary`, (cos, sin) [tokens, head dim], turns the queries and the
+    new keys first (paged_attention_forward)."""
+    if rotary is not None:
+        q = apply_rotary(q, rotary)
+        if new_kv is not None:
+            new_kv = (apply_rotary(new_kv[0], rotary), new_kv[1])
     if new_kv is not None:
         blocks, offsets = meta.slot_mapping // k_cache.shape[1], meta.slot_mapping % k_cache.shape[1]
         for cache, new in zip((k_cache, v_cache), new_kv):

@@ -91,6 +91,18 @@ def _kv_offsets(table, start, head_offset, stride_kb, stride_ks, PAGE: tl.conste
 
 
 @triton.jit
+def _rotated(x, at, cos_at, sin_at, d, ok, HEAD_DIM: tl.constexpr):
+    """x, loaded from the pointers `at` (each element's place, d its index in the head), turned by the rotary
+    embedding: x * cos + rotate_half(x) * sin in float32, rotate_half's element d the one HEAD_DIM / 2 away, negated
+    in the first half (attention.apply_rotary). cos_at, sin_at: the pointers to each element's cosine and sine."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    partner = tl.load(at + tl.where(d < HALF, HALF, -HALF), mask=ok, other=0.0).to(tl.float32)
+    cos = tl.load(cos_at, mask=ok, other=0.0).to(tl.float32)
+    sin = tl.load(sin_at, mask=ok, other=0.0).to(tl.float32)
+    return x.to(tl.float32) * cos + tl.where(d < HALF, -partner, partner) * sin
+
+
+@triton.jit
 def _attend_keys_pipelined(acc, m_i, l_i, q, K, V, table, kv_start, kv_stop, head_offset, stride_kb, stride_ks, d,
                            d_ok, scale, softcap, PAGE: tl.constexpr, N: tl.constexpr, USE_SOFTCAP: tl.constexpr,
                            PRECISION: tl.constexpr):
@@ -123,7 +135,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_N: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr,
     PART_O, PART_LSE, NUM_PARTS, COUNTS, SPLITS: tl.constexpr, MIN_TILES: tl.constexpr, USE_PDL: tl.constexpr,
-    PIPELINE: tl.constexpr, TABLE_ROWS: tl.constexpr,
+    PIPELINE: tl.constexpr, TABLE_ROWS: tl.constexpr, COS, SIN, stride_rt, ROTARY: tl.constexpr,
 ):
     if USE_PDL:  # the kernel before has finished and its writes are visible (engine/pdl.py)
         tl.extra.cuda.gdc_wait()
@@ -143,8 +155,12 @@ def _paged_attention_kernel(
     row_ok = (rows < TOKENS * GROUP) & (tok < q_len)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    q = tl.load(Q + (q_begin + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_at = Q + (q_begin + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_at, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if ROTARY:  # the queries come unturned: turned here, rounded to their dtype as the model's own turn rounds them
+        rot_at = (q_begin + tok)[:, None] * stride_rt + d[None, :]
+        q = _rotated(q, q_at, COS + rot_at, SIN + rot_at, d[None, :], row_ok[:, None] & d_ok[None, :],
+                     HEAD_DIM).to(Q.dtype.element_ty)
     if FP16_DOTS:  # an 8-bit cache: keys and values widen to float16 (one conversion), and queries with them
         q = q.to(tl.float16)
     q_pos = context + tok
@@ -242,11 +258,12 @@ def _combine_parts(PART_O, PART_LSE, base, parts, row_ok, d, d_ok, HEAD_DIM: tl.
 
 @triton.jit
 def _write_kv_kernel(K, V, K_CACHE, V_CACHE, slots, stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_cb, stride_cs, stride_ch,
+                     stride_cb, stride_cs, stride_ch, COS, SIN, stride_rt,
                      KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_D: tl.constexpr, CLAMP: tl.constexpr, USE_PDL: tl.constexpr):
+                     BLOCK_D: tl.constexpr, CLAMP: tl.constexpr, USE_PDL: tl.constexpr, ROTARY: tl.constexpr):
     """One token's keys and values (every KV head) into its cache slot, cast to the cache's dtype (clamped to
-    +-CLAMP first unless it is 0: attention.cache_limit)."""
+    +-CLAMP first unless it is 0: attention.cache_limit); with ROTARY, the keys turned by the rotary embedding
+    first (rounded to their dtype, as the model's own turn rounds them)."""
     if USE_PDL:  # the kernel before has finished and its writes are visible (engine/pdl.py)
         tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
@@ -255,7 +272,11 @@ def _write_kv_kernel(K, V, K_CACHE, V_CACHE, slots, stride_kt, stride_kh, stride
     d = tl.arange(0, BLOCK_D)[None, :]
     ok = (h < KV_HEADS) & (d < HEAD_DIM)
     dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + h * stride_ch + d
-    k = tl.load(K + t * stride_kt + h * stride_kh + d, mask=ok)
+    k_at = K + t * stride_kt + h * stride_kh + d
+    k = tl.load(k_at, mask=ok)
+    if ROTARY:
+        rot_at = t * stride_rt + d + 0 * h  # (each head's row of pointers: a load's mask takes its pointers' shape)
+        k = _rotated(k, k_at, COS + rot_at, SIN + rot_at, d, ok, HEAD_DIM).to(K.dtype.element_ty)
     v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=ok)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -267,16 +288,30 @@ def _write_kv_kernel(K, V, K_CACHE, V_CACHE, slots, stride_kt, stride_kh, stride
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slots: torch.Tensor) -> None:
+             slots: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Write keys and values [tokens, KV heads, head dim] into the caches' slots (token t into slots[t]); the
-    caches in any layout whose head dim is contiguous (kv_cache.cache_tensor), both the same."""
+    caches in any layout whose head dim is contiguous (kv_cache.cache_tensor), both the same. `rotary`: (cos, sin)
+    [tokens, head dim], which turn the keys first."""
     k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
+    cos, sin = _rotary_rows(rotary, k)
     page, kv_heads, head_dim = k_cache.shape[1:]
     _write_kv_kernel[(k.shape[0],)](
         k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), KV_HEADS=kv_heads, HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        CLAMP=cache_limit(k_cache.dtype), num_warps=2, **pdl.launch())
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos, sin, cos.stride(0), KV_HEADS=kv_heads,
+        HEAD_DIM=head_dim, PAGE=page, BLOCK_H=triton.next_power_of_2(kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim), CLAMP=cache_limit(k_cache.dtype), ROTARY=rotary is not None,
+        num_warps=2, **pdl.launch())
+
+
+def _rotary_rows(rotary: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor):
+    """The rotary embedding's (cos, sin) [tokens, head dim] as the kernels read them (each row contiguous, one stride
+    for both); without one, x twice (pointers the kernels do not read)."""
+    if rotary is None:
+        return x, x
+    cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in rotary)
+    if cos.stride(0) != sin.stride(0):
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin
 
 
 def launch_config(block_m: int, head_dim: int, itemsize: int = 2) -> tuple[int, int, int, int]:
@@ -339,13 +374,17 @@ def decode_splits(num_seqs: int, kv_heads: int) -> int:
 def triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                            sliding_window: int | None = None, softcap: float | None = None,
                            new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                           config: tuple[int, ...] | None = None, parts_out: list | None = None) -> torch.Tensor:
+                           config: tuple[int, ...] | None = None, parts_out: list | None = None,
+                           rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of the packed queries q [tokens, heads, head dim] over the paged cache, after writing `new_kv`
-    into it (as attention.torch_paged_attention). `config` overrides launch_config and, for decode, the split:
+    into it, the queries and new keys turned by `rotary` where given (as attention.torch_paged_attention: there
+    in passes of their own, here as the kernels read the queries and write the keys). `config` overrides
+    launch_config and, for decode, the split:
     (BLOCK_N, WIDE_N, warps, stages[, splits, min tiles per part]). A list passed as `parts_out` receives the
     number of parts of each decode sequence's context (a tensor; tests)."""
     if new_kv is not None:
-        write_kv(*new_kv, k_cache, v_cache, meta.slot_mapping)
+        write_kv(*new_kv, k_cache, v_cache, meta.slot_mapping, rotary)
+    cos, sin = _rotary_rows(rotary, q)
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = num_heads // kv_heads
@@ -383,7 +422,8 @@ def triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: 
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP16_DOTS=k_cache.element_size() == 1 and q.dtype != torch.float32,
         PART_O=part_o, PART_LSE=part_lse, NUM_PARTS=num_parts, COUNTS=counts, SPLITS=splits, MIN_TILES=min_tiles,
-        PIPELINE=meta.block_m >= LONG_PREFILL_ROWS, TABLE_ROWS=meta.table_rows is not None, num_warps=warps,
+        PIPELINE=meta.block_m >= LONG_PREFILL_ROWS, TABLE_ROWS=meta.table_rows is not None, COS=cos, SIN=sin,
+        stride_rt=cos.stride(0), ROTARY=rotary is not None, num_warps=warps,
         num_stages=stages, **pdl.launch(),
     )
     return out
