@@ -158,8 +158,8 @@ def _fuse(module) -> None:
     # under the engine's paged attention the rotary embedding is the attention's (attention.apply_rotary), where the
     # family turns heads as that does (Qwen3 turns them after its per-head norms, in its own code)
     probe = torch.arange(4.0)
-    module.fused_rotary = not hasattr(module, "q_norm") and torch.equal(module.model_code.rotate_half(probe),
-                                                                        rotate_half(probe))
+    module.fused_rotary = (not hasattr(module, "q_norm") and module.head_dim % 2 == 0
+                           and torch.equal(module.model_code.rotate_half(probe), rotate_half(probe)))
     module.forward = _fused_forward.__get__(module)
 
 
@@ -177,8 +177,10 @@ def _fused_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
         q, k, v = (t.view(hidden_shape) for t in qkv.split(self.qkv_sizes, dim=-1))
         q, k, v = self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), v.transpose(1, 2)
         q, k = self.model_code.apply_rotary_pos_emb(q, k, cos, sin)
-    elif self.fused_rotary and past_key_values is None and self.config._attn_implementation == ATTN_IMPLEMENTATION:
-        # the engine's paged attention turns them as it reads the queries and writes the keys
+    elif (self.fused_rotary and past_key_values is None and cos.shape[-1] == self.head_dim
+          and self.config._attn_implementation == ATTN_IMPLEMENTATION):
+        # the engine's paged attention turns them as it reads the queries and writes the keys (a rotary embedding
+        # as wide as the heads)
         q, k, v = (t.view(hidden_shape).transpose(1, 2) for t in qkv.split(self.qkv_sizes, dim=-1))
         kwargs["rotary"] = (cos[0], sin[0])
     else:  # q's and k's heads turned together, as apply_rotary_pos_emb turns each: one kernel where compiled
