@@ -25,9 +25,10 @@ import sys
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama import modeling_llama as llama
 
 from service.engine.quant.w8a8 import W8A8Linear, silu_mul_quantize
-from service.engine.runner.attention import ATTN_IMPLEMENTATION, rotate_half
+from service.engine.runner.attention import ATTN_IMPLEMENTATION
 
 # transformers attention classes whose forward pass is Llama's: project, (Qwen3: per-head norms of q and k),
 # rotary embedding, attention (Mistral, Qwen2 and Qwen3: with a sliding window), o_proj
@@ -155,11 +156,11 @@ def _fuse(module) -> None:
     module.fused_sliding_window = (module.sliding_window if hasattr(module, "sliding_window")
                                    else getattr(module.config, "sliding_window", None))
     module.model_code = sys.modules[type(module).__module__]  # its apply_rotary_pos_emb and eager attention
-    # under the engine's paged attention the rotary embedding is the attention's (attention.apply_rotary), where the
-    # family turns heads as that does (Qwen3 turns them after its per-head norms, in its own code)
+    # under the engine's paged attention the rotary embedding is the attention's (Llama's formula), where the family
+    # turns heads as Llama does (Qwen3 turns them after its per-head norms, in its own code)
     probe = torch.arange(4.0)
     module.fused_rotary = (not hasattr(module, "q_norm") and module.head_dim % 2 == 0
-                           and torch.equal(module.model_code.rotate_half(probe), rotate_half(probe)))
+                           and torch.equal(module.model_code.rotate_half(probe), llama.rotate_half(probe)))
     module.forward = _fused_forward.__get__(module)
 
 

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.models.llama import modeling_llama as llama
 
 ATTN_IMPLEMENTATION = "service_paged"
 
@@ -106,20 +107,6 @@ def _(query, key, value, layer, scale, sliding_window, softcap, cos, sin):
     return query.new_empty(query.shape[2], query.shape[1], value.shape[-1])
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """The rotary embedding's partner of each element: the second half of the last dimension negated, then the
-    first (the Llama family's rotate_half)."""
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Queries or keys [T, heads, D] turned by the rotary embedding (cos, sin) [T, D]: the very operations of the
-    Llama family's apply_rotary_pos_emb, in x's dtype."""
-    cos, sin = (t[:, None, :] for t in rotary)
-    return (x * cos) + (rotate_half(x) * sin)
-
-
 def cache_limit(dtype: torch.dtype) -> float:
     """The largest magnitude a cache of this dtype takes, keys and values beyond it clamped to it: an 8-bit float
     type's range (a plain cast stores what lies beyond as inf in e5m2, and may as NaN in e4m3, which has no inf);
@@ -143,11 +130,10 @@ def torch_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: f
     Every backend takes the same arguments: `new_kv`, this step's keys and values [tokens, KV heads, head dim],
     goes into the cache at meta.slot_mapping before the queries attend (here by indexing, whatever the cache's
     layout in memory: kv_cache.cache_tensor); `rotary`, (cos, sin) [tokens, head dim], turns the queries and the
-    new keys first (paged_attention_forward)."""
-    if rotary is not None:
-        q = apply_rotary(q, rotary)
-        if new_kv is not None:
-            new_kv = (apply_rotary(new_kv[0], rotary), new_kv[1])
+    new keys first (paged_attention_forward; it comes with new_kv)."""
+    if rotary is not None:  # [T, heads, D] against [T, D]: the Llama family's own operations, in q's dtype
+        q, k = llama.apply_rotary_pos_emb(q, new_kv[0], *rotary, unsqueeze_dim=1)
+        new_kv = (k, new_kv[1])
     if new_kv is not None:
         blocks, offsets = meta.slot_mapping // k_cache.shape[1], meta.slot_mapping % k_cache.shape[1]
         for cache, new in zip((k_cache, v_cache), new_kv):

@@ -94,7 +94,7 @@ def _kv_offsets(table, start, head_offset, stride_kb, stride_ks, PAGE: tl.conste
 def _rotated(x, at, cos_at, sin_at, d, ok, HEAD_DIM: tl.constexpr):
     """x, loaded from the pointers `at` (each element's place, d its index in the head), turned by the rotary
     embedding: x * cos + rotate_half(x) * sin in float32, rotate_half's element d the one HEAD_DIM / 2 away, negated
-    in the first half (attention.apply_rotary). cos_at, sin_at: the pointers to each element's cosine and sine."""
+    in the first half (Llama's apply_rotary_pos_emb). cos_at, sin_at: the pointers to each element's cosine and sine."""
     HALF: tl.constexpr = HEAD_DIM // 2
     partner = tl.load(at + tl.where(d < HALF, HALF, -HALF), mask=ok, other=0.0).to(tl.float32)
     cos = tl.load(cos_at, mask=ok, other=0.0).to(tl.float32)
