@@ -3,7 +3,8 @@ step against its roofline, and a profile of decode steps (host time per op, GPU 
 
 The step duration is what `llm_engine_step_seconds` observes (StepStats.duration: with overlap, read-back to
 read-back). The roofline of a decode step is max(FLOPs / the bf16 peak, (weight bytes + KV bytes read) / the
-memory bandwidth), data-sheet H100 SXM figures: 989 TFLOP/s dense bf16, 3.35 TB/s.
+memory bandwidth), with the device's data-sheet figures (`bench kernel`'s table: an H200's 989 TFLOP/s dense bf16
+and 4.8 TB/s).
 
 Usage (on a CUDA machine; `bash tests/gpu/run.sh decode` runs it):
   python3 tests/gpu/engine/decode_steps.py --model random:llama-1b --num-requests 1 --input-len 128 --output-len 512
@@ -15,7 +16,6 @@ import time
 
 import torch
 
-PEAK_FLOPS, PEAK_BYTES = 989e12, 3.35e12
 
 
 def main() -> None:
@@ -35,6 +35,7 @@ def main() -> None:
                                     "step with the gaps between them")
     args = ap.parse_args()
 
+    from service.bench.offline.roofline import peaks
     from service.engine.config import EngineConfig
     from service.engine.llm_engine import LLMEngine
     from service.engine.sampling import SamplingParams
@@ -45,6 +46,11 @@ def main() -> None:
                                     cuda_graphs=not args.no_cuda_graphs, fuse_qkv=not args.no_fuse_qkv,
                                     quantization=args.quantization))
     model = engine.runner.model
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    tflops, gbs = peaks(name, args.quantization, model.dtype)
+    if tflops is None or gbs is None:  # a device without data-sheet figures (the CPU): the H200's, for the check
+        tflops, gbs = 989.0, 4800.0
+    PEAK_FLOPS, PEAK_BYTES = tflops * 1e12, gbs * 1e9
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     n_params = sum(p.numel() for p in model.parameters())
     cfg = model.config.get_text_config()
@@ -52,8 +58,9 @@ def main() -> None:
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     kv_per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * torch.tensor([], dtype=model.dtype).element_size()
-    print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s: {n_params / 1e9:.2f} B parameters, "
-          f"{weight_bytes / 1e9:.2f} GB, KV {kv_per_token} B/token, q/k/v fused in {engine.runner.fused_layers} layers",
+    print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s on {name} ({tflops:g} TFLOP/s, {gbs:g} GB/s): "
+          f"{n_params / 1e9:.2f} B parameters, {weight_bytes / 1e9:.2f} GB, KV {kv_per_token} B/token, q/k/v fused in "
+          f"{engine.runner.fused_layers} layers",
           flush=True)
 
     steps = []  # (phase, duration, sequences, context tokens read)
