@@ -6,7 +6,8 @@
 #            lengths [100, 1024] x 256 (each kind's 12 costliest kernels), then on 128/128 x 256 with the host's
 #            costliest functions under cProfile
 #   fp8      the mixed lengths' steps with the 8-bit KV cache and with the model's dtype (6 kernels each)
-#   8b       the 8B shape's steps, 128/128 x 256: its decode step against the roofline
+#   8b       the 8B shape's steps, 128/128 x 1,024 at 1,024 sequences, in bf16 and in fp8-w8a8 (each kind's 12 costliest
+#            kernels)
 #   kernel   the attention kernels on the serving shapes (bench kernel --preset serving)
 #   metrics  mixed lengths x 256 without and with the server's telemetry metrics: paired runs, median of 7
 #   traces   the same with metrics and engine-step traces exported over OTLP/HTTP to a real receiver (tests/otlp.py)
@@ -27,8 +28,11 @@ for phase in "${PHASES[@]}"; do
         step "steps-mixed-kv-$kv" "$T" "$PYTHON" -m service.bench.offline.steps "${MIXED[@]}" --kv-cache-dtype "$kv" \
           --top-kernels 6 --json "$RESULTS/steps-mixed-kv-$kv.json"
       done ;;
-    8b) step steps-8b "$T" "$PYTHON" -m service.bench.offline.steps --model random:llama-8b --input-len 128 \
-        --output-len 128 --top-kernels 12 --json "$RESULTS/steps-8b.json" ;;
+    8b) for q in none fp8-w8a8; do
+        step "steps-8b-$q" "$T" "$PYTHON" -m service.bench.offline.steps --model random:llama-8b --quantization "$q" \
+          --num-requests 1024 --max-num-seqs 1024 --gpu-memory-utilization 0.8 --input-len 128 --output-len 128 \
+          --top-kernels 12 --json "$RESULTS/steps-8b-$q.json"
+      done ;;
     kernel) STEP_LINES=60 step kernel-serving "$T" "$PYTHON" -m service bench kernel --preset serving \
         --csv "$RESULTS/kernel-serving.csv" ;;
     metrics) step metrics "$T" "${TELEMETRY[@]}" --label metrics --json "$RESULTS/metrics.json" ;;

@@ -242,6 +242,8 @@ def main(argv: list[str] | None = None) -> dict:
     add_engine_argument(ap, "max_num_batched_tokens", 8192, type=int)
     add_engine_argument(ap, "num_blocks", None, type=int)
     add_engine_argument(ap, "kv_cache_dtype", "auto")
+    add_engine_argument(ap, "quantization", "none")
+    add_engine_argument(ap, "gpu_memory_utilization", 0.5, type=float)
     ap.add_argument("--overlap", choices=["on", "off"], default=None,
                     help="overlap in the served run (default: the engine's, on on CUDA)")
     ap.add_argument("--top-kernels", type=int, default=0, metavar="N",
@@ -257,8 +259,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = args.model or ("random:llama-1b" if cuda else "random:tiny")
     engine = LLMEngine(EngineConfig(model=model, max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
-                                    gpu_memory_utilization=0.5, enable_prefix_caching=False,
-                                    kv_cache_dtype=args.kv_cache_dtype))
+                                    gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
+                                    kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization))
     try:
         prompts = random_prompts(args.num_requests, args.input_len, engine.runner.model.config.vocab_size, args.seed)
         output_lens = args.output_len.sample(args.num_requests, args.seed + 1)
@@ -274,7 +276,8 @@ def main(argv: list[str] | None = None) -> dict:
     tokens = sum(output_lens)
     rows = summarise(served, plain, profiled)
     device = torch.cuda.get_device_name() if cuda else "cpu"
-    print(f"{model}, {args.num_requests} requests x {args.input_len} in / {args.output_len} out, {device}: "
+    mode = "" if args.quantization == "none" else f" {args.quantization}"
+    print(f"{model}{mode}, {args.num_requests} requests x {args.input_len} in / {args.output_len} out, {device}: "
           f"overlap {'on' if overlap else 'off'} {served_s:.3f} s ({tokens / served_s:,.0f} tok/s, "
           f"{len(served)} steps); "
           f"overlap off {plain_s:.3f} s ({tokens / plain_s:,.0f} tok/s, {len(plain)} steps)")
@@ -290,8 +293,10 @@ def main(argv: list[str] | None = None) -> dict:
               "top_kernels": tops}
     config = {"model": model, "num_requests": args.num_requests, "input_len": str(args.input_len),
               "output_len": str(args.output_len), "seed": args.seed}
-    if args.kv_cache_dtype != "auto":  # runs stored before the option keep their configuration's hash
-        config["kv_cache_dtype"] = args.kv_cache_dtype
+    # runs stored before these options keep their configuration's hash
+    for key, default in (("kv_cache_dtype", "auto"), ("quantization", "none"), ("gpu_memory_utilization", 0.5)):
+        if getattr(args, key) != default:
+            config[key] = getattr(args, key)
     with store.run(kind="steps", name=f"steps-{model}", label=args.label, config=config) as run:
         run.measure("output_tokens_per_second", tokens / served_s, unit="tok/s")
         run.measure("overlap_off_output_tokens_per_second", tokens / plain_s, unit="tok/s")
