@@ -1,11 +1,13 @@
 """Where the host's time goes in each engine step: the workload all at once, overlap as served, each
 engine call timed with perf_counter (no profiler): scheduling, the launch (input preparation, graph replay),
 the sampler's launch, the wait for the step's tokens, and the read-back's own work; per decode step of the timed runs;
-and the garbage collector's time per run.
+and the garbage collector's time per run. With --as-served the engine runs as the engine process runs it (bare
+output rows, text left to the front ends), and each step's rows are also encoded as the message a front end gets
+("encode").
 
 Usage (on a CUDA machine; on the CPU it runs random:tiny):
   python3 tests/gpu/engine/host_steps.py [--model random:llama-1b] [--num-requests 256] [--input-len 128] [--output-len 128]
-      [--max-num-seqs 256]
+      [--max-num-seqs 256] [--num-blocks N] [--as-served]
 """
 
 import argparse
@@ -19,6 +21,8 @@ import torch
 from service.bench.offline.lengths import Lengths
 from service.bench.offline.offline import random_prompts, sync
 from service.engine import EngineConfig, LLMEngine, SamplingParams
+from service.engine import messages
+from service.engine.detokenizer import Detokenizer
 from service.engine.runner import sampler as sampler_module
 
 
@@ -31,11 +35,24 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--overlap", choices=["on", "off"], default=None, help="default: the engine's")
+    ap.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: the engine's)")
+    ap.add_argument("--as-served", action="store_true", help="bare output rows, no text, each step's message encoded "
+                                                             "(as the engine process)")
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=8192,
-                                    gpu_memory_utilization=0.5, enable_prefix_caching=False))
+                                    gpu_memory_utilization=0.5, enable_prefix_caching=False,
+                                    num_blocks=args.num_blocks))
     if args.overlap:
         engine.overlap = args.overlap == "on"
+    telemetry = None
+    if args.as_served:  # as EngineCore sets it up, and the server's telemetry watching each step
+        from service.settings import TelemetrySettings
+        from service.telemetry.hub import Telemetry
+
+        engine.rows, engine.detokenizer = True, Detokenizer(None)
+        telemetry = Telemetry(TelemetrySettings(), engine.model_name)
+        telemetry.start()
+        engine.observer = telemetry.observer
     prompts = random_prompts(args.num_requests, Lengths(args.input_len, args.input_len),
                              engine.runner.model.config.vocab_size, 1)
     spent, call = collections.Counter(), collections.Counter()  # over the run's decode steps; in this step() call
@@ -63,6 +80,9 @@ def main() -> None:
     timed(engine.runner, "forward", "launch")
     timed(engine.runner, "sample", "sample")
     timed(engine, "_read_back", "read back")
+    timed(engine.scheduler, "postprocess", "postprocess")  # inside "read back"
+    if engine.observer is not None:
+        timed(engine, "observer", "observe")  # inside "read back"
     timed(sampler_module.SampleResult, "read", "wait")  # inside "read back"
     if torch.cuda.is_available():  # the graph launch alone (cudaGraphLaunch), inside "launch"
         timed(torch.cuda.CUDAGraph, "replay", "graph launch")
@@ -93,7 +113,11 @@ def main() -> None:
             decode[0] = False  # a step() call counts when it launches a decode step
             call.clear()
             t = time.perf_counter()
-            engine.step()
+            out = engine.step()
+            if args.as_served and out:
+                begin = time.perf_counter()
+                messages.encode(messages.Step(out, engine.num_waiting))
+                call["encode"] += time.perf_counter() - begin
             if decode[0]:
                 decode_steps += 1
                 call["step"] += time.perf_counter() - t
@@ -120,6 +144,8 @@ def main() -> None:
         else:
             print(f"  {k}: {statistics.median(v):,.3f}  (runs: {', '.join(f'{x:,.3f}' for x in v)})")
     engine.close()
+    if telemetry is not None:
+        telemetry.shutdown()
 
 
 if __name__ == "__main__":
