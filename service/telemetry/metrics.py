@@ -105,8 +105,8 @@ class Metrics:
                                       "sampling), by phase.", STEP_BUCKETS, ["model", "phase"])
         self.step_host_seconds = histogram("llm_engine_step_host_seconds", "Host time of one engine step: its "
                                            "duration less the engine thread's wait for the device's results (on "
-                                           "a CPU, where the model runs on the host, the whole step).",
-                                           STEP_BUCKETS)
+                                           "a CPU, where the model runs on the host, the whole step), by phase.",
+                                           STEP_BUCKETS, ["model", "phase"])
         self.batch_tokens = histogram("llm_batch_tokens", "Tokens computed in one engine step, by phase.",
                                       BATCH_TOKEN_BUCKETS, ["model", "phase"])
         self.model_info = Gauge("llm_model_info", "The served model and how it runs (always 1, set once the model "
@@ -173,12 +173,12 @@ class Metrics:
         for constraint in CONSTRAINTS:  # every series exists from the start (at zero): queries of it find data
             self.structured_requests.labels(model, constraint)
         self.preemptions_m = self.preemptions.labels(model)
-        self.received_m, self.step_host_m = self.received.labels(model), self.step_host_seconds.labels(model)
+        self.received_m = self.received.labels(model)
         self.running_m, self.waiting_m, self.kv_usage_m = self.running.labels(model), self.waiting.labels(model), \
             self.kv_usage.labels(model)
         self.finish_m = {reason: self.requests.labels(model, reason) for reason in FINISH_REASONS}
-        self.step_m = {phase: (self.step_seconds.labels(model, phase), self.batch_tokens.labels(model, phase))
-                       for phase in PHASES}
+        self.step_m = {phase: (self.step_seconds.labels(model, phase), self.batch_tokens.labels(model, phase),
+                               self.step_host_seconds.labels(model, phase)) for phase in PHASES}
         for gauge in (self.running_m, self.waiting_m, self.kv_usage_m, self.kv_blocks_used_m):
             gauge.set(0)
 

@@ -145,11 +145,11 @@ class EngineRecorder:
     def __call__(self, step: StepStats) -> None:
         m = self.m
         if step.phase is not None:
-            seconds, tokens = m.step_m[step.phase]
+            seconds, tokens, host = m.step_m[step.phase]
             duration = on_grid(step.duration)
             seconds.observe(duration)
             tokens.observe(step.num_tokens)
-            m.step_host_m.observe(max(0.0, step.duration - step.device_wait))
+            host.observe(max(0.0, step.duration - step.device_wait))
             if self.otlp is not None:
                 self.otlp.step.record(duration, self._phases[step.phase])
             if step.prompt_tokens_computed:

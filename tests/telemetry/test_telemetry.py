@@ -126,6 +126,11 @@ def test_counters_and_histograms_match_the_requests_exactly(tiny_model):
     # the model computed every prompt token and every output token but the last (never fed back)
     assert phases_total(m, "llm_batch_tokens_sum") == sum(len(p) + k - 1 for p, k in zip(prompts, lengths))
     assert phases_total(m, "llm_engine_step_seconds_count") == phases_total(m, "llm_batch_tokens_count") > 0
+    # each step's host time under its own phase: as many of each as of steps
+    for phase in ("prefill", "decode", "mixed"):
+        assert value(m, "llm_engine_step_host_seconds_count", phase=phase) == value(
+            m, "llm_engine_step_seconds_count", phase=phase), phase
+    assert value(m, "llm_engine_step_host_seconds_count", phase="decode") > 0
     assert_at_rest(m)
 
 
