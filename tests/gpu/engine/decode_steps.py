@@ -17,7 +17,6 @@ import time
 import torch
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:llama-1b")
@@ -50,7 +49,7 @@ def main() -> None:
     tflops, gbs = peaks(name, args.quantization, model.dtype)
     if tflops is None or gbs is None:  # a device without data-sheet figures (the CPU): the H200's, for the check
         tflops, gbs = 989.0, 4800.0
-    PEAK_FLOPS, PEAK_BYTES = tflops * 1e12, gbs * 1e9
+    peak_flops, peak_bytes = tflops * 1e12, gbs * 1e9
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     n_params = sum(p.numel() for p in model.parameters())
     cfg = model.config.get_text_config()
@@ -92,13 +91,13 @@ def main() -> None:
     if decode:
         batch = max(s[2] for s in decode)
         full = [s for s in decode if s[2] == batch]
-        compute = 2 * n_params * batch / PEAK_FLOPS
-        roof = [max(compute, (weight_bytes + ctx * kv_per_token) / PEAK_BYTES) for _, _, _, ctx in full]
+        compute = 2 * n_params * batch / peak_flops
+        roof = [max(compute, (weight_bytes + ctx * kv_per_token) / peak_bytes) for _, _, _, ctx in full]
         measured = statistics.median(s[1] for s in full)
         print(f"decode at batch {batch} ({len(full)} steps): p50 {1e3 * measured:.3f} ms, roofline p50 "
               f"{1e3 * statistics.median(roof):.3f} ms (compute {1e3 * compute:.3f} ms, "
-              f"weights {1e3 * weight_bytes / PEAK_BYTES:.3f} ms, KV at median context "
-              f"{1e3 * statistics.median(c for *_, c in full) * kv_per_token / PEAK_BYTES:.3f} ms): "
+              f"weights {1e3 * weight_bytes / peak_bytes:.3f} ms, KV at median context "
+              f"{1e3 * statistics.median(c for *_, c in full) * kv_per_token / peak_bytes:.3f} ms): "
               f"{measured / statistics.median(roof):.2f}x the roofline", flush=True)
 
     if args.profile_steps:  # decode steps only, at --profile-batch requests, after their prefill
