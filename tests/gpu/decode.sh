@@ -7,7 +7,7 @@
 #   batch   256 requests x 128/128 on the 1B shape, each mode of DECODE_MODES
 #   8b      the 8B shape: 256 x 128/128 in bf16, then one request (128 in / 256 out) with weight-only int8 and bf16
 #   host    where the host's time goes in each step: scheduling, launch, the wait, the read-back
-#           (tests/gpu/engine/host_steps.py)
+#           (tests/gpu/engine/host_steps.py), then the same as the engine process runs (--as-served)
 #   profile one request's decode steps under the profiler: host time per op, the GPU's busy time per step, each
 #           kernel; its trace in RESULTS/decode-trace.json (open it in Perfetto)
 #   rows    the 8-bit kernel at few rows against cuBLAS bf16 (tests/gpu/kernels/int8_rows.py)
@@ -37,7 +37,9 @@ for phase in "${PHASES[@]}"; do
       for q in int8 none; do
         steps "8b-one-$q" --model random:llama-8b --num-requests 1 --output-len 256 --profile-steps 0 --quantization "$q"
       done ;;
-    host) step host "$T" "$PYTHON" tests/gpu/engine/host_steps.py ;;
+    host)
+      step host "$T" "$PYTHON" tests/gpu/engine/host_steps.py
+      step host-as-served "$T" "$PYTHON" tests/gpu/engine/host_steps.py --as-served ;;
     profile) STEP_LINES=60 steps profile --model random:llama-1b --num-requests 1 --output-len 256 --profile-steps 20 \
         --trace "$RESULTS/decode-trace.json" ;;
     rows) step rows "$T" "$PYTHON" tests/gpu/kernels/int8_rows.py --rows 1,4,16,64 --json "$RESULTS/rows.json" ;;
