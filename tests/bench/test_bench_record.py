@@ -36,6 +36,23 @@ def test_bench_serve_stores_each_request_and_regress_can_judge_two_runs(server, 
     assert [(r["n_baseline"], r["n_candidate"]) for r in rows] == [(8, 8)]
 
 
+def test_bench_offline_iterations_give_the_median_run_and_store_every_run(tmp_path, capsys):
+    db = f"sqlite:///{tmp_path / 'bench.db'}"
+    args = ["--model", "random:tiny", "--device", "cpu", "--num-requests", "3", "--input-len", "5", "--output-len",
+            "4", "--peers", "none", "--num-blocks", "32", "--db", db]
+    rows = offline.main(args + ["--iterations", "3", "--label", "three"])
+    engine = rows[0]
+    assert engine["system"] == "this engine (all at once, median of 3)" and len(engine["runs"]) == 3
+    assert engine["seconds"] == sorted(engine["runs"])[1]
+    assert "the median of 3 runs" in capsys.readouterr().out
+    store = open_store(db)
+    [run] = queries.resolve(store, "three")
+    assert queries.values(store, [run["id"]])[run["id"]]["wall_seconds"] == ("s", engine["runs"])
+    with pytest.raises(SystemExit):
+        offline.main(args + ["--iterations", "0"])
+    assert "--iterations must be at least 1" in capsys.readouterr().err
+
+
 def test_bench_offline_stores_its_engine_run(tmp_path, capsys):
     db = f"sqlite:///{tmp_path / 'bench.db'}"
     rows = offline.main(["--model", "random:tiny", "--device", "cpu", "--num-requests", "3", "--input-len", "5",

@@ -197,8 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "the modes in one run (the first is the baseline): weight memory, throughput against it, greedy "
                          "agreement, perplexity; there a W8A8 mode with :sim runs its float32 simulation (fp8-w8a8:sim on CPU)")
     add_engine_argument(ap, "kv_cache_dtype", "auto")
-    flags.deprecated_alias(ap, "--repeats", flags.add_iterations(ap, 5, "throughput runs per mode when comparing "
-                                                                        "modes", dest="repeats"))
+    flags.deprecated_alias(ap, "--repeats", flags.add_iterations(
+        ap, None, "timed runs of the engine, one after another in one process: the figure is their median (default "
+        "1); when comparing modes, runs per mode (default 5)", dest="repeats"))
     flags.add_json(ap)
     ap.add_argument("--label", default=None, help="a name for this run in the results store")
     add_db_argument(ap)
@@ -225,6 +226,8 @@ def plan(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Plan:
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if cuda else "cpu")
     modes = args.quantization.split(",")
+    if args.repeats is not None and args.repeats < 1:
+        ap.error("--iterations must be at least 1")
     for mode in modes:
         try:
             if len(modes) > 1:
@@ -255,10 +258,17 @@ def measure_engine(config: EngineConfig, args: argparse.Namespace, p: Plan, peer
     prompts = random_prompts(p.num_requests, args.input_len, engine.runner.model.config.vocab_size, args.seed)
     output_lens = p.output_len.sample(p.num_requests, args.seed + 1)
 
-    rows = [run_engine(engine, prompts, output_lens)]
+    runs = []
+    for _ in range(args.repeats or 1):
+        runs.append(run_engine(engine, prompts, output_lens))
+        print(_fmt(runs[-1]), flush=True)
+    rows = [sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]]  # the median run (the later of two middles)
+    if len(runs) > 1:
+        rows[0] = {**rows[0], "system": f"this engine (all at once, median of {len(runs)})",
+                   "runs": [r["seconds"] for r in runs]}
+        print(f"the median of {len(runs)} runs: {_fmt(rows[0])}", flush=True)
     rows[0]["setup_seconds"] = setup
     rows[0]["roofline_seconds"] = roofline_of(engine, prompts, output_lens)
-    print(_fmt(rows[-1]), flush=True)
     if args.telemetry:
         rows += telemetry_overhead(engine, prompts, output_lens)
     engine.runner.uncompile()  # the peers run the model as transformers loads it
@@ -360,7 +370,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     config = engine_config(args, p)
     if len(p.modes) > 1:
         return _compare_quantization(store, args.label, config, p.modes, p.num_requests, args.input_len,
-                                     p.output_len, args.seed, args.repeats, args.json)
+                                     p.output_len, args.seed, args.repeats or 5, args.json)
     peers = [x for x in args.peers.split(",") if x and x != "none"]
     rows, hf_model, prompts, output_lens, peers = measure_engine(config, args, p, peers)
     rows += run_peers(hf_model, prompts, output_lens, args.input_len, p, peers)
