@@ -2,8 +2,8 @@
 # suite: bench offline: the 1B shape (1,024 x 128/128), mixed lengths, the 8B shape, transformers' peers, telemetry's cost
 # Usage: bash tests/gpu/run.sh offline [PHASE...]   (default: 1b mixed 8b peers telemetry; more than one device
 # tool call may be needed for all of them: name the phases)
-#   1b         the 1B shape, 1,024 requests of 128 in / 128 out, 256 at a time
-#   mixed      the 1B shape, 256 requests, input and output lengths uniform in [100, 1024]
+#   1b         the 1B shape, 1,024 requests of 128 in / 128 out, 256 at a time: the median of 5 runs in one process
+#   mixed      the 1B shape, 256 requests, input and output lengths uniform in [100, 1024]: the median of 5 runs
 #   8b         the 8B shape, 256 x 128/128: bf16, fp8-w8a8 and int8-w8a8, each in a process of its own
 #   peers      the engine against transformers' generate_batch and static generate on the same weights: 256 x 128/128,
 #              then the mixed lengths against generate_batch (the slow one: transformers at about 1,000 tok/s)
@@ -31,8 +31,8 @@ offline() {  # NAME [bench offline's arguments...]
 phases "1b mixed 8b peers telemetry" "1b mixed 8b peers telemetry overlap scale samples penalties grammars" "$@"
 for phase in "${PHASES[@]}"; do
   case $phase in
-    1b) offline 1b --model random:llama-1b --num-requests 1024 --max-num-seqs 256 --peers none ;;
-    mixed) offline mixed --model random:llama-1b "${MIXED[@]}" --peers none ;;
+    1b) offline 1b --model random:llama-1b --num-requests 1024 --max-num-seqs 256 --peers none --iterations 5 ;;
+    mixed) offline mixed --model random:llama-1b "${MIXED[@]}" --peers none --iterations 5 ;;
     8b) for q in none fp8-w8a8 int8-w8a8; do offline "8b-$q" --model random:llama-8b --quantization "$q" --peers none; done ;;
     peers)
       offline peers --model random:llama-1b
