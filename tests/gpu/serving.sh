@@ -19,9 +19,15 @@
 #   SERVING_TIMEOUT  seconds for each client run (default 300); SERVE_TIMEOUT for a server's start (default 900)
 source "$(dirname "$0")/env.sh"
 T=${SERVING_TIMEOUT:-300}
-heavy() {  # N: the 1,024 x 256 figures, non-streaming and streaming
+steps_since() {  # NAME: the engine's steps since the last call, per phase: mean duration and host time; GPU utilization
+  "$PYTHON" tests/gpu/serving/step_times.py "$URL" --state "${TMPDIR:-/tmp}/step-times-$SERVER.json" --label "$1"
+}
+heavy() {  # N: the 1,024 x 256 figures, non-streaming and streaming, each with its steps' times
+  steps_since "n$1-before" > /dev/null
   load "n$1-non-streaming" --requests 1024 --concurrency 256
+  steps_since "n$1-non-streaming"
   load "n$1-streaming" --requests 1024 --concurrency 256 --stream
+  steps_since "n$1-streaming"
 }
 streams() {
   load one-stream --requests 32 --concurrency 1 --procs 1 --stream
@@ -73,7 +79,7 @@ for phase in "${PHASES[@]}"; do
         fi
       done
       # the engine's host time per step beside the step's duration, over all the runs; what the page got last
-      curl -s "$URL/metrics" | grep -E '^llm_engine_step(_host)?_seconds_(sum|count)'
+      steps_since dashboard
       curl -s "$URL/dashboard/data" | "$PYTHON" -c 'import json, sys; d = json.load(sys.stdin); p = d["points"]
 print("dashboard:", d["status"], "gpus", d["gpus"], "processes", d["processes"], "points", len(p["t"]), "totals", d["totals"])
 print("newest point:", {k: v[-1] for k, v in p.items() if k != "t"})'
@@ -81,6 +87,7 @@ print("newest point:", {k: v[-1] for k, v in p.items() if k != "t"})'
     profile)
       serve 1 || continue
       warm 1
+      steps_since warm > /dev/null
       load profile-streaming --requests "${PROFILE_REQUESTS:-16384}" --concurrency 256 --stream &
       loading=$!
       sleep 5
@@ -88,7 +95,7 @@ print("newest point:", {k: v[-1] for k, v in p.items() if k != "t"})'
         --format raw --output "$RESULTS/profile.txt" --pid "$SERVER" > "$RESULTS/py-spy.log" 2>&1 \
         || { echo "!! py-spy failed:"; tail -5 "$RESULTS/py-spy.log"; }
       wait "$loading"  # (not the server, also in the background)
-      curl -s "$URL/metrics" | grep -E '^llm_engine_step(_host)?_seconds_(sum|count)'
+      steps_since profile
       unserve ;;
     scale)
       for n in 2 4; do
