@@ -64,6 +64,7 @@ for phase in "${PHASES[@]}"; do
     dashboard)
       serve 1 || continue
       warm 1
+      steps_since warm > /dev/null
       with_pages() {
         "$PYTHON" tests/gpu/serving/pages.py "$URL" --pages 5 --seconds 600 > "$RESULTS/pages-$1.json" 2>&1 &
         local pages=$!
