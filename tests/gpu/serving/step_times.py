@@ -8,26 +8,25 @@ engine's wait for the device), and the GPUs' utilization as last sampled. One li
 import argparse
 import json
 import os
-import urllib.request
 
-from prometheus_client.parser import text_string_to_metric_families
+from service.bench.loadgen.results.crosscheck import scrape
 
 SERIES = {"llm_engine_step_seconds": "step", "llm_engine_step_host_seconds": "host"}
 
 
 def read(url: str) -> tuple[dict, dict]:
-    """({"step:decode:sum": ..., ...}, {gpu: utilization})"""
-    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    """({"step:decode:sum": ..., ...}, {gpu: utilization}) from the server's /metrics (bench serve's scrape)."""
+    samples, why = scrape(url, timeout=30)
+    if samples is None:
+        raise SystemExit(why)
     totals, gpus = {}, {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            for name, short in SERIES.items():
-                for part in ("sum", "count"):
-                    if s.name == f"{name}_{part}":
-                        key = f"{short}:{s.labels.get('phase', 'all')}:{part}"
-                        totals[key] = totals.get(key, 0.0) + s.value
-            if s.name == "llm_gpu_utilization_ratio":
-                gpus[s.labels.get("gpu", "?")] = s.value
+    for name, labels, value in samples:
+        base, _, part = name.rpartition("_")
+        if base in SERIES and part in ("sum", "count"):
+            key = f"{SERIES[base]}:{labels.get('phase', 'all')}:{part}"
+            totals[key] = totals.get(key, 0.0) + value
+        elif name == "llm_gpu_utilization_ratio":
+            gpus[labels.get("gpu", "?")] = value
     return totals, gpus
 
 
