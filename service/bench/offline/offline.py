@@ -262,11 +262,12 @@ def measure_engine(config: EngineConfig, args: argparse.Namespace, p: Plan, peer
     for _ in range(args.repeats or 1):
         runs.append(run_engine(engine, prompts, output_lens))
         print(_fmt(runs[-1]), flush=True)
-    rows = [sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]]  # the median run (the later of two middles)
+    median = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]  # (of an even count, the later middle)
     if len(runs) > 1:
-        rows[0] = {**rows[0], "system": f"this engine (all at once, median of {len(runs)})",
-                   "runs": [r["seconds"] for r in runs]}
-        print(f"the median of {len(runs)} runs: {_fmt(rows[0])}", flush=True)
+        median = {**median, "system": f"this engine (all at once, median of {len(runs)})",
+                  "runs": [r["seconds"] for r in runs]}
+        print(f"the median of {len(runs)} runs: {_fmt(median)}", flush=True)
+    rows = [median]
     rows[0]["setup_seconds"] = setup
     rows[0]["roofline_seconds"] = roofline_of(engine, prompts, output_lens)
     if args.telemetry:
