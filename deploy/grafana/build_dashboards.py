@@ -311,6 +311,15 @@ def overview() -> dict:
                    "holds about its share. One far above the others sets the pace of its requests.",
                    [target(f"sum by (instance, process) (llm_http_connections{{{SEL}}})", "{{instance}} {{process}}")],
                    "short"),
+        timeseries("Garbage-collection pauses", "Share of each process's time that Python's garbage collector "
+                   "stopped it (label process), and its longest collections: the p99 pause of full ones "
+                   "(generation 2). Each process freezes what it loaded at start, so full collections take "
+                   "milliseconds; one far longer stalls every request of that process.",
+                   [target(f"sum by (instance, process) (rate(llm_gc_pause_seconds_sum{{{SEL}}}[$__rate_interval]))",
+                           "{{instance}} {{process}} share"),
+                    target(f"histogram_quantile(0.99, sum by (instance, process, le) "
+                           f"(rate(llm_gc_pause_seconds_bucket{{{SEL}, generation=\"2\"}}[$__rate_interval])))",
+                           "{{instance}} {{process}} full p99")], "s"),
         timeseries("IPC backlog", "Requests each front end has sent to the engine process and not yet heard "
                    "back about: above zero for long, the engine's loop is not reading its inbox.",
                    [target(f"sum by (instance, process) (llm_ipc_backlog{{{SEL}}})", "{{instance}} {{process}}")],

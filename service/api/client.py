@@ -28,6 +28,7 @@ from service.engine.errors import EngineDeadError, InvalidRequestError, SlowRead
 from service.engine.messages import Abort, Add, Admitted, Dead, FrontendGone, Hello, Step, sample_id
 from service.engine.results import RequestOutput, Timings
 from service.engine.sampling import SamplingParams, check_request, tokenize
+from service.processes import freeze_heap
 
 log = logging.getLogger(__name__)
 _CONTEXT = 5  # prompt tokens decoded before the output, so that the first token's leading space comes out right
@@ -424,6 +425,7 @@ class EngineClient:
                 elif isinstance(msg, Hello):
                     self.tokenizer = await asyncio.to_thread(load_tokenizer, msg.tokenizer)
                     self.info = msg
+                    freeze_heap()  # all this front end keeps for its life is loaded
                     self.loaded.set()
                     log.info("linked to the engine process %d: %s", msg.pid, msg.model_name)
                 elif isinstance(msg, FrontendGone):

@@ -29,7 +29,7 @@ import zmq
 from service.engine import messages
 from service.engine.config import display_name
 from service.engine.core import EngineCore
-from service.processes import die_with_parent
+from service.processes import die_with_parent, freeze_heap
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,7 @@ def run_engine(settings: Settings, folder: str, num_frontends: int, alive) -> No
         raise SystemExit(1)
     telemetry.engine_loaded(engine)
     core = EngineCore(engine, folder, num_frontends, settings.server.max_waiting, telemetry.tracing)
+    freeze_heap()
     signal.signal(signal.SIGTERM, lambda *_: core.stop())
     log.info("model %s ready on %s; serving %d front end(s)", engine.model_name, engine.device, num_frontends)
     start = time.monotonic()

@@ -8,6 +8,7 @@ its own metrics over OTLP (service.telemetry.otlp), described by `resource` (ser
 """
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -49,6 +50,7 @@ class Telemetry:
         self.keeper: dashboard.Keeper | None = None  # the dashboard's history, when this process keeps it
         self._askers = gather.Askers()  # a kept socket to each peer, and to the supervisor's history
         self._lag_task: asyncio.Task | None = None
+        self._gc_started: float | None = None  # when the collection under way began (perf_counter)
 
     def _observe_both(self, step: StepStats) -> None:
         self.recorder(step)
@@ -65,7 +67,21 @@ class Telemetry:
         if self.otlp is not None:
             self.otlp.observe_engine(lambda: self.recorder.state)
 
+    def watch_gc(self) -> None:
+        """Time each of this process's garbage collections into llm_gc_pause_seconds (until shutdown)."""
+        if self._on_gc not in gc.callbacks:
+            self._gc_pause = [self.metrics.gc_pause.labels(str(g)) for g in range(3)]
+            gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self._gc_started is not None:
+            self._gc_pause[info["generation"]].observe(time.perf_counter() - self._gc_started)
+            self._gc_started = None
+
     def start(self) -> None:
+        self.watch_gc()
         if self.settings.gpu_sample_interval > 0:
             self.gpu = GPUSampler(self.metrics.registry, self.settings.gpu_sample_interval).start()
             if self.otlp is not None and self.gpu.enabled:
@@ -76,6 +92,7 @@ class Telemetry:
         its loop)."""
         loop = asyncio.get_running_loop()
         m = self.metrics
+        self.watch_gc()
         m.threads.set_function(threading.active_count)
         m.asyncio_tasks.set_function(lambda: len(asyncio.all_tasks(loop)))
         m.connections.set_function(connections)
@@ -104,6 +121,8 @@ class Telemetry:
         return await self._askers[dashboard.address(self.folder)].ask(dashboard.question(since, status))
 
     def shutdown(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
         if self.keeper is not None:
             self.keeper.stop()
         if self._lag_task is not None:

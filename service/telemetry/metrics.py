@@ -37,6 +37,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 CONSTRAINTS = ("json_object", "json_schema", "tools")  # what constrains a request's output (response_format, tools)
 # compiling a grammar against the vocabulary: about a millisecond cached, tens of ms for a large schema, the limit 10 s
 COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+GC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 MASK_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 PHASES = ("prefill", "decode", "mixed")
 
@@ -145,6 +146,10 @@ class Metrics:
         self.connections = Gauge("llm_http_connections", "HTTP connections open on the front end (each stays with "
                                  "the front end that accepted it): their spread over the front ends is the "
                                  "spread of the load.", registry=local)
+        self.gc_pause = Histogram("llm_gc_pause_seconds", "How long each of Python's cyclic garbage collections "
+                                  "stopped the process, by generation (2: a full collection). Each process freezes "
+                                  "what it loaded at start (gc.freeze), so full collections stay short.",
+                                  ["generation"], registry=local, buckets=GC_BUCKETS)
         self.ipc_backlog = Gauge("llm_ipc_backlog", "Requests a front end has sent to the engine process and not "
                                  "yet heard back about (admitted or refused).", registry=local)
         self.otlp_export_failures = Counter("llm_otlp_metric_export_failures", "OTLP metric exports "

@@ -43,7 +43,7 @@ CATALOG = {
     "llm_otlp_metric_points_dropped": "counter", "llm_structured_requests": "counter", "llm_tool_calls": "counter",
     "llm_grammar_compile_seconds": "histogram", "llm_grammar_cache_hits": "counter",
     "llm_grammar_mask_seconds": "histogram", "llm_requests_received": "counter",
-    "llm_engine_step_host_seconds": "histogram",
+    "llm_engine_step_host_seconds": "histogram", "llm_gc_pause_seconds": "histogram",
 }
 GPU_GAUGES = ["llm_gpu_utilization_ratio", "llm_gpu_memory_used_bytes", "llm_gpu_memory_total_bytes",
               "llm_gpu_power_watts", "llm_gpu_temperature_celsius", "llm_gpu_sm_clock_hertz"]
@@ -517,3 +517,40 @@ def test_gpu_sampler_reads_every_visible_gpu():
             assert get("llm_gpu_sm_clock_hertz") > 1e8
     finally:
         sampler.stop()
+
+
+def test_garbage_collections_are_timed_per_generation_until_shutdown():
+    import gc
+
+    from service.settings import TelemetrySettings
+    from service.telemetry.hub import Telemetry
+
+    telemetry = Telemetry(TelemetrySettings(gpu_sample_interval=0), MODEL)
+    count = lambda g: telemetry.metrics.local.get_sample_value("llm_gc_pause_seconds_count", {"generation": g}) or 0
+    telemetry.start()
+    telemetry.watch_gc()  # twice: still one callback
+    try:
+        assert gc.callbacks.count(telemetry._on_gc) == 1
+        gc.collect(0)
+        gc.collect()
+        assert count("0") >= 1 and count("2") >= 1
+        assert telemetry.metrics.local.get_sample_value("llm_gc_pause_seconds_sum", {"generation": "2"}) > 0
+    finally:
+        telemetry.shutdown()
+    assert telemetry._on_gc not in gc.callbacks
+    before = count("2")
+    gc.collect()
+    assert count("2") == before
+
+
+def test_a_process_freezes_its_heap_once():
+    """freeze_heap in a fresh interpreter: what is alive is frozen; a second call freezes nothing more."""
+    import subprocess
+    import sys
+
+    code = ("import gc; from service.processes import freeze_heap; assert gc.get_freeze_count() == 0; "
+            "freeze_heap(); n = gc.get_freeze_count(); assert n > 1000, n; keep = [[] for _ in range(5000)]; "
+            "freeze_heap(); assert gc.get_freeze_count() == n; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "ok", out.stderr
