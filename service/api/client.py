@@ -20,7 +20,6 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator
 
 import zmq
-import zmq.asyncio
 
 from service.api.errors import unavailable
 from service.engine import messages
@@ -276,7 +275,9 @@ class EngineClient:
         self._tasks: set[asyncio.Task] = set()
 
     def start(self) -> "EngineClient":
-        self.ctx = zmq.asyncio.Context()
+        # plain sockets, read from the event loop's own reader callback: zmq.asyncio's futures and event polling per
+        # message cost the front end more than handling the message did. Sending never blocks (no high-water mark).
+        self.ctx = zmq.Context()
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.SNDHWM, 0)
         self.push.setsockopt(zmq.LINGER, 0)
@@ -284,7 +285,9 @@ class EngineClient:
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.RCVHWM, 0)
         self.pull.connect(messages.outbox(self.folder, self.frontend))
-        self._receiver = asyncio.ensure_future(self._receive())
+        self._loop = loop = asyncio.get_running_loop()
+        loop.add_reader(self.pull.getsockopt(zmq.FD), self._receive)
+        loop.call_soon(self._receive)  # what came before the reader was added (the FD signals only changes)
         return self
 
     def watch(self, alive) -> None:
@@ -297,9 +300,11 @@ class EngineClient:
         loop.add_reader(alive.fileno(), gone)
 
     async def close(self) -> None:
-        self._receiver.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._receiver
+        self._stop_receiving()
+        for task in list(self._tasks):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         self.push.close(0)
         self.pull.close(0)
         self.ctx.term()
@@ -407,12 +412,16 @@ class EngineClient:
             stream.fail(error)
             self.finished(stream, "error")
 
-    # -- the receiving task --------------------------------------------------------------------------------
-    async def _receive(self) -> None:
-        decode = messages.frontend_decoder.decode
+    # -- receiving, on the event loop's reader callback ------------------------------------------------------
+    def _receive(self) -> None:
+        """Handle every message waiting on the engine's socket (the loop calls this when its FD signals)."""
+        pull = self.pull
+        if pull.closed:
+            return
+        decode, recv, events = messages.frontend_decoder.decode, pull.recv, pull.getsockopt
         try:
-            while True:
-                msg = decode(await self.pull.recv(copy=False))
+            while events(zmq.EVENTS) & zmq.POLLIN:  # (reading the events also rearms the FD)
+                msg = decode(recv(zmq.NOBLOCK, copy=False))
                 if isinstance(msg, Step):
                     self._step(msg)
                 elif isinstance(msg, Admitted):
@@ -423,22 +432,39 @@ class EngineClient:
                         if (fut := self.pending.get(rid)) is not None and not fut.done():
                             fut.set_result(why)
                 elif isinstance(msg, Hello):
-                    self.tokenizer = await asyncio.to_thread(load_tokenizer, msg.tokenizer)
-                    self.info = msg
-                    freeze_heap()  # all this front end keeps for its life is loaded
-                    self.loaded.set()
-                    log.info("linked to the engine process %d: %s", msg.pid, msg.model_name)
+                    self._spawn(self._hello(msg))
                 elif isinstance(msg, FrontendGone):
                     if self.frontend_gone is not None:
                         self.frontend_gone(msg.frontend)
                 elif isinstance(msg, Dead):
                     self.fail(EngineDeadError(msg.reason))
                     self.loaded.set()
-        except asyncio.CancelledError:
-            raise
         except BaseException as exc:  # a bug here would leave every request hanging: fail them all, loudly
             log.exception("the front end's receiver died")
+            self._stop_receiving()
             self.fail(EngineDeadError(f"the front end lost the engine: {exc!r}"))
+
+    async def _hello(self, msg: Hello) -> None:
+        try:
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, msg.tokenizer)
+        except Exception as exc:
+            log.exception("the front end could not load the engine's tokenizer")
+            self.fail(EngineDeadError(f"the front end could not load the tokenizer: {exc!r}"))
+            self.loaded.set()
+            return
+        self.info = msg
+        freeze_heap()  # all this front end keeps for its life is loaded
+        self.loaded.set()
+        log.info("linked to the engine process %d: %s", msg.pid, msg.model_name)
+
+    def _spawn(self, coro) -> None:
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _stop_receiving(self) -> None:
+        if not self.pull.closed:
+            self._loop.remove_reader(self.pull.getsockopt(zmq.FD))
 
     def _step(self, msg: Step) -> None:
         now = time.perf_counter()

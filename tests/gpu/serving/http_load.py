@@ -21,11 +21,11 @@ import time
 
 
 async def _worker(url: str, model: str, n: int, conc: int, stream: bool, input_len: int, output_len: int,
-                  seed: int, start_at: float, extra: dict) -> list:
+                  seed: int, start_at: float, extra: dict, vocab: int) -> list:
     import aiohttp
 
     rng = random.Random(seed)
-    bodies = [{"model": model, "prompt": [rng.randrange(100, 30000) for _ in range(input_len)],
+    bodies = [{"model": model, "prompt": [rng.randrange(100, vocab) for _ in range(input_len)],
                "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0, "stream": stream, **extra}
               for _ in range(n)]
     results, queue = [], list(range(n))
@@ -72,7 +72,7 @@ def _proc(args, share, conc, seed, start_at, q):
         pass
     cpu = time.process_time()
     results = asyncio.run(_worker(args.url, args.model, share, conc, args.stream, args.input_len, args.output_len,
-                                  seed, start_at, json.loads(args.extra)))
+                                  seed, start_at, json.loads(args.extra), args.vocab))
     q.put((results, time.process_time() - cpu))
 
 
@@ -86,6 +86,7 @@ def main() -> None:
     ap.add_argument("--stream", action="store_true")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=30000, help="prompt token ids are drawn from [100, VOCAB)")
     ap.add_argument("--pids", default="")
     ap.add_argument("--label", default="")
     ap.add_argument("--extra", default="{}", help="JSON object of fields added to every request body")
