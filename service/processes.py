@@ -19,8 +19,9 @@ def freeze_heap() -> None:
     """Move every object alive now (modules, the model's and tokenizer's tables, everything loaded at start) out of
     the cyclic garbage collector's reach (gc.freeze), after one last collection. Without it each full collection
     walks them all again: in a front end that imported transformers for its tokenizer, a third of its CPU under load
-    went to collections. Call it once a process has loaded what it keeps for its life; later calls do nothing (a
-    process that hosts several apps in turn, as the tests do, would otherwise keep each one's garbage forever)."""
+    went to collections. Call it once a process has loaded what it keeps for its life, and only in a process that
+    serves until it ends (not in one that hosts engines in turn, as the tests do: whatever of them is alive and in a
+    cycle would never be freed); later calls do nothing."""
     if gc.get_freeze_count():
         return
     gc.collect()

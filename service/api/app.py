@@ -40,7 +40,7 @@ def create_app(settings: Settings | None = None, engine: "LLMEngine | None" = No
                 telemetry.keep_history()
             state.run_engine_here(engine)
         else:
-            state.connect(folder, alive)
+            state.connect(folder, alive, freeze=True)
         telemetry.watch_runtime(lambda: state.client.num_backlog if state.client else 0,
                                 lambda: state.open_connections())
         yield

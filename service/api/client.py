@@ -261,8 +261,9 @@ class EngineClient:
     """The front end's side of the engine process's sockets: submit, abort, and the receiving task."""
 
     def __init__(self, folder: str, frontend: int = 0, stream_backlog: int = 512, stream_interval: int = 1,
-                 recorder=None, frontend_gone=None):
+                 recorder=None, frontend_gone=None, freeze: bool = False):
         self.folder, self.frontend = folder, frontend
+        self.freeze = freeze  # a front-end process of its own: freeze its heap once the engine's hello is handled
         self.stream_backlog, self.stream_interval = stream_backlog, max(1, stream_interval)
         self.recorder = recorder  # telemetry.recorder.RequestRecorder, or None
         self.frontend_gone = frontend_gone  # called with another front end's index once it has died, or None
@@ -273,6 +274,7 @@ class EngineClient:
         self.pending: dict[str, asyncio.Future] = {}  # sent, not yet admitted
         self.loaded = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
+        self._closed = False
 
     def start(self) -> "EngineClient":
         # plain sockets, read from the event loop's own reader callback: zmq.asyncio's futures and event polling per
@@ -301,7 +303,8 @@ class EngineClient:
 
     async def close(self) -> None:
         self._stop_receiving()
-        for task in list(self._tasks):
+        while self._tasks:
+            task = self._tasks.pop()
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -393,7 +396,7 @@ class EngineClient:
             self.requests.pop(stream.request_id, None)
 
     def abort(self, *request_ids: str) -> None:
-        if self.error is None:
+        if self.error is None and not self._closed:  # (a stream finalized after close() has nothing to abort)
             self.push.send(messages.encode(Abort(list(request_ids))))
 
     def finished(self, stream: RequestStream, reason: str | None = None) -> None:
@@ -415,9 +418,9 @@ class EngineClient:
     # -- receiving, on the event loop's reader callback ------------------------------------------------------
     def _receive(self) -> None:
         """Handle every message waiting on the engine's socket (the loop calls this when its FD signals)."""
-        pull = self.pull
-        if pull.closed:
+        if self._closed:
             return
+        pull = self.pull
         decode, recv, events = messages.frontend_decoder.decode, pull.recv, pull.getsockopt
         try:
             while events(zmq.EVENTS) & zmq.POLLIN:  # (reading the events also rearms the FD)
@@ -439,7 +442,7 @@ class EngineClient:
                 elif isinstance(msg, Dead):
                     self.fail(EngineDeadError(msg.reason))
                     self.loaded.set()
-        except BaseException as exc:  # a bug here would leave every request hanging: fail them all, loudly
+        except Exception as exc:  # a bug here would leave every request hanging: fail them all, loudly
             log.exception("the front end's receiver died")
             self._stop_receiving()
             self.fail(EngineDeadError(f"the front end lost the engine: {exc!r}"))
@@ -453,7 +456,8 @@ class EngineClient:
             self.loaded.set()
             return
         self.info = msg
-        freeze_heap()  # all this front end keeps for its life is loaded
+        if self.freeze:
+            freeze_heap()  # all this front end keeps for its life is loaded
         self.loaded.set()
         log.info("linked to the engine process %d: %s", msg.pid, msg.model_name)
 
@@ -463,7 +467,8 @@ class EngineClient:
         task.add_done_callback(self._tasks.discard)
 
     def _stop_receiving(self) -> None:
-        if not self.pull.closed:
+        if not self._closed:
+            self._closed = True
             self._loop.remove_reader(self.pull.getsockopt(zmq.FD))
 
     def _step(self, msg: Step) -> None:

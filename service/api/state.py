@@ -70,12 +70,13 @@ class ServerState:
     def model_name(self) -> str:
         return self.settings.server.served_model_name or self.client.info.model_name
 
-    def connect(self, folder: str, alive=None) -> None:
-        """Link to the engine's sockets in `folder` (call on the event loop); `alive` is the engine's pipe."""
+    def connect(self, folder: str, alive=None, freeze: bool = False) -> None:
+        """Link to the engine's sockets in `folder` (call on the event loop); `alive` is the engine's pipe; `freeze`:
+        this is a front-end process of its own, whose heap is frozen once linked (service.processes.freeze_heap)."""
         s = self.settings.server
         self.client = EngineClient(folder, self.frontend, s.stream_backlog, s.stream_interval,
                                    self.telemetry.requests,
-                                   lambda i: self.telemetry.forget(messages.frontend_name(i))).start()
+                                   lambda i: self.telemetry.forget(messages.frontend_name(i)), freeze).start()
         if alive is not None:
             self.client.watch(alive)
 

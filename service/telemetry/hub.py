@@ -74,6 +74,8 @@ class Telemetry:
             gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
+        # a collection can start on any thread, never inside a prometheus_client value's lock (only float arithmetic
+        # runs there); multiprocess mode, whose global lock guards allocating code, is not used
         if phase == "start":
             self._gc_started = time.perf_counter()
         elif self._gc_started is not None:

@@ -8,6 +8,7 @@ shows with a `process` label (service.telemetry.gather). With --otlp-metrics eac
 instruments of `OTLPMetrics` (service.telemetry.otlp), fed by the same recorders at the same points.
 """
 
+import gc
 import math
 from collections.abc import Callable
 
@@ -150,6 +151,10 @@ class Metrics:
                                   "stopped the process, by generation (2: a full collection). Each process freezes "
                                   "what it loaded at start (gc.freeze), so full collections stay short.",
                                   ["generation"], registry=local, buckets=GC_BUCKETS)
+        self.gc_frozen = Gauge("llm_gc_frozen_objects", "Objects the process froze out of the garbage collector's "
+                               "reach once it had loaded (gc.freeze; 0 until then), read at scrape time.",
+                               registry=local)
+        self.gc_frozen.set_function(gc.get_freeze_count)
         self.ipc_backlog = Gauge("llm_ipc_backlog", "Requests a front end has sent to the engine process and not "
                                  "yet heard back about (admitted or refused).", registry=local)
         self.otlp_export_failures = Counter("llm_otlp_metric_export_failures", "OTLP metric exports "

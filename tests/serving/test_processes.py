@@ -69,8 +69,9 @@ def test_two_front_ends_one_metrics_truth_and_one_waiting_limit():
         assert {m for m in re.findall(r'^llm_process_threads\{model="random:tiny",process="([^"]+)"\}', text, re.M)} == \
             {"engine", "api-0", "api-1"}
         assert re.search(r'^process_resident_memory_bytes\{model="random:tiny",process="engine"\}', text, re.M)
-        # each process timed its garbage collections, among them the full one that froze its heap once loaded
+        # each process froze its heap once loaded, and times its garbage collections
         for p in ("engine", "api-0", "api-1"):
+            assert sample(text, "llm_gc_frozen_objects", process=p) > 1000, p
             assert sample(text, "llm_gc_pause_seconds_count", process=p, generation="2") >= 1, p
         assert sample(text, "llm_engine_step_seconds_count") > 0 and sample(text, "llm_kv_cache_blocks_used") == 0
         # the dashboard's history, kept by the supervisor: every front end answers the same counts as /metrics

@@ -44,6 +44,7 @@ CATALOG = {
     "llm_grammar_compile_seconds": "histogram", "llm_grammar_cache_hits": "counter",
     "llm_grammar_mask_seconds": "histogram", "llm_requests_received": "counter",
     "llm_engine_step_host_seconds": "histogram", "llm_gc_pause_seconds": "histogram",
+    "llm_gc_frozen_objects": "gauge",
 }
 GPU_GAUGES = ["llm_gpu_utilization_ratio", "llm_gpu_memory_used_bytes", "llm_gpu_memory_total_bytes",
               "llm_gpu_power_watts", "llm_gpu_temperature_celsius", "llm_gpu_sm_clock_hertz"]
@@ -554,3 +555,14 @@ def test_a_process_freezes_its_heap_once():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_front_end_linked_in_process_leaves_the_heap_unfrozen(tiny_model):
+    """Only a server's own processes freeze their heaps: one that hosts engines in turn (this one) would keep
+    each one's cyclic garbage forever."""
+    import gc
+
+    engine, metrics = recorded_engine(tiny_model)
+    outputs = run_linked(engine, metrics, [[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert outputs[0].finished and outputs[0].num_output_tokens == 2
+    assert gc.get_freeze_count() == 0
