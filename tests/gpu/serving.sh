@@ -16,17 +16,31 @@
 #              the order ABBA ABBA ... (no drift favours either), DASHBOARD_REQUESTS (default 4,096) requests a run
 #   profile    one front end, PROFILE_REQUESTS (default 16,384) x 256 concurrent streams while py-spy samples the server's processes (all of
 #              them, idle threads too) for PROFILE_SECONDS (default 15), from 5 s in: collapsed stacks in profile.txt
+# Each 1,024 x 256 run (HEAVY_REQUESTS requests) prints the engine's steps per phase (tests/gpu/serving/step_times.py)
+# and the GPUs' mean utilization over the run, read by nvidia-smi every 100 ms.
 #   SERVING_TIMEOUT  seconds for each client run (default 300); SERVE_TIMEOUT for a server's start (default 900)
 source "$(dirname "$0")/env.sh"
 T=${SERVING_TIMEOUT:-300}
 steps_since() {  # NAME: the engine's steps since the last call, per phase: mean duration and host time; GPU utilization
   "$PYTHON" tests/gpu/serving/step_times.py "$URL" --state "${TMPDIR:-/tmp}/step-times-$SERVER.json" --label "$1"
 }
-heavy() {  # N: the 1,024 x 256 figures, non-streaming and streaming, each with its steps' times
+busy() {  # NAME COMMAND...: run a client (COMMAND) while nvidia-smi reads the GPUs' utilization every 100 ms, from 1 s
+  # in (http_load.py sends its first request 1 s after it starts) to the client's end; print their mean
+  local name=$1 file=$RESULTS/utilization-$1.txt smi
+  shift
+  (sleep 1; exec nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 100) > "$file" 2>/dev/null &
+  smi=$!
+  "$@"
+  kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
+  awk -v name="$name" '$1 ~ /^[0-9]+$/ {s += $1; n++}
+    END {if (n) printf "%s: GPU utilization %.2f (mean of %d nvidia-smi readings during the run)\n", name, s / n / 100, n}' "$file"
+}
+heavy() {  # N: the HEAVY_REQUESTS (default 1,024) x 256 figures, non-streaming and streaming, each with its steps' times
+  local requests=${HEAVY_REQUESTS:-1024}
   steps_since "n$1-before" > /dev/null
-  load "n$1-non-streaming" --requests 1024 --concurrency 256
+  busy "n$1-non-streaming" load "n$1-non-streaming" --requests "$requests" --concurrency 256
   steps_since "n$1-non-streaming"
-  load "n$1-streaming" --requests 1024 --concurrency 256 --stream
+  busy "n$1-streaming" load "n$1-streaming" --requests "$requests" --concurrency 256 --stream
   steps_since "n$1-streaming"
 }
 streams() {
