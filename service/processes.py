@@ -15,6 +15,9 @@ def die_with_parent() -> None:
         pass
 
 
+frozen = 0  # objects freeze_heap froze in this process (read by llm_gc_frozen_objects; gc.get_freeze_count walks them)
+
+
 def freeze_heap() -> None:
     """Move every object alive now (modules, the model's and tokenizer's tables, everything loaded at start) out of
     the cyclic garbage collector's reach (gc.freeze), after one last collection. Without it each full collection
@@ -22,7 +25,9 @@ def freeze_heap() -> None:
     went to collections. Call it once a process has loaded what it keeps for its life, and only in a process that
     serves until it ends (not in one that hosts engines in turn, as the tests do: whatever of them is alive and in a
     cycle would never be freed); later calls do nothing."""
-    if gc.get_freeze_count():
+    global frozen
+    if frozen:
         return
     gc.collect()
     gc.freeze()
+    frozen = gc.get_freeze_count()

@@ -8,13 +8,14 @@ shows with a `process` label (service.telemetry.gather). With --otlp-metrics eac
 instruments of `OTLPMetrics` (service.telemetry.otlp), fed by the same recorders at the same points.
 """
 
-import gc
 import math
 from collections.abc import Callable
 
 from opentelemetry.metrics import Meter, Observation
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
+
+from service import processes
 
 disable_created_metrics()  # `*_created` series add nothing the dashboards use
 
@@ -154,7 +155,7 @@ class Metrics:
         self.gc_frozen = Gauge("llm_gc_frozen_objects", "Objects the process froze out of the garbage collector's "
                                "reach once it had loaded (gc.freeze; 0 until then), read at scrape time.",
                                registry=local)
-        self.gc_frozen.set_function(gc.get_freeze_count)
+        self.gc_frozen.set_function(lambda: processes.frozen)
         self.ipc_backlog = Gauge("llm_ipc_backlog", "Requests a front end has sent to the engine process and not "
                                  "yet heard back about (admitted or refused).", registry=local)
         self.otlp_export_failures = Counter("llm_otlp_metric_export_failures", "OTLP metric exports "
