@@ -70,7 +70,6 @@ class Telemetry:
     def watch_gc(self) -> None:
         """Time each of this process's garbage collections into llm_gc_pause_seconds (until shutdown)."""
         if self._on_gc not in gc.callbacks:
-            self._gc_pause = [self.metrics.gc_pause.labels(str(g)) for g in range(3)]
             gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
@@ -79,7 +78,7 @@ class Telemetry:
         if phase == "start":
             self._gc_started = time.perf_counter()
         elif self._gc_started is not None:
-            self._gc_pause[info["generation"]].observe(time.perf_counter() - self._gc_started)
+            self.metrics.gc_pause_m[info["generation"]].observe(time.perf_counter() - self._gc_started)
             self._gc_started = None
 
     def start(self) -> None:

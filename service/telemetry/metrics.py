@@ -185,6 +185,7 @@ class Metrics:
             self.structured_requests.labels(model, constraint)
         self.preemptions_m = self.preemptions.labels(model)
         self.received_m = self.received.labels(model)
+        self.gc_pause_m = [self.gc_pause.labels(str(generation)) for generation in range(3)]
         self.running_m, self.waiting_m, self.kv_usage_m = self.running.labels(model), self.waiting.labels(model), \
             self.kv_usage.labels(model)
         self.finish_m = {reason: self.requests.labels(model, reason) for reason in FINISH_REASONS}

@@ -1,9 +1,12 @@
 """Metrics, traces and GPU sampling: exact values, real OTLP receivers, a real Prometheus."""
 
 import asyncio
+import gc
 import json
 import logging
 import re
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -521,8 +524,6 @@ def test_gpu_sampler_reads_every_visible_gpu():
 
 
 def test_garbage_collections_are_timed_per_generation_until_shutdown():
-    import gc
-
     from service.settings import TelemetrySettings
     from service.telemetry.hub import Telemetry
 
@@ -546,9 +547,6 @@ def test_garbage_collections_are_timed_per_generation_until_shutdown():
 
 def test_a_process_freezes_its_heap_once():
     """freeze_heap in a fresh interpreter: what is alive is frozen; a second call freezes nothing more."""
-    import subprocess
-    import sys
-
     code = ("import gc; from service.processes import freeze_heap; assert gc.get_freeze_count() == 0; "
             "freeze_heap(); n = gc.get_freeze_count(); assert n > 1000, n; keep = [[] for _ in range(5000)]; "
             "freeze_heap(); assert gc.get_freeze_count() == n; print('ok')")
@@ -560,8 +558,6 @@ def test_a_process_freezes_its_heap_once():
 def test_a_front_end_linked_in_process_leaves_the_heap_unfrozen(tiny_model):
     """Only a server's own processes freeze their heaps: one that hosts engines in turn (this one) would keep
     each one's cyclic garbage forever."""
-    import gc
-
     engine, metrics = recorded_engine(tiny_model)
     outputs = run_linked(engine, metrics, [[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
     assert outputs[0].finished and outputs[0].num_output_tokens == 2
