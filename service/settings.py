@@ -50,6 +50,7 @@ class ServerSettings:
                               "counted by the engine across every front end)")
     drain_timeout: float = option(30.0, "seconds SIGTERM waits for in-flight requests before the server exits")
     log_level: str = option("info", "the least severe log records printed", LOG_LEVELS)
+    access_log: bool = option(True, "a log line for each HTTP request (uvicorn's access log, at info)")
     # docs/api.md#tools says how tools reach the model and how calls are found
     chat_template: str | None = option(None, "a Jinja chat template (a file's path, or the template itself) used "
                                        "instead of the tokenizer's, e.g. one that renders tools",

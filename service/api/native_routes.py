@@ -10,7 +10,7 @@ from service.api.auth import require_metrics_token
 from service.api.errors import checked
 from service.api.schemas import GenerateRequest
 from service.api.state import ServerState, collect, get_state
-from service.api.streaming import sse, timings, usage
+from service.api.streaming import json_response, sse, timings, usage
 
 public = APIRouter()  # no API key: probes and scrapers
 router = APIRouter()
@@ -63,5 +63,5 @@ async def generate(body: GenerateRequest, request: Request, state: ServerState =
 
     outs = await collect(request, stream)
     last = checked(outs[-1])
-    return {"text": "".join(o.text_delta for o in outs), "token_ids": [t for o in outs for t in o.new_token_ids],
-            **final(last)}
+    return json_response({"text": "".join(o.text_delta for o in outs),
+                          "token_ids": [t for o in outs for t in o.new_token_ids], **final(last)})

@@ -15,7 +15,8 @@ from service.api.chat import render
 from service.api.errors import bad_request, checked
 from service.api.schemas import ChatCompletionRequest, CompletionRequest
 from service.api.state import Choices, ServerState, collect, get_state
-from service.api.streaming import chat_logprobs, completion_logprobs, prompt_text, sse, total_usage
+from service.api.streaming import (chat_logprobs, completion_logprobs, json_response, prompt_text, sse,
+                                   total_usage)
 
 router = APIRouter()
 
@@ -73,10 +74,10 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
         return sse(chunks())
 
     outs = await _by_choice(request, choices)
-    return {**head, "choices": [{
+    return json_response({**head, "choices": [{
         "index": i, "text": (echoes[i // n] if echoes else "") + "".join(o.text_delta for o in mine),
         "finish_reason": mine[-1].finish_reason, "logprobs": logprobs(i, mine)} for i, mine in enumerate(outs)],
-        "usage": total_usage(streams, n)}
+        "usage": total_usage(streams, n)})
 
 
 @router.post("/v1/chat/completions")
@@ -131,7 +132,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
             message, reason = _tool_answer(state, parsers[i], text, reason)
         answers.append({"index": i, "message": message, "finish_reason": reason,
                         "logprobs": chat_logprobs(tokenizer, mine) if body.logprobs else None})
-    return {**head, "object": "chat.completion", "choices": answers, "usage": total_usage(streams, n)}
+    return json_response({**head, "object": "chat.completion", "choices": answers, "usage": total_usage(streams, n)})
 
 
 def _tool_deltas(state: ServerState, parser: tools.Parser, out) -> tuple[list[dict], str | None]:

@@ -3,11 +3,18 @@
 from collections.abc import AsyncIterator
 
 import msgspec
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from service.api.errors import to_api_error
 from service.engine import RequestOutput
 from service.engine.sequence import Timings
+
+
+def json_response(body: dict) -> Response:
+    """A whole (non-streaming) answer, encoded as a streamed chunk is (msgspec: compact, UTF-8). FastAPI's own path
+    for a returned dict walks it with jsonable_encoder and then encodes it with the standard library: about a tenth
+    of a front end's CPU for a non-streaming request."""
+    return Response(msgspec.json.encode(body), media_type="application/json")
 
 
 def sse(events: AsyncIterator[dict]) -> StreamingResponse:

@@ -43,6 +43,8 @@ def test_two_front_ends_one_metrics_truth_and_one_waiting_limit():
         with httpx.Client(timeout=60) as c:
             answers = [c.post(s.url + "/v1/completions", json=body()) for _ in range(12)]
         assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4 for r in answers)
+        wait_until(lambda: s.log().count('"POST /v1/completions HTTP/1.1" 200') >= 12, 30,
+                   "the access log (on by default) to name every request")
         # overload: at most two waiting (one more running once a step has taken the first); the rest are 503s with
         # Retry-After, never errors or hangs. At least two are served: arrivals that reach the engine in one batch
         # are all still waiting when the third is turned away, so "3" would depend on the scheduler's timing
@@ -137,7 +139,7 @@ def test_a_killed_engine_ends_every_request_at_once_and_the_service_exits_non_ze
 
 
 def test_sigterm_drains_every_front_end_then_stops_the_engine_with_status_0():
-    with Served("--api-servers", "2") as s:
+    with Served("--api-servers", "2", "--no-access-log") as s:
         clients, streams = open_streams(s.url, 4, 200)
         s.proc.send_signal(signal.SIGTERM)
         wait_until(lambda: s.log().count("draining (up to") == 2, 60, "both front ends to begin their drain")
@@ -149,6 +151,7 @@ def test_sigterm_drains_every_front_end_then_stops_the_engine_with_status_0():
         for c in clients:
             c.close()
         assert s.proc.wait(60) == 0
+        assert "/v1/completions HTTP/1.1" not in s.log()  # --no-access-log
 
 
 def test_connections_opened_at_once_spread_evenly_over_four_front_ends():
