@@ -4,9 +4,9 @@
 # random:llama-1b (MODEL) in bf16, 128 in / 128 out, ignore_eos, /v1/completions; the client is
 # tests/gpu/serving/http_load.py (aiohttp in 8 processes, no code shared with the service), and each figure comes
 # with the CPU share of each of the server's processes (cpu_share: pid -> CPU seconds per second of the window).
-#   reference  bench offline on the same 1,024 requests, 256 at a time; the engine process alone over its IPC
-#              (tests/gpu/serving/ipc_alone.py); then one front end: 1,024 x 256 concurrent non-streaming and
-#              streaming, 1 stream, 8 streams
+#   reference  bench offline on the same HEAVY_REQUESTS (default 1,024) requests, 256 at a time; the engine process
+#              alone over its IPC (tests/gpu/serving/ipc_alone.py), all at once and 256 in flight; then one front
+#              end: HEAVY_REQUESTS x 256 concurrent non-streaming and streaming, 1 stream, 8 streams
 #   latency    one front end: 1 stream and 8 streams (TTFT, ITL) first, then 1,024 x 256
 #   scale      2 and 4 front ends, 1,024 x 256 non-streaming and streaming; 4 with --stream-interval 4 and 16
 #   penalties  one front end, 1,024 x 256 concurrent streams with and without frequency and presence penalties and ten
@@ -53,10 +53,12 @@ phases reference "reference latency scale penalties dashboard profile" "$@"
 for phase in "${PHASES[@]}"; do
   case $phase in
     reference)
-      step offline "$T" "$PYTHON" -m service bench offline --model "$MODEL" --num-requests 1024 --max-num-seqs 256 \
-        --peers none --label serving-offline --json "$RESULTS/offline.json"
-      step ipc-alone "$T" "$PYTHON" tests/gpu/serving/ipc_alone.py --model "$MODEL" --requests 1024 --max-num-seqs 256 \
-        --rounds 3
+      step offline "$T" "$PYTHON" -m service bench offline --model "$MODEL" --num-requests "${HEAVY_REQUESTS:-1024}" \
+        --max-num-seqs 256 --peers none --label serving-offline --json "$RESULTS/offline.json"
+      step ipc-alone "$T" "$PYTHON" tests/gpu/serving/ipc_alone.py --model "$MODEL" --requests "${HEAVY_REQUESTS:-1024}" \
+        --max-num-seqs 256 --rounds 3
+      step ipc-alone-closed-loop "$T" "$PYTHON" tests/gpu/serving/ipc_alone.py --model "$MODEL" \
+        --requests "${HEAVY_REQUESTS:-1024}" --max-num-seqs 256 --rounds 3 --concurrency 256
       serve 1 || continue
       warm 1; heavy 1; streams
       unserve ;;

@@ -1,10 +1,14 @@
 """The engine process alone, driven over its ZeroMQ sockets by a bare client: no HTTP, no text.
 
     python tests/gpu/serving/ipc_alone.py --model random:llama-1b --requests 1024 --max-num-seqs 256 --rounds 3
+        [--concurrency 256]
 
 Starts the engine process exactly as `serve` does (service.api.server.run_engine), sends every request at
-once (the engine runs --max-num-seqs of them at a time, as `bench offline` does), and counts output tokens
-from the first send to the last finish. Prints one JSON line per round, with the engine process's CPU share.
+once (the engine runs --max-num-seqs of them at a time, as `bench offline` does), or with --concurrency C keeps C
+in flight (closed loop: a new request for each that finishes, as HTTP clients do), and counts output tokens from
+the first send to the last finish. Prints one JSON line per round, with the engine process's CPU share and its
+steps per phase over the round (`llm_engine_step_seconds` and `llm_engine_step_host_seconds`, the step less its
+wait for the device, from the engine process's metrics socket).
 """
 
 import argparse
@@ -13,6 +17,7 @@ import multiprocessing as mp
 import random
 import time
 
+import msgspec
 import psutil
 import zmq
 
@@ -20,6 +25,21 @@ from service.engine import messages
 from service.engine.messages import Add, Admitted, Dead, Hello, Step
 from service.engine.sampling import SamplingParams
 from service.settings import Settings
+from service.telemetry import gather
+
+
+def steps(metrics) -> dict:
+    """{("step" or "host", phase, "sum" or "count"): value} from the engine process's metrics now."""
+    metrics.send(b"")
+    families = msgspec.msgpack.decode(metrics.recv())[0]
+    out = {}
+    for name, _, _, _, samples in families:
+        what = {"llm_engine_step_seconds": "step", "llm_engine_step_host_seconds": "host"}.get(name)
+        for sample, labels, value, _, _ in samples if what else ():
+            part = sample.rpartition("_")[2]
+            if part in ("sum", "count"):
+                out[(what, labels.get("phase", "all"), part)] = value
+    return out
 
 
 def main() -> None:
@@ -30,6 +50,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=0, help="requests in flight (default: all at once)")
     args = ap.parse_args()
     settings = Settings()
     settings.engine.model, settings.engine.max_num_seqs = args.model, args.max_num_seqs
@@ -49,31 +70,51 @@ def main() -> None:
     decode = messages.frontend_decoder.decode
     hello = decode(pull.recv())
     assert isinstance(hello, Hello), hello
+    metrics = z.socket(zmq.REQ)
+    metrics.connect(gather.address(folder, "engine"))
     rng = random.Random(1)
     proc = psutil.Process(engine.pid)
     for rnd in range(args.rounds):
         prompts = [[rng.randrange(100, hello.vocab_size - 1) for _ in range(args.input_len)]
                    for _ in range(args.requests)]
+        params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
+        sent = 0
+
+        def send(count: int) -> None:
+            nonlocal sent
+            for _ in range(min(count, args.requests - sent)):
+                push.send(messages.encode(Add(f"r{rnd}-{sent}", 0, prompts[sent], params, time.perf_counter())))
+                sent += 1
+        before = steps(metrics)
         t0, cpu0 = time.perf_counter(), sum(proc.cpu_times()[:2])
-        for i, p in enumerate(prompts):
-            params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
-            push.send(messages.encode(Add(f"r{rnd}-{i}", 0, p, params, time.perf_counter())))
+        send(args.concurrency or args.requests)
         done, tokens = 0, 0
         while done < args.requests:
             msg = decode(pull.recv())
             if isinstance(msg, Step):
+                finished = 0
                 for row in msg.rows:
                     tokens += len(row[1])
-                    done += row[2] is not None
+                    finished += row[2] is not None
+                done += finished
+                if args.concurrency:
+                    send(finished)
             elif isinstance(msg, Admitted):
                 assert not msg.rejected, msg.rejected[:3]
             elif isinstance(msg, Dead):
                 raise SystemExit(msg.reason)
         wall = time.perf_counter() - t0
         cpu = sum(proc.cpu_times()[:2]) - cpu0
-        print(json.dumps({"round": rnd, "requests": args.requests, "output_tokens": tokens,
-                          "output_tok_s": round(tokens / wall, 1), "wall_s": round(wall, 3),
-                          "engine_cpu_share": round(cpu / wall, 3)}), flush=True)
+        after = steps(metrics)
+        phases = {}
+        for phase in sorted({k[1] for k in after}):
+            n = after.get(("step", phase, "count"), 0) - before.get(("step", phase, "count"), 0)
+            if n > 0:
+                phases[phase] = {"steps": int(n), **{f"{what}_ms": round(1e3 * (after.get((what, phase, "sum"), 0)
+                                 - before.get((what, phase, "sum"), 0)) / n, 3) for what in ("step", "host")}}
+        print(json.dumps({"round": rnd, "requests": args.requests, "concurrency": args.concurrency or args.requests,
+                          "output_tokens": tokens, "output_tok_s": round(tokens / wall, 1), "wall_s": round(wall, 3),
+                          "engine_cpu_share": round(cpu / wall, 3), "phases": phases}), flush=True)
     engine.terminate()
     engine.join(60)
 
