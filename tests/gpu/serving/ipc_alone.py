@@ -26,20 +26,14 @@ from service.engine.messages import Add, Admitted, Dead, Hello, Step
 from service.engine.sampling import SamplingParams
 from service.settings import Settings
 from service.telemetry import gather
+from step_times import phases, totals  # (this folder's: the script's own, first on sys.path)
 
 
 def steps(metrics) -> dict:
-    """{("step" or "host", phase, "sum" or "count"): value} from the engine process's metrics now."""
+    """The engine process's step totals now (step_times.totals), from its metrics socket."""
     metrics.send(b"")
     families = msgspec.msgpack.decode(metrics.recv())[0]
-    out = {}
-    for name, _, _, _, samples in families:
-        what = {"llm_engine_step_seconds": "step", "llm_engine_step_host_seconds": "host"}.get(name)
-        for sample, labels, value, _, _ in samples if what else ():
-            part = sample.rpartition("_")[2]
-            if part in ("sum", "count"):
-                out[(what, labels.get("phase", "all"), part)] = value
-    return out
+    return totals((sample[0], sample[1], sample[2]) for family in families for sample in family[4])
 
 
 def main() -> None:
@@ -105,16 +99,10 @@ def main() -> None:
                 raise SystemExit(msg.reason)
         wall = time.perf_counter() - t0
         cpu = sum(proc.cpu_times()[:2]) - cpu0
-        after = steps(metrics)
-        phases = {}
-        for phase in sorted({k[1] for k in after}):
-            n = after.get(("step", phase, "count"), 0) - before.get(("step", phase, "count"), 0)
-            if n > 0:
-                phases[phase] = {"steps": int(n), **{f"{what}_ms": round(1e3 * (after.get((what, phase, "sum"), 0)
-                                 - before.get((what, phase, "sum"), 0)) / n, 3) for what in ("step", "host")}}
         print(json.dumps({"round": rnd, "requests": args.requests, "concurrency": args.concurrency or args.requests,
                           "output_tokens": tokens, "output_tok_s": round(tokens / wall, 1), "wall_s": round(wall, 3),
-                          "engine_cpu_share": round(cpu / wall, 3), "phases": phases}), flush=True)
+                          "engine_cpu_share": round(cpu / wall, 3), "phases": phases(before, steps(metrics))}),
+              flush=True)
     engine.terminate()
     engine.join(60)
 
