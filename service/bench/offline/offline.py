@@ -267,9 +267,9 @@ def measure_engine(config: EngineConfig, args: argparse.Namespace, p: Plan, peer
         median = {**median, "system": f"this engine (all at once, median of {len(runs)})",
                   "runs": [r["seconds"] for r in runs]}
         print(f"the median of {len(runs)} runs: {_fmt(median)}", flush=True)
+    median["setup_seconds"] = setup
+    median["roofline_seconds"] = roofline_of(engine, prompts, output_lens)
     rows = [median]
-    rows[0]["setup_seconds"] = setup
-    rows[0]["roofline_seconds"] = roofline_of(engine, prompts, output_lens)
     if args.telemetry:
         rows += telemetry_overhead(engine, prompts, output_lens)
     engine.runner.uncompile()  # the peers run the model as transformers loads it
