@@ -307,8 +307,10 @@ def load_template(value: str | None) -> str | None:
 def parse(argv: list[str] | None = None, prog: str = "service serve") -> Settings:
     parser = build_parser(prog)
     settings = from_namespace(parser.parse_args(argv))
+    from service.engine.config import check
     from service.engine.quant.quantization import check_config
     try:
+        check(settings.engine)
         check_config(settings.engine)
         check_otlp(settings.telemetry)
         load_template(settings.server.chat_template)

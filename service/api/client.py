@@ -488,6 +488,8 @@ class EngineClient:
                     recorder.first_token(stream)
                 else:
                     gaps.append(now - previous)
+                if kept > 1:  # tokens of one row (decode_steps) reach the client together: no gap between them
+                    gaps += [0.0] * (kept - 1)
                 tokens += kept
         if recorder is not None and tokens:
             recorder.tokens(tokens)

@@ -72,6 +72,10 @@ class EngineConfig:
     fuse_qkv: bool = option(True, "one matrix multiply for q, k and v of Llama-family attention, one for gate and up")
     overlap: bool | None = option(None, "schedule step N+1 while the device runs step N", shown="on with CUDA, off "
                                   "on CPU")
+    # llm_engine.LLMEngine._more_steps; docs/serving.md says when it pays
+    decode_steps: int = option(1, "decode steps launched together, up to 8, when every running sequence decodes and "
+                               "none waits to be admitted: the host's work of scheduling, reading back and reporting "
+                               "is shared by them (tokens then reach clients that many at a time)")
     attention_backend: str = option("auto", "the paged attention kernels; auto: triton on CUDA, torch elsewhere",
                                     ATTENTION_BACKENDS)
     seed: int = option(0, "seed of the sampler for requests that bring none")
@@ -94,6 +98,15 @@ def for_device(config: EngineConfig, device_type: str) -> EngineConfig:
     cuda = device_type == "cuda"
     defaults = {"max_num_batched_tokens": 8192 if cuda else 2048, "admission_wait_steps": 8 if cuda else 0}
     return replace(config, **{k: v for k, v in defaults.items() if getattr(config, k) is None})
+
+
+MAX_DECODE_STEPS = 8
+
+
+def check(config: EngineConfig) -> None:
+    """Raise ValueError for settings no engine can run with (before a model loads)."""
+    if not 1 <= config.decode_steps <= MAX_DECODE_STEPS:
+        raise ValueError(f"decode_steps is {config.decode_steps}: it takes 1 to {MAX_DECODE_STEPS}")
 
 
 def resolve_dtype(dtype: str, device: "torch.device", quantization: str = "none") -> "torch.dtype":

@@ -7,13 +7,13 @@ import logging
 import operator
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from service.engine.block_manager import BlockManager
-from service.engine.config import EngineConfig, for_device, resolve_dtype
+from service.engine.config import EngineConfig, check, for_device, resolve_dtype
 from service.engine.detokenizer import Detokenizer
 from service.engine.errors import EngineDeadError, InvalidRequestError
 from service.engine.models import LoadedModel, load_model, memory_limit
@@ -42,11 +42,14 @@ class _Launched:
     # a constrained step with overlap: its forward pass's logits and its masks filling, until its sampler launches
     logits: torch.Tensor | None = None
     masks: concurrent.futures.Future | None = None
+    # the decode steps launched behind this one over the same batch, before the host reads any back (decode_steps)
+    then: list["_Launched"] = field(default_factory=list)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         self.config = config = config or EngineConfig()
+        check(config)
         if config.device == "auto":
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
@@ -253,6 +256,8 @@ class LLMEngine:
                 seq.timings.preempted.append(start)
             try:
                 launched = self._launch(batch, start)
+                for _ in range(self._more_steps(batch, launched)):
+                    launched.then.append(self._launch(batch, start))
             except EngineDeadError:  # a tensor-parallel rank is gone: no later step can run either
                 raise
             except Exception as exc:
@@ -331,6 +336,41 @@ class LLMEngine:
             return self._fail(step.batch, exc)
         return []
 
+    def _more_steps(self, batch: ScheduledBatch, launched: "_Launched") -> int:
+        """How many more decode steps of the same batch to launch behind `launched` before the host reads any back
+        (decode_steps - 1 at most; the next step feeds on the last one's tokens on the device, as with overlap), and
+        their KV blocks, allocated. None (0) unless every sequence decodes, none is constrained by a grammar, none was
+        admitted or preempted in this step, and no request waits but those the scheduler holds back (up to the end of
+        its hold). No sequence is run past its max_tokens or max_model_len; one that stops at an EOS or stop token
+        in the first steps computes the rest, which are dropped, as overlap drops one."""
+        more = self.config.decode_steps - 1
+        scheduler = self.scheduler
+        if (not more or batch.phase != "decode" or batch.admitted or batch.preempted or self._compiling
+                or not launched.sampled or len(launched.sampled) != len(batch.seqs)):
+            return 0
+        if scheduler.waiting:
+            if not scheduler.held_steps:  # they were not held: admitting them failed (no room), or the hold is over
+                return 0
+            more = min(more, scheduler.admission_wait_steps - scheduler.held_steps)
+        blocks, max_len, need = self.blocks, self.max_model_len, 0
+        for seq in batch.seqs:
+            if seq.matcher is not None:
+                return 0
+            limit = seq.params.max_tokens
+            limit = max_len if limit is None else min(len(seq.prompt_token_ids) + limit, max_len)
+            more = min(more, limit - seq.num_tokens)
+        if more <= 0:
+            return 0
+        for seq in batch.seqs:
+            need += blocks.blocks_needed(seq, more)
+        if need > blocks.num_free_blocks - scheduler.admission_reserve():
+            return 0
+        for seq in batch.seqs:
+            blocks.allocate(seq, more)
+        if scheduler.held_steps:
+            scheduler.held_steps += more
+        return more
+
     def _admit_compiled(self, now: float) -> list:
         """Requests whose grammar is ready join the scheduler; those whose grammar failed finish with an error."""
         failed, waiting = [], []
@@ -355,14 +395,36 @@ class LLMEngine:
         return failed
 
     def _read_back(self, step: "_Launched") -> list[RequestOutput]:
-        """Wait for a launched step's tokens, hand them to the scheduler's postprocess, and report the step."""
-        try:
-            tokens, logprobs = step.result.read(self._rank_failure) if step.result else ([], [])
-        except EngineDeadError:
-            raise
-        except Exception as exc:  # a device fault (or NaN logits) surfaces here, when the host waits for the step
-            log.exception("engine step failed on the device; failing its %d requests", len(step.batch.seqs))
-            return self._fail(step.batch, exc)
+        """Wait for a launched step's tokens, hand them to the scheduler's postprocess, and report the step. The steps
+        launched behind it (`then`) are read back in turn; each is reported with an even share of their time, and in
+        the engine process a request's rows of them are sent as one."""
+        parts, taken, failure = [step, *step.then], [], None
+        for part in parts:
+            try:
+                tokens, logprobs = part.result.read(self._rank_failure) if part.result else ([], [])
+            except EngineDeadError:
+                raise
+            except Exception as exc:  # a device fault (or NaN logits) surfaces here, when the host waits for the step
+                failure = exc
+                break
+            taken.append(self._take(part, tokens, logprobs))
+        end = time.perf_counter()
+        # with overlap, a step's span starts where the previous one's read-back ended, so steps do not overlap
+        duration = (end - max(step.start, self._last_read_back)) / len(parts)
+        wait = sum(part.result.waited for part in parts if part.result) / len(parts)
+        self._last_read_back = end
+        outputs = []
+        for part, (rows, first_tokens, finished) in zip(parts, taken):
+            self._observe(rows, first_tokens, finished, part.batch, part.phase, duration, device_wait=wait)
+            outputs += rows
+        if failure is not None:
+            log.error("engine step failed on the device; failing its %d requests", len(step.batch.seqs),
+                      exc_info=failure)
+            return outputs + self._fail(step.batch, failure)
+        return self._merged(outputs) if len(parts) > 1 and self.rows else outputs
+
+    def _take(self, step: "_Launched", tokens: list[int], logprobs: list) -> tuple[list, list, list]:
+        """A step's tokens, read back, taken by its sequences: (outputs, those with a first token, finished ones)."""
         now = time.perf_counter()
         outputs, first_tokens, finished, rows, sampled = [], [], [], self.rows, step.sampled
         for row, reason in self.scheduler.postprocess(step.batch, sampled, tokens, self._check_stop,
@@ -390,13 +452,25 @@ class LLMEngine:
                 first_tokens.append(out)
             if reason:
                 finished.append(out)
-        end = time.perf_counter()
-        # with overlap, a step's span starts where the previous one's read-back ended, so steps do not overlap
-        duration = end - max(step.start, self._last_read_back)
-        self._last_read_back = end
-        self._observe(outputs, first_tokens, finished, step.batch, step.phase, duration,
-                      device_wait=step.result.waited if step.result else 0.0)
-        return outputs
+        return outputs, first_tokens, finished
+
+    @staticmethod
+    def _merged(rows: list) -> list:
+        """Rows of several steps, one per request where they follow on: its tokens (and logprobs) in order, the
+        finish reason of the last (messages.Step)."""
+        merged, at = [], {}
+        for row in rows:
+            i = at.get(row[0])
+            if i is None or row[4] is not None or (row[3] is None) != (merged[i][3] is None):
+                at[row[0]] = len(merged)
+                merged.append(list(row))
+                continue
+            head = merged[i]
+            head[1] = head[1] + row[1]
+            head[2] = row[2]
+            if row[3] is not None:
+                head[3] = head[3] + row[3]
+        return merged
 
     def _observe(self, outputs: list, first_tokens: list = (), finished: list = (),
                  batch: ScheduledBatch | None = None, phase: str | None = None, duration: float = 0.0,

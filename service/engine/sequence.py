@@ -25,7 +25,7 @@ class Sequence:
     eos_token_ids: frozenset[int] = frozenset()
     status: Status = Status.WAITING
     token_ids: list[int] = field(init=False)  # prompt and the output tokens the host has read back
-    num_pending_tokens: int = 0  # sampled on the device, not yet read back (overlap: at most one)
+    num_pending_tokens: int = 0  # sampled on the device, not yet read back (overlap: one, or decode_steps)
     num_computed_tokens: int = 0  # tokens whose keys and values are in the cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache on last admission
     block_table: list[int] = field(default_factory=list)

@@ -40,7 +40,7 @@ class ModelRunner:
         self.group = model.config.get_text_config().num_attention_heads // self.kv_heads
         self.dtype = next(model.parameters()).dtype
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
-        self.sampler = Sampler(device, config.seed, config.max_num_seqs)
+        self.sampler = Sampler(device, config.seed, config.max_num_seqs, config.decode_steps)
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if device.type == "cuda" else "torch"

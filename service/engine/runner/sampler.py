@@ -82,25 +82,25 @@ class SampleResult:
 
 
 class HostRing:
-    """Pinned host memory for the samples' copies to the host, in SLOTS slots used in turn: a step's copy goes into
+    """Pinned host memory for the samples' copies to the host, in `slots` slots used in turn: a step's copy goes into
     the next slot, on the compute stream right after its sampler (a few hundred bytes), so that no step allocates
-    pinned memory or switches streams. A result is read one step later at most (overlap), long before its slot comes
-    round again; `check` says if one was not. Logprob tensors (rare) are copied into pinned memory of their own."""
+    pinned memory or switches streams. A result is read one launch later at most (overlap; a launch of several
+    decode steps takes a slot for each), long before its slot comes round again; `check` says if one was not. Logprob
+    tensors (rare) are copied into pinned memory of their own."""
 
-    SLOTS = 4
-
-    def __init__(self, rows: int):
-        self.tokens = torch.empty(self.SLOTS, rows, dtype=torch.int64, pin_memory=True)
-        self.tops = torch.empty(self.SLOTS, rows, dtype=torch.float32, pin_memory=True)
+    def __init__(self, rows: int, slots: int = 4):
+        self.slots = slots
+        self.tokens = torch.empty(slots, rows, dtype=torch.int64, pin_memory=True)
+        self.tops = torch.empty(slots, rows, dtype=torch.float32, pin_memory=True)
         self.tokens_np, self.tops_np = self.tokens.numpy(), self.tops.numpy()
-        self.events = [torch.cuda.Event() for _ in range(self.SLOTS)]
-        self.generations = [0] * self.SLOTS
+        self.events = [torch.cuda.Event() for _ in range(slots)]
+        self.generations = [0] * slots
         self.turn = 0
 
     def copy(self, token_ids: torch.Tensor, top: torch.Tensor, extra: list[torch.Tensor]):
         """Queue the copies of one step's samples: (slot, its generation, the event after the copies, host arrays)."""
         i = self.turn
-        self.turn = (i + 1) % self.SLOTS
+        self.turn = (i + 1) % self.slots
         self.generations[i] += 1
         n = len(token_ids)
         self.tokens[i, :n].copy_(token_ids, non_blocking=True)
@@ -119,10 +119,11 @@ class HostRing:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0, max_num_seqs: int = 256):
+    def __init__(self, device: torch.device, seed: int = 0, max_num_seqs: int = 256, decode_steps: int = 1):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.ring = HostRing(max_num_seqs) if device.type == "cuda" else None
+        # two launches of decode_steps steps each in flight (overlap), and room to spare
+        self.ring = HostRing(max_num_seqs, max(4, 2 * decode_steps + 2)) if device.type == "cuda" else None
         # the one place logits change before sampling, and greedy steps' argmax: on CUDA a kernel that spreads each
         # row over the SMs (engine/runner/triton_sampling.py: PyTorch's reduction reads a row on one SM, 28-41 us for
         # 128,256 logits on the H100)
