@@ -397,8 +397,9 @@ class LLMEngine:
     def _read_back(self, step: "_Launched") -> list[RequestOutput]:
         """Wait for a launched step's tokens, hand them to the scheduler's postprocess, and report the step. The steps
         launched behind it (`then`) are read back in turn; each is reported with an even share of their time, and in
-        the engine process a request's rows of them are sent as one."""
+        the engine process a request's tokens of them go in one row."""
         parts, taken, failure = [step, *step.then], [], None
+        heads = {} if step.then and self.rows else None
         for part in parts:
             try:
                 tokens, logprobs = part.result.read(self._rank_failure) if part.result else ([], [])
@@ -407,7 +408,7 @@ class LLMEngine:
             except Exception as exc:  # a device fault (or NaN logits) surfaces here, when the host waits for the step
                 failure = exc
                 break
-            taken.append(self._take(part, tokens, logprobs))
+            taken.append(self._take(part, tokens, logprobs, heads))
         end = time.perf_counter()
         # with overlap, a step's span starts where the previous one's read-back ended, so steps do not overlap
         duration = (end - max(step.start, self._last_read_back)) / len(parts)
@@ -421,18 +422,29 @@ class LLMEngine:
             log.error("engine step failed on the device; failing its %d requests", len(step.batch.seqs),
                       exc_info=failure)
             return outputs + self._fail(step.batch, failure)
-        return self._merged(outputs) if len(parts) > 1 and self.rows else outputs
+        return outputs
 
-    def _take(self, step: "_Launched", tokens: list[int], logprobs: list) -> tuple[list, list, list]:
-        """A step's tokens, read back, taken by its sequences: (outputs, those with a first token, finished ones)."""
+    def _take(self, step: "_Launched", tokens: list[int], logprobs: list,
+              heads: dict | None = None) -> tuple[list, list, list]:
+        """A step's tokens, read back, taken by its sequences: (outputs, those with a first token, finished ones).
+        With `heads` (the engine process, in a launch of several steps: each request's latest row of the launch), a
+        request's token without logprobs extends its row there (messages.Step: a row's tokens in order) instead of
+        making a row of its own, which `outputs` then leaves out."""
         now = time.perf_counter()
         outputs, first_tokens, finished, rows, sampled = [], [], [], self.rows, step.sampled
         for row, reason in self.scheduler.postprocess(step.batch, sampled, tokens, self._check_stop,
                                                       self._may_stop(sampled, tokens)):
             seq, token, lp = sampled[row], tokens[row], logprobs[row]
             timings = seq.timings
+            head = heads.get(seq.request_id) if heads is not None else None
             if rows and not reason and lp is None and timings.first_token is not None:  # most rows of a step:
-                outputs.append([seq.request_id, [token], None, None, None])  # _output's row, written out
+                if head is not None:
+                    head[1].append(token)
+                    continue
+                out = [seq.request_id, [token], None, None, None]  # _output's row, written out
+                outputs.append(out)
+                if heads is not None:
+                    heads[seq.request_id] = out
                 continue
             if not rows:  # the engine process: the front end keeps the token times, where the client's clock is
                 timings.token_times.append(now)
@@ -447,30 +459,18 @@ class LLMEngine:
             if reason and seq.params.max_tokens == 0:  # the prompt only: no token to report
                 token, lp = None, None
             out = self._output(seq, [token] if token is not None else [], [lp] if lp is not None else [], first)
-            outputs.append(out)
+            if head is not None and lp is None and not first and head[3] is None:
+                head[1] += out[1]
+                head[2] = out[2]
+            else:
+                outputs.append(out)
+                if heads is not None:
+                    heads[seq.request_id] = out
             if first:
                 first_tokens.append(out)
             if reason:
                 finished.append(out)
         return outputs, first_tokens, finished
-
-    @staticmethod
-    def _merged(rows: list) -> list:
-        """Rows of several steps, one per request where they follow on: its tokens (and logprobs) in order, the
-        finish reason of the last (messages.Step)."""
-        merged, at = [], {}
-        for row in rows:
-            i = at.get(row[0])
-            if i is None or row[4] is not None or (row[3] is None) != (merged[i][3] is None):
-                at[row[0]] = len(merged)
-                merged.append(list(row))
-                continue
-            head = merged[i]
-            head[1] = head[1] + row[1]
-            head[2] = row[2]
-            if row[3] is not None:
-                head[3] = head[3] + row[3]
-        return merged
 
     def _observe(self, outputs: list, first_tokens: list = (), finished: list = (),
                  batch: ScheduledBatch | None = None, phase: str | None = None, duration: float = 0.0,

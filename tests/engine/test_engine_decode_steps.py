@@ -159,16 +159,6 @@ def test_the_engine_process_sends_a_requests_tokens_of_a_launch_in_one_row(tiny_
     assert [t for r in rows for t in r[1]] == references[0][:10]
 
 
-def test_rows_of_several_steps_merge_per_request_in_order():
-    from service.engine.llm_engine import LLMEngine
-
-    rows = [["a", [1], None, None, None], ["b", [2], None, [(0.0, [])], None],
-            ["a", [3], None, None, None], ["b", [4], "stop", [(0.5, [])], None], ["a", [5], "length", None, None]]
-    assert LLMEngine._merged(rows) == [["a", [1, 3, 5], "length", None, None],
-                                       ["b", [2, 4], "stop", [(0.0, []), (0.5, [])], None]]
-    assert rows[0] == ["a", [1], None, None, None]  # (the rows given are left as they were)
-
-
 @pytest.mark.parametrize("steps", [0, 9])
 def test_decode_steps_out_of_range_are_refused(steps, capsys):
     from service.settings import parse

@@ -197,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "the modes in one run (the first is the baseline): weight memory, throughput against it, greedy "
                          "agreement, perplexity; there a W8A8 mode with :sim runs its float32 simulation (fp8-w8a8:sim on CPU)")
     add_engine_argument(ap, "kv_cache_dtype", "auto")
+    add_engine_argument(ap, "decode_steps", 1, type=int)
     flags.deprecated_alias(ap, "--repeats", flags.add_iterations(
         ap, None, "timed runs of the engine, one after another in one process: the figure is their median (default "
         "1); when comparing modes, runs per mode (default 5)", dest="repeats"))
@@ -246,7 +247,8 @@ def engine_config(args: argparse.Namespace, p: Plan) -> EngineConfig:
                         max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
                         gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=args.cuda_graphs,
                         compile=args.compile, fuse_qkv=args.fuse_qkv, tensor_parallel_size=args.tensor_parallel_size,
-                        enable_prefix_caching=False, quantization=p.modes[0], kv_cache_dtype=args.kv_cache_dtype)
+                        enable_prefix_caching=False, quantization=p.modes[0], kv_cache_dtype=args.kv_cache_dtype,
+                        decode_steps=args.decode_steps)
 
 
 def measure_engine(config: EngineConfig, args: argparse.Namespace, p: Plan, peers: list[str]):
@@ -340,10 +342,11 @@ def report(rows: list[dict], config: EngineConfig, args: argparse.Namespace, p: 
 
 
 def engine_settings(config: EngineConfig, *leave_out: str) -> dict:
-    """The engine's settings as a stored run keeps them; an 8-bit KV cache only where asked for, so that runs stored
-    before the option existed keep their configuration's hash."""
+    """The engine's settings as a stored run keeps them; an 8-bit KV cache and several decode steps a launch only
+    where asked for, so that runs stored before the options existed keep their configuration's hash."""
     return {k: v for k, v in config.__dict__.items()
             if k not in leave_out and not (k == "kv_cache_dtype" and v == "auto") and not (k == "tokenizer" and v is None)
+            and not (k == "decode_steps" and v == 1)
             and k != "smoothing"}  # smoothing: where it applies, quantization.scheme_entry says so
 
 

@@ -7,7 +7,7 @@ output rows, text left to the front ends), and each step's rows are also encoded
 
 Usage (on a CUDA machine; on the CPU it runs random:tiny):
   python3 tests/gpu/engine/host_steps.py [--model random:llama-1b] [--num-requests 256] [--input-len 128] [--output-len 128]
-      [--max-num-seqs 256] [--num-blocks N] [--as-served]
+      [--max-num-seqs 256] [--num-blocks N] [--decode-steps K] [--as-served]
 """
 
 import argparse
@@ -36,12 +36,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--overlap", choices=["on", "off"], default=None, help="default: the engine's")
     ap.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: the engine's)")
+    ap.add_argument("--decode-steps", type=int, default=1, help="decode steps a launch (the engine's decode_steps)")
     ap.add_argument("--as-served", action="store_true", help="bare output rows, no text, each step's message encoded "
                                                              "(as the engine process)")
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=8192,
                                     gpu_memory_utilization=0.5, enable_prefix_caching=False,
-                                    num_blocks=args.num_blocks))
+                                    num_blocks=args.num_blocks, decode_steps=args.decode_steps))
     if args.overlap:
         engine.overlap = args.overlap == "on"
     telemetry = None
@@ -56,7 +57,7 @@ def main() -> None:
     prompts = random_prompts(args.num_requests, Lengths(args.input_len, args.input_len),
                              engine.runner.model.config.vocab_size, 1)
     spent, call = collections.Counter(), collections.Counter()  # over the run's decode steps; in this step() call
-    decode = [False]
+    decode = [0]
 
     def timed(obj, name, key):
         f = getattr(obj, name)
@@ -72,7 +73,7 @@ def main() -> None:
     launch = engine._launch
 
     def launch_logged(batch, *rest):  # a step counts when it is a decode step
-        decode[0] = batch.phase == "decode"
+        decode[0] += batch.phase == "decode"
         return launch(batch, *rest)
 
     engine._launch = launch_logged
@@ -110,7 +111,7 @@ def main() -> None:
         start = time.perf_counter()
         decode_steps = 0
         while engine.has_unfinished():
-            decode[0] = False  # a step() call counts when it launches a decode step
+            decode[0] = 0  # a step() call counts when it launches decode steps (several with --decode-steps)
             call.clear()
             t = time.perf_counter()
             out = engine.step()
@@ -119,7 +120,7 @@ def main() -> None:
                 messages.encode(messages.Step(out, engine.num_waiting))
                 call["encode"] += time.perf_counter() - begin
             if decode[0]:
-                decode_steps += 1
+                decode_steps += decode[0]
                 call["step"] += time.perf_counter() - t
                 spent.update(call)
             steps += 1
