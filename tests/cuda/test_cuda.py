@@ -229,9 +229,11 @@ def tiny_cuda():
 
 @pytest.mark.parametrize("overrides", [{}, {"num_blocks": 25}, {"max_num_batched_tokens": 13}, {"cuda_graphs": False},
                                        {"compile": False}, {"compile": False, "cuda_graphs": False}, {"overlap": False},
-                                       {"num_blocks": 25, "overlap": False}],
+                                       {"num_blocks": 25, "overlap": False}, {"decode_steps": 4},
+                                       {"decode_steps": 8, "num_blocks": 25}, {"decode_steps": 3, "overlap": False}],
                          ids=["graphs", "preemption", "chunked", "no-graphs", "uncompiled", "eager", "no-overlap",
-                              "preemption-no-overlap"])
+                              "preemption-no-overlap", "decode-steps", "decode-steps-preemption",
+                              "decode-steps-no-overlap"])
 def test_cuda_engine_greedy_matches_transformers(tiny_cuda, overrides):
     rng = random.Random(3)
     prompts = [[rng.randrange(5, 500) for _ in range(rng.choice([1, 9, 17, 48, 120]))] for _ in range(32)]
@@ -367,6 +369,31 @@ def test_cuda_overlap_streams_exactly_what_no_overlap_streams(tiny_cuda, overrid
         assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
     assert streams[True] == streams[False]
     assert [s[-1][3] for s in streams[True]] == ["stop", "length", "length", "length", "abort"]
+
+
+@pytest.mark.parametrize("overrides", [{}, {"num_blocks": 25}, {"cuda_graphs": False}],
+                         ids=["graphs", "preemption", "no-graphs"])
+def test_cuda_decode_steps_stream_exactly_what_single_steps_stream(tiny_cuda, overrides):
+    """Four decode steps a launch (each after the first takes the one before's inputs a position on): stop tokens,
+    min_tokens, logprobs, seeded sampling and plain greedy rows, in one batch, as single steps stream them."""
+    from tests.engine.test_engine_overlap import stream_all
+    rng = random.Random(9)
+    prompt = [rng.randrange(5, 500) for _ in range(40)]
+    plain = make_engine(tiny_cuda, device="cuda").generate([prompt], SamplingParams(max_tokens=20, temperature=0))
+    requests = [
+        (prompt, SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[plain[0]["token_ids"][6]])),
+        (prompt, SamplingParams(max_tokens=15, min_tokens=15, temperature=0, logprobs=4)),
+        (prompt[:33], SamplingParams(max_tokens=11, temperature=0.7, top_p=0.8, top_k=20, seed=3, ignore_eos=True)),
+        *[([rng.randrange(5, 500) for _ in range(rng.choice([3, 17, 70]))],
+           SamplingParams(max_tokens=rng.choice([13, 30, 41]), temperature=0, ignore_eos=True)) for _ in range(5)],
+    ]
+    single = stream_all(make_engine(tiny_cuda, device="cuda", max_num_seqs=8, **overrides), requests)
+    engine = make_engine(tiny_cuda, device="cuda", max_num_seqs=8, decode_steps=4, **overrides)
+    launches, step = [], engine._launch
+    engine._launch = lambda batch, start: launches.append(batch) or step(batch, start)
+    assert stream_all(engine, requests) == single
+    assert any(a is b for a, b in zip(launches, launches[1:]))  # a batch launched again: launches of several steps
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -162,6 +162,13 @@ def test_two_ranks_equal_one_rank_with_chunked_prefill_and_preemption(tiny_model
         assert engine.runner.kv_caches[0][0].shape[2] == 1  # rank 0 keeps one of the two KV heads
         got, preemptions = _generate(engine, prompts)
         scores = [o["prompt_logprobs"] for o in engine.generate(prompts[:2], scored, n=2)]
+        engine.config.decode_steps = 4  # launches of four decode steps, each a step for the other ranks (on the CPU no
+        # buffer is sized by it)
+        more = engine._more_steps
+        passes = []
+        engine._more_steps = lambda *a: passes.append(more(*a)) or passes[-1]
+        assert engine.generate(prompts[1:], GREEDY) == one.generate(prompts[1:], GREEDY)
+        assert max(passes) == 3
     finally:
         engine.close()
     assert preemptions > 0

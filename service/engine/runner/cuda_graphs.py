@@ -106,8 +106,11 @@ class DecodeGraphs:
         self.g_seq_lens, self.g_tile_seq, self.g_table_rows = self.g_ints
         self.tables = TableRows(2 * max_batch + 1, r.max_blocks_per_seq)
         self.g_tables = torch.zeros(self.tables.host.shape, dtype=torch.int32, device=dev)
-        self.up_inputs = PinnedUpload(6 * max_batch, torch.long)
-        self.up_tables = PinnedUpload(self.tables.host.size, torch.int32)
+        # an upload for each step of two launches in flight (decode_steps; a launch changes tables in two at most)
+        steps = r.config.decode_steps
+        self.up_inputs = PinnedUpload(6 * max_batch, torch.long, 2 * steps)
+        self.up_tables = PinnedUpload(self.tables.host.size, torch.int32, 2 if steps == 1 else 4)
+        self._previous = None  # the last replay's batch, its sequences' table rows and its inputs (a host copy)
         self.g_starts = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self.g_tile_qstart = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.g_inputs[3].fill_(1)
@@ -132,33 +135,48 @@ class DecodeGraphs:
         log.info("captured CUDA graphs for decode batch sizes %s", sorted(self.graphs))
 
     def replay(self, batch: ScheduledBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], np.ndarray]:
-        """Replay the step: its logits, their rows' (maxima, argmax), and its sequences' table rows."""
+        """Replay the step: its logits, their rows' (maxima, argmax), and its sequences' table rows. The next step of
+        a launch of several (the same batch again, each sequence a token on, that token on the device) takes the
+        step before's inputs one position on, with no pass over the sequences but for their tables' lengths."""
         seqs, n = batch.seqs, len(batch.seqs)
         size = next(s for s in self.graph_sizes if s >= n)
         block_size = self.runner.block_size
-        rows, changed = self.tables.update(seqs)
+        previous, self._previous = self._previous, None
+        again = previous is not None and previous[0] is batch
+        if again:
+            rows, changed = previous[1], self.tables.grow(seqs, previous[1])
+        else:
+            rows, changed = self.tables.update(seqs)
         tables = (0, 0, 0)
         if changed is not None:
             first, last, width = tables = changed
             up_t, up = self.up_tables.take((last - first, width))
             up[:] = self.tables.host[first:last, :width]
             self.up_tables.send(up_t, self.g_tables[first:last, :width])
-        pos = np.fromiter(map(_computed, seqs), np.int64, n)
         # whole buffers go up (a few KB), so padding rows are always token 0 at position 0 in scratch block 0 (row 0
         # of the table), with context 1
         inputs_t, inputs = self.up_inputs.take((6, len(self.g_ids)))
-        inputs[:3].fill(0)
-        pending = np.fromiter(map(_pending, seqs), np.int64, n)
-        known = np.flatnonzero(pending == 0)  # the rest: _feed_back's
-        if len(known):
-            inputs[0, known] = [seqs[i].token_ids[p] for i, p in zip(known.tolist(), pos[known].tolist())]
-        inputs[1, :n] = pos
+        if again:  # (the tiles' order, longest first, stays as it was)
+            inputs[:] = previous[2]
+            pos = inputs[1, :n]
+            pos += 1
+            pending = None
+            inputs[3, :n] += 1
+        else:
+            pos = np.fromiter(map(_computed, seqs), np.int64, n)
+            inputs[:3].fill(0)
+            pending = np.fromiter(map(_pending, seqs), np.int64, n)
+            known = np.flatnonzero(pending == 0)  # the rest: _feed_back's
+            if len(known):
+                inputs[0, known] = [seqs[i].token_ids[p] for i, p in zip(known.tolist(), pos[known].tolist())]
+            inputs[1, :n] = pos
+            inputs[3].fill(1)
+            inputs[3, :n] = pos + 1
+            inputs[4, :size] = np.argsort(-inputs[3, :size], kind="stable")  # longest first, as build_tiles orders
+            inputs[5].fill(0)
+            inputs[5, :n] = rows
         inputs[2, :n] = self.tables.host[rows, pos // block_size] * block_size + pos % block_size
-        inputs[3].fill(1)
-        inputs[3, :n] = pos + 1
-        inputs[4, :size] = np.argsort(-inputs[3, :size], kind="stable")  # longest first, as build_tiles orders tiles
-        inputs[5].fill(0)
-        inputs[5, :n] = rows
+        self._previous = (batch, rows, inputs.copy())
         self.up_inputs.send(inputs_t, self.g_inputs)
         self.runner._feed_back(self.g_ids, batch, (rows, pending))
         replay(self.runner, self, size, tables)
@@ -195,10 +213,18 @@ class TableRows:
         ids = np.fromiter(map(id, tables), np.int64, n)
         for i in np.flatnonzero(self.list_ids[rows] != ids).tolist():  # new, re-admitted, or its row was taken
             rows[i] = self._take(seqs[i], tables[i], int(ids[i]))
+        return rows, self._grown(rows, tables)
+
+    def grow(self, seqs: list[Sequence], rows: np.ndarray) -> tuple[int, int, int] | None:
+        """`update` for sequences that hold their `rows` already (the same batch again): only blocks they gained."""
+        return self._grown(rows, list(map(_table, seqs)))
+
+    def _grown(self, rows: np.ndarray, tables: list[list[int]]) -> tuple[int, int, int] | None:
+        n = len(rows)
         widths = np.fromiter(map(len, tables), np.int64, n)
         grown = np.flatnonzero(self.widths[rows] != widths)
         if not len(grown):
-            return rows, None
+            return None
         at, lengths = rows[grown], widths[grown]
         flat = np.fromiter(itertools.chain.from_iterable([tables[i] for i in grown.tolist()]), np.int32,
                            int(lengths.sum()))
@@ -207,7 +233,7 @@ class TableRows:
         self.host[at, :block.shape[1]] = block
         self.widths[at] = lengths
         first, last = int(at.min()), int(at.max()) + 1
-        return rows, (first, last, int(self.widths[first:last].max()))
+        return first, last, int(self.widths[first:last].max())
 
     def _take(self, seq: Sequence, table: list[int], table_id: int) -> int:
         if not self.free:

@@ -1,6 +1,6 @@
-"""Uploads that never wait for the device: double-buffered pinned host memory for the small uploads of a replayed
-decode step (the host fills one half for the next step while the other half's copy may still wait behind the step in
-flight), and `to_device` for any other host data.
+"""Uploads that never wait for the device: pinned host memory in a few buffers used in turn for the small uploads of a
+replayed decode step (the host fills one for the next step while the others' copies may still wait behind the steps
+in flight), and `to_device` for any other host data.
 """
 
 import numpy as np
@@ -8,31 +8,32 @@ import torch
 
 
 class PinnedUpload:
-    """A pinned host buffer for one kind of upload, in two halves used in turn.
+    """A pinned host buffer for one kind of upload, in `count` parts used in turn (two: one step in flight; more when
+    several steps are launched before the host reads any back).
 
-    The host fills one half for the next step while the other's copy may still wait behind the step in
-    flight; an event recorded after each copy says when its half may be written again.
+    The host fills one part for the next step while the others' copies may still wait behind the steps in
+    flight; an event recorded after each copy says when its part may be written again.
     """
 
-    def __init__(self, numel: int, dtype: torch.dtype):
-        self.halves = [torch.empty(numel, dtype=dtype, pin_memory=True) for _ in range(2)]
-        self.events = [torch.cuda.Event(), torch.cuda.Event()]
-        self.used = [False, False]
+    def __init__(self, numel: int, dtype: torch.dtype, count: int = 2):
+        self.parts = [torch.empty(numel, dtype=dtype, pin_memory=True) for _ in range(count)]
+        self.events = [torch.cuda.Event() for _ in range(count)]
+        self.used = [False] * count
         self.turn = 0
 
     def take(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
-        """The next half as a tensor of `shape` and a numpy view of it to fill."""
+        """The next part as a tensor of `shape` and a numpy view of it to fill."""
         i = self.turn
         if self.used[i]:
             self.events[i].synchronize()  # its copy ran long ago unless the device is far behind
-        t = self.halves[i][:int(np.prod(shape))].view(shape)
+        t = self.parts[i][:int(np.prod(shape))].view(shape)
         return t, t.numpy()
 
     def send(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
         self.events[self.turn].record()
         self.used[self.turn] = True
-        self.turn ^= 1
+        self.turn = (self.turn + 1) % len(self.parts)
 
 
 def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
