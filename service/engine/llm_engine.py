@@ -352,20 +352,27 @@ class LLMEngine:
             if not scheduler.held_steps:  # they were not held: admitting them failed (no room), or the hold is over
                 return 0
             more = min(more, scheduler.admission_wait_steps - scheduler.held_steps)
-        blocks, max_len, need = self.blocks, self.max_model_len, 0
-        for seq in batch.seqs:
+        max_len = self.max_model_len
+        for seq in batch.seqs:  # (written without calls: it runs for every sequence of every launch)
             if seq.matcher is not None:
                 return 0
             limit = seq.params.max_tokens
             limit = max_len if limit is None else min(len(seq.prompt_token_ids) + limit, max_len)
-            more = min(more, limit - seq.num_tokens)
-        if more <= 0:
-            return 0
+            room = limit - len(seq.token_ids) - seq.num_pending_tokens
+            if room < more:
+                more = room
+                if more <= 0:
+                    return 0
+        blocks, need, growing = self.blocks, 0, []
+        block_size = blocks.block_size
         for seq in batch.seqs:
-            need += blocks.blocks_needed(seq, more)
+            short = seq.num_computed_tokens + more - len(seq.block_table) * block_size
+            if short > 0:
+                need += -(-short // block_size)
+                growing.append(seq)
         if need > blocks.num_free_blocks - scheduler.admission_reserve():
             return 0
-        for seq in batch.seqs:
+        for seq in growing:
             blocks.allocate(seq, more)
         if scheduler.held_steps:
             scheduler.held_steps += more
