@@ -62,7 +62,8 @@ class Metrics:
         self.ttft = histogram("llm_time_to_first_token_seconds",
                               "Time from a request's arrival at the server to its first output token.", TTFT_BUCKETS)
         self.itl = histogram("llm_time_per_output_token_seconds",
-                             "Gap between consecutive output tokens of a request (inter-token latency).", ITL_BUCKETS)
+                             "Gap between consecutive output tokens of a request (inter-token latency); 0 between "
+                             "tokens that arrive together (--decode-steps).", ITL_BUCKETS)
         self.duration = histogram("llm_request_duration_seconds",
                                   "Time from a request's arrival to its last token (end to end).", DURATION_BUCKETS)
         self.queue = histogram("llm_request_queue_seconds",
