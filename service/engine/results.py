@@ -50,7 +50,9 @@ class StepStats:
     """One engine step (or an abort) for telemetry: what it produced and the engine's load after it.
 
     In a step that ran, every output carries the one token it produced; the lists below are parts of
-    `outputs`, collected where the engine decides them, so an observer need not scan for them.
+    `outputs`, collected where the engine decides them, so an observer need not scan for them. (In the engine
+    process, where the outputs are bare rows, the later steps of a launch of several (decode_steps) add a request's
+    token to its row of the launch's first step where they can: their `outputs` leave those rows out.)
     """
 
     phase: str | None  # prefill, decode or mixed; None when no forward pass ran (an abort, a failed step)

@@ -1,0 +1,39 @@
+"""Several decode steps a launch, served (`serve --decode-steps 4`): the engine process sends a request's tokens of a
+launch in one row, its front end streams them together, and the inter-token histogram counts every gap (0 inside a
+row), with real processes."""
+
+import json
+
+import httpx
+
+from tests.conftest import wait_until
+from tests.served import MODEL, Served, sample
+
+
+def streamed(url: str, max_tokens: int) -> list[list[int]]:
+    """The token ids of each event of one streamed /generate request."""
+    body = {"model": MODEL, "token_ids": [5, 6, 7, 8], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    events = []
+    with httpx.Client(timeout=60) as client, client.stream("POST", url + "/generate", json=body) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:])["token_ids"])
+    return events
+
+
+def test_a_launch_of_four_steps_streams_the_same_tokens_and_counts_every_gap():
+    tokens = {}
+    for steps in ("1", "4"):
+        with Served("--decode-steps", steps) as s:
+            events = streamed(s.url, 21)
+            tokens[steps] = [t for e in events for t in e]
+            text = wait_until(lambda: next((m for m in [s.metrics()] if sample(m, "llm_requests_total") == 1), None),
+                              30, "the request in the metrics")
+            assert sample(text, "llm_time_per_output_token_seconds_count") == 20  # a gap before every token but one
+            if steps == "4":  # the prefill's token, then five launches of four: three gaps of 0 in each
+                assert max(map(len, events)) >= 4
+                assert sample(text, "llm_time_per_output_token_seconds_bucket", le="0.001") >= 15
+                assert sample(text, "llm_engine_step_seconds_count", phase="decode") == 20
+    assert tokens["4"] == tokens["1"] and len(tokens["1"]) == 21
