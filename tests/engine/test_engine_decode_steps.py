@@ -9,8 +9,7 @@ import pytest
 
 from service.engine import SamplingParams
 from tests.conftest import make_engine
-from tests.engine.test_engine_behaviour import PROMPT
-from tests.engine.test_engine_overlap import greedy, stream_all, tiny_case  # noqa: F401 (a fixture)
+from tests.engine.test_engine_overlap import every_kind_of_end, greedy, stream_all, tiny_case  # noqa: F401 (a fixture)
 
 
 def counted(engine):
@@ -49,16 +48,7 @@ def test_greedy_and_seeded_outputs_equal_single_steps_in_fewer_host_passes(tiny_
 def test_streams_exactly_what_single_steps_stream(default_model, overlap):
     """Stop strings, stop tokens, min_tokens, EOS, max_tokens, logprobs and seeded sampling, in one batch; the
     stops fall inside a launch of four steps, whose later tokens are dropped."""
-    base = make_engine(default_model).generate([PROMPT], SamplingParams(max_tokens=30, temperature=0))
-    text = base[0]["text"]
-    requests = [
-        (PROMPT, SamplingParams(max_tokens=30, temperature=0, stop=[text[12:16]])),
-        (PROMPT, SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[base[0]["token_ids"][5]])),
-        (PROMPT, SamplingParams(max_tokens=13, min_tokens=13, temperature=0, logprobs=3)),
-        ("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n", SamplingParams(max_tokens=100, temperature=0)),
-        (PROMPT, SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, top_k=40, seed=7)),
-        (PROMPT, SamplingParams(max_tokens=25, temperature=0, ignore_eos=True)),
-    ]
+    requests = every_kind_of_end(default_model, logprobs_tokens=13)
     single = stream_all(make_engine(default_model, overlap=overlap), requests)
     engine = make_engine(default_model, overlap=overlap, decode_steps=4)
     assert stream_all(engine, requests) == single

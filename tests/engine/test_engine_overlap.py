@@ -87,18 +87,24 @@ def stream_all(engine, requests: list[tuple[str, SamplingParams]]) -> dict[str, 
     return [seen[rid] for rid in ids]
 
 
-def test_overlap_streams_exactly_what_the_engine_without_overlap_streams(default_model):
-    """Stop strings, stop tokens, min_tokens, EOS, max_tokens, logprobs and seeded sampling, in one batch."""
+def every_kind_of_end(default_model, logprobs_tokens: int = 12) -> list[tuple[str, SamplingParams]]:
+    """Requests that end by a stop string, a stop token, min_tokens and logprobs to max_tokens, EOS, seeded sampling
+    and max_tokens, in that order, on the default model."""
     base = make_engine(default_model, overlap=False).generate([PROMPT], SamplingParams(max_tokens=30, temperature=0))
     text = base[0]["text"]
-    requests = [
+    return [
         (PROMPT, SamplingParams(max_tokens=30, temperature=0, stop=[text[12:16]])),
         (PROMPT, SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[base[0]["token_ids"][5]])),
-        (PROMPT, SamplingParams(max_tokens=12, min_tokens=12, temperature=0, logprobs=3)),
+        (PROMPT, SamplingParams(max_tokens=logprobs_tokens, min_tokens=logprobs_tokens, temperature=0, logprobs=3)),
         ("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n", SamplingParams(max_tokens=100, temperature=0)),
         (PROMPT, SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, top_k=40, seed=7)),
         (PROMPT, SamplingParams(max_tokens=25, temperature=0, ignore_eos=True)),
     ]
+
+
+def test_overlap_streams_exactly_what_the_engine_without_overlap_streams(default_model):
+    """Stop strings, stop tokens, min_tokens, EOS, max_tokens, logprobs and seeded sampling, in one batch."""
+    requests = every_kind_of_end(default_model)
     off = stream_all(make_engine(default_model, overlap=False), requests)
     on = stream_all(make_engine(default_model, overlap=True), requests)
     assert on == off
