@@ -44,10 +44,11 @@ def test_greedy_and_seeded_outputs_equal_single_steps_in_fewer_host_passes(tiny_
     assert runs[4][1] < runs[1][1] / 2  # in far fewer passes of the host
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_streams_exactly_what_single_steps_stream(default_model, overlap):
+def test_streams_exactly_what_single_steps_stream(default_model):
     """Stop strings, stop tokens, min_tokens, EOS, max_tokens, logprobs and seeded sampling, in one batch; the
-    stops fall inside a launch of four steps, whose later tokens are dropped."""
+    stops fall inside a launch of four steps, whose later tokens are dropped. (With overlap, as on CUDA; without,
+    the tiny model's tests above.)"""
+    overlap = True
     requests = every_kind_of_end(default_model, logprobs_tokens=13)
     single = stream_all(make_engine(default_model, overlap=overlap), requests)
     engine = make_engine(default_model, overlap=overlap, decode_steps=4)

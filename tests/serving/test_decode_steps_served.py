@@ -6,7 +6,7 @@ import json
 
 import httpx
 
-from tests.conftest import wait_until
+from tests.conftest import make_engine, wait_until
 from tests.served import MODEL, Served, sample
 
 
@@ -23,17 +23,18 @@ def streamed(url: str, max_tokens: int) -> list[list[int]]:
     return events
 
 
-def test_a_launch_of_four_steps_streams_the_same_tokens_and_counts_every_gap():
-    tokens = {}
-    for steps in ("1", "4"):
-        with Served("--decode-steps", steps) as s:
-            events = streamed(s.url, 21)
-            tokens[steps] = [t for e in events for t in e]
-            text = wait_until(lambda: next((m for m in [s.metrics()] if sample(m, "llm_requests_total") == 1), None),
-                              30, "the request in the metrics")
-            assert sample(text, "llm_time_per_output_token_seconds_count") == 20  # a gap before every token but one
-            if steps == "4":  # the prefill's token, then five launches of four: three gaps of 0 in each
-                assert max(map(len, events)) >= 4
-                assert sample(text, "llm_time_per_output_token_seconds_bucket", le="0.001") >= 15
-                assert sample(text, "llm_engine_step_seconds_count", phase="decode") == 20
-    assert tokens["4"] == tokens["1"] and len(tokens["1"]) == 21
+def test_a_launch_of_four_steps_streams_the_same_tokens_and_counts_every_gap(tiny_model):
+    from service.engine import SamplingParams
+
+    single = make_engine(tiny_model).generate([[5, 6, 7, 8]], SamplingParams(max_tokens=21, temperature=0,
+                                                                             ignore_eos=True))[0]["token_ids"]
+    with Served("--decode-steps", "4") as s:
+        events = streamed(s.url, 21)
+        text = wait_until(lambda: next((m for m in [s.metrics()] if sample(m, "llm_requests_total") == 1), None),
+                          30, "the request in the metrics")
+    assert [t for e in events for t in e] == single  # the same weights (random:tiny, seed 0), one step at a time
+    assert max(map(len, events)) >= 4
+    # the prefill's token, then five launches of four: a gap before every token but the first, three of 0 a launch
+    assert sample(text, "llm_time_per_output_token_seconds_count") == 20
+    assert sample(text, "llm_time_per_output_token_seconds_bucket", le="0.001") >= 15
+    assert sample(text, "llm_engine_step_seconds_count", phase="decode") == 20
