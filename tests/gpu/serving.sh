@@ -14,6 +14,10 @@
 #   dashboard  one front end, 4,096 x 256 concurrent streams with no /dashboard page open and with five open
 #              (tests/gpu/serving/pages.py polls as the page does), DASHBOARD_ROUNDS (default 3) runs of each in
 #              the order ABBA ABBA ... (no drift favours either), DASHBOARD_REQUESTS (default 4,096) requests a run
+#   decode     `bench offline` at --decode-steps 1 and 8, then one front end at --decode-steps 1, 8 and 4: HEAVY_REQUESTS
+#              x 256 non-streaming and streaming, each with its steps' times and the GPUs' use
+#   decode-n4  `bench offline` at --decode-steps 1 and 8, then four front ends at --decode-steps 8: HEAVY_REQUESTS x 256
+#              streaming twice, then non-streaming
 #   profile    one front end, PROFILE_REQUESTS (default 16,384) x 256 concurrent streams while py-spy samples the server's processes (all of
 #              them, idle threads too) for PROFILE_SECONDS (default 15), from 5 s in: collapsed stacks in profile.txt
 # Each 1,024 x 256 run (HEAVY_REQUESTS requests) prints the engine's steps per phase (tests/gpu/serving/step_times.py)
@@ -35,13 +39,17 @@ busy() {  # NAME COMMAND...: run a client (COMMAND) while nvidia-smi reads the G
   awk -v name="$name" '$1 ~ /^[0-9]+$/ {s += $1; n++}
     END {if (n) printf "%s: GPU utilization %.2f (mean of %d nvidia-smi readings during the run)\n", name, s / n / 100, n}' "$file"
 }
-heavy() {  # N: the HEAVY_REQUESTS (default 1,024) x 256 figures, non-streaming and streaming, each with its steps' times
-  local requests=${HEAVY_REQUESTS:-1024}
+heavy_run() {  # NAME [http_load.py's arguments...]: HEAVY_REQUESTS (default 1,024) x 256 concurrent, with the GPUs' use
+  # and the engine's steps' times
+  local name=$1
+  shift
+  busy "$name" load "$name" --requests "${HEAVY_REQUESTS:-1024}" --concurrency 256 "$@"
+  steps_since "$name"
+}
+heavy() {  # N: the HEAVY_REQUESTS x 256 figures, non-streaming and streaming
   steps_since "n$1-before" > /dev/null
-  busy "n$1-non-streaming" load "n$1-non-streaming" --requests "$requests" --concurrency 256
-  steps_since "n$1-non-streaming"
-  busy "n$1-streaming" load "n$1-streaming" --requests "$requests" --concurrency 256 --stream
-  steps_since "n$1-streaming"
+  heavy_run "n$1-non-streaming"
+  heavy_run "n$1-streaming" --stream
 }
 streams() {
   load one-stream --requests 32 --concurrency 1 --procs 1 --stream
@@ -49,7 +57,7 @@ streams() {
   curl -s "$URL/metrics" | grep -E '^llm_(time_to_first_token_seconds|engine_step_seconds)_(sum|count)' | head -8
 }
 warm() { STEP_LINES=0 load "warm-$1" --requests 256; }  # compiles and fills what the first load would
-phases reference "reference latency scale penalties dashboard profile" "$@"
+phases reference "reference latency scale penalties dashboard profile decode decode-n4" "$@"
 for phase in "${PHASES[@]}"; do
   case $phase in
     reference)
@@ -101,6 +109,29 @@ for phase in "${PHASES[@]}"; do
 print("dashboard:", d["status"], "gpus", d["gpus"], "processes", d["processes"], "points", len(p["t"]), "totals", d["totals"])
 print("newest point:", {k: v[-1] for k, v in p.items() if k != "t"})'
       unserve ;;
+    decode | decode-n4)
+      for k in 1 8; do
+        step "offline-k$k" "$T" "$PYTHON" -m service bench offline --model "$MODEL" --num-requests "${HEAVY_REQUESTS:-1024}" \
+          --max-num-seqs 256 --peers none --decode-steps "$k" --label "serving-offline-k$k" --json "$RESULTS/offline-k$k.json"
+      done
+      if [ "$phase" = decode ]; then
+        for k in 1 8 4; do
+          serve 1 --decode-steps "$k" || continue
+          warm 1
+          steps_since "n1-k$k-before" > /dev/null
+          heavy_run "n1-k$k-non-streaming"
+          heavy_run "n1-k$k-streaming" --stream
+          unserve
+        done
+      else
+        serve 4 --decode-steps 8 || continue
+        warm 4
+        steps_since n4-k8-before > /dev/null
+        heavy_run n4-k8-streaming-1 --stream
+        heavy_run n4-k8-streaming-2 --stream
+        heavy_run n4-k8-non-streaming
+        unserve
+      fi ;;
     profile)
       serve 1 || continue
       warm 1
