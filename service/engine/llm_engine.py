@@ -365,7 +365,7 @@ class LLMEngine:
                     return 0
         blocks, need, growing = self.blocks, 0, []
         block_size = blocks.block_size
-        for seq in batch.seqs:
+        for seq in batch.seqs:  # (BlockManager.blocks_needed, written out)
             short = seq.num_computed_tokens + more - len(seq.block_table) * block_size
             if short > 0:
                 need += -(-short // block_size)

@@ -110,7 +110,8 @@ class DecodeGraphs:
         steps = r.config.decode_steps
         self.up_inputs = PinnedUpload(6 * max_batch, torch.long, 2 * steps)
         self.up_tables = PinnedUpload(self.tables.host.size, torch.int32, 2 if steps == 1 else 4)
-        self._previous = None  # the last replay's batch, its sequences' table rows and its inputs (a host copy)
+        self.keep_inputs = steps > 1  # a launch may replay its batch again (decode_steps): keep each replay's inputs
+        self._previous = None  # then: the last replay's batch, its sequences' table rows and its inputs (a host copy)
         self.g_starts = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self.g_tile_qstart = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.g_inputs[3].fill_(1)
@@ -160,7 +161,6 @@ class DecodeGraphs:
             inputs[:] = previous[2]
             pos = inputs[1, :n]
             pos += 1
-            pending = None
             inputs[3, :n] += 1
         else:
             pos = np.fromiter(map(_computed, seqs), np.int64, n)
@@ -176,9 +176,11 @@ class DecodeGraphs:
             inputs[5].fill(0)
             inputs[5, :n] = rows
         inputs[2, :n] = self.tables.host[rows, pos // block_size] * block_size + pos % block_size
-        self._previous = (batch, rows, inputs.copy())
+        if self.keep_inputs:
+            self._previous = (batch, rows, inputs.copy())
         self.up_inputs.send(inputs_t, self.g_inputs)
-        self.runner._feed_back(self.g_ids, batch, (rows, pending))
+        # (launched again, the batch is the step before's: steady decode, which needs no pairing of rows)
+        self.runner._feed_back(self.g_ids, batch, None if again else (rows, pending))
         replay(self.runner, self, size, tables)
         top, tokens = self.argmax[size]
         return self.graphs[size][1][:n], (top[:n], tokens[:n]), rows
