@@ -1,6 +1,7 @@
 """Structured output in the engine: grammars compiled beside the loop, masks on the logits, outputs that match and
 end with their grammar, batched and overlapped like any request, and nothing left behind."""
 
+import dataclasses
 import json
 import threading
 
@@ -73,6 +74,10 @@ def test_constrained_rows_give_the_same_tokens_alone_batched_and_preempted(worde
     batched = make_engine(worded_tiny, overlap=overlap)
     assert [o["token_ids"] for o in batched.generate(ps, params)] == [o["token_ids"] for o in alone]
     tight = make_engine(worded_tiny, overlap=overlap, num_blocks=8)  # 7 usable blocks of 16: some are preempted
+    # its grammars compiled first, so that all four run at once (a busy machine may compile one late, when the
+    # others have ended, and nothing is preempted)
+    tight.generate(ps, [dataclasses.replace(p, max_tokens=1) for p in params])
+    assert tight.scheduler.num_preemptions == 0
     assert [o["token_ids"] for o in tight.generate(ps, params)] == [o["token_ids"] for o in alone]
     assert tight.scheduler.num_preemptions > 0
     for engine in (batched, tight):
