@@ -403,19 +403,24 @@ class LLMEngine:
 
     def _read_back(self, step: "_Launched") -> list[RequestOutput]:
         """Wait for a launched step's tokens, hand them to the scheduler's postprocess, and report the step. The steps
-        launched behind it (`then`) are read back in turn; each is reported with an even share of their time, and in
+        launched behind it (`then`) are read back with it; each is reported with an even share of their time, and in
         the engine process a request's tokens of them go in one row."""
-        parts, taken, failure = [step, *step.then], [], None
-        heads = {} if step.then and self.rows else None
+        parts, reads, failure = [step, *step.then], [], None
         for part in parts:
             try:
-                tokens, logprobs = part.result.read(self._rank_failure) if part.result else ([], [])
+                reads.append(part.result.read(self._rank_failure) if part.result else ([], []))
             except EngineDeadError:
                 raise
             except Exception as exc:  # a device fault (or NaN logits) surfaces here, when the host waits for the step
                 failure = exc
                 break
-            taken.append(self._take(part, tokens, logprobs, heads))
+        if failure is None and self.rows and self.detokenizer.tokenizer is None and step.phase == "decode" and all(
+                part.result is not None and not part.result.logprob_rows for part in parts):
+            taken = self._take_rows(parts, reads)
+        else:
+            heads = {} if step.then and self.rows else None
+            taken = [self._take(part.batch, part.sampled, tokens, logprobs, heads)
+                     for part, (tokens, logprobs) in zip(parts, reads)]
         end = time.perf_counter()
         # with overlap, a step's span starts where the previous one's read-back ended, so steps do not overlap
         duration = (end - max(step.start, self._last_read_back)) / len(parts)
@@ -431,15 +436,41 @@ class LLMEngine:
             return outputs + self._fail(step.batch, failure)
         return outputs
 
-    def _take(self, step: "_Launched", tokens: list[int], logprobs: list,
+    def _take_rows(self, parts: list["_Launched"], reads: list) -> list[tuple[list, list, list]]:
+        """`_take` of a launch's decode steps (one or more) in the engine process, with no logprobs: a sequence that
+        goes on through all of them (no EOS among its tokens, short of its `length_at`: most of them) takes its tokens
+        at once (Scheduler.take_steps), in one row reported with the first step; the rest go through `_take`, step by
+        step, as they would alone."""
+        sampled, k = parts[0].sampled, len(parts)
+        tokens = (np.stack([part.result.token_array() for part in parts]) if k > 1  # [step, row]
+                  else parts[0].result.token_array()[None])
+        lengths = np.fromiter(map(len, map(_token_ids, sampled)), np.int64, len(sampled))
+        on = lengths + k < np.fromiter(map(_length_at, sampled), np.int64, len(sampled))  # (-1: always looked at)
+        for eos in self._eos:
+            on &= (tokens != eos).all(axis=0)
+        columns = tokens.T.tolist()
+        going, rest = self.scheduler.take_steps(sampled, columns, on.tolist())
+        outputs = [[sampled[row].request_id, columns[row], None, None, None] for row in going]  # _output's rows
+        if len(rest) == len(sampled):
+            seqs, picked = sampled, reads
+        else:
+            seqs = [sampled[row] for row in rest]
+            picked = [([ids[row] for row in rest], [None] * len(rest)) for ids, _ in reads]
+        heads = {} if k > 1 else None
+        taken = [self._take(part.batch, seqs, ids, logprobs, heads) for part, (ids, logprobs) in zip(parts, picked)]
+        taken[0][0].extend(outputs)
+        return taken
+
+    def _take(self, batch: ScheduledBatch, sampled: list[Sequence], tokens: list[int], logprobs: list,
               heads: dict | None = None) -> tuple[list, list, list]:
-        """A step's tokens, read back, taken by its sequences: (outputs, those with a first token, finished ones).
+        """A step's tokens, read back, taken by its sequences that sampled them (`sampled`, those of `batch` or some of
+        them): (outputs, those with a first token, finished ones).
         With `heads` (the engine process, in a launch of several steps: each request's latest row of the launch), a
         request's token without logprobs extends its row there (messages.Step: a row's tokens in order) instead of
         making a row of its own, which `outputs` then leaves out."""
         now = time.perf_counter()
-        outputs, first_tokens, finished, rows, sampled = [], [], [], self.rows, step.sampled
-        for row, reason in self.scheduler.postprocess(step.batch, sampled, tokens, self._check_stop,
+        outputs, first_tokens, finished, rows = [], [], [], self.rows
+        for row, reason in self.scheduler.postprocess(batch, sampled, tokens, self._check_stop,
                                                       self._may_stop(sampled, tokens)):
             seq, token, lp = sampled[row], tokens[row], logprobs[row]
             timings = seq.timings

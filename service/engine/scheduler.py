@@ -257,6 +257,27 @@ class Scheduler:
             taken.append((row, reason))
         return taken
 
+    def take_steps(self, sampled: list[Sequence], columns: list[list[int]],
+                   going: list[bool]) -> tuple[list[int], list[int]]:
+        """`postprocess` of several decode steps at once for the rows that `going` marks, whose tokens (`columns`: each
+        row's, in order) the caller found none of them stops at: append them and register the full blocks. Returns
+        the rows that took their tokens, and the rest, for `postprocess` step by step: those not marked, those that
+        finished since the launch, and those whose first token is not taken yet."""
+        running, blocks, taken, rest = Status.RUNNING, self.blocks, [], []
+        commit = blocks.commit if blocks.enable_prefix_caching else None
+        block_size = blocks.block_size
+        for row, (seq, tokens, go) in enumerate(zip(sampled, columns, going)):
+            if not go or seq.status is not running or seq.timings.first_token is None:
+                rest.append(row)
+                continue
+            ids = seq.token_ids
+            ids += tokens
+            seq.num_pending_tokens -= len(tokens)
+            if commit is not None and min(seq.num_computed_tokens, len(ids)) // block_size > seq.num_hashed_blocks:
+                commit(seq)
+            taken.append(row)
+        return taken, rest
+
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free_sequence(seq)
         seq.num_computed_tokens = 0

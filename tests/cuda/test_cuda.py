@@ -376,6 +376,7 @@ def test_cuda_overlap_streams_exactly_what_no_overlap_streams(tiny_cuda, overrid
 def test_cuda_decode_steps_stream_exactly_what_single_steps_stream(tiny_cuda, overrides):
     """Four decode steps a launch (each after the first takes the one before's inputs a position on): stop tokens,
     min_tokens, logprobs, seeded sampling and plain greedy rows, in one batch, as single steps stream them."""
+    from tests.engine.test_engine_decode_steps import as_rows, served_rows
     from tests.engine.test_engine_overlap import stream_all
     rng = random.Random(9)
     prompt = [rng.randrange(5, 500) for _ in range(40)]
@@ -394,6 +395,10 @@ def test_cuda_decode_steps_stream_exactly_what_single_steps_stream(tiny_cuda, ov
     assert stream_all(engine, requests) == single
     assert any(a is b for a, b in zip(launches, launches[1:]))  # a batch launched again: launches of several steps
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
+    # as the engine process runs it (bare rows: a launch's tokens taken at once where none of them stops)
+    served = make_engine(tiny_cuda, device="cuda", max_num_seqs=8, decode_steps=4, **overrides)
+    assert served_rows(served, requests) == as_rows(single)
+    assert served.blocks.num_free_blocks == served.blocks.num_usable_blocks and not served.seqs
 
 
 @pytest.mark.parametrize("overlap", [True, False])

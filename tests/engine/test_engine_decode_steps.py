@@ -150,6 +150,40 @@ def test_the_engine_process_sends_a_requests_tokens_of_a_launch_in_one_row(tiny_
     assert [t for r in rows for t in r[1]] == references[0][:10]
 
 
+def served_rows(engine, requests: list) -> list[tuple[list[int], str, int]]:
+    """Run `requests` as the engine process does (bare rows, no text): each one's tokens, end and logprobs count."""
+    from service.engine.detokenizer import Detokenizer
+
+    engine.rows, engine.detokenizer = True, Detokenizer(None)
+    ids = [engine.add_request(p, sp) for p, sp in requests]
+    rows = []
+    while engine.has_unfinished():
+        rows += engine.step()
+    return [([t for r in rows if r[0] == rid for t in r[1]], [r[2] for r in rows if r[0] == rid][-1],
+             sum(len(r[3] or ()) for r in rows if r[0] == rid)) for rid in ids]
+
+
+def as_rows(streamed: list) -> list[tuple[list[int], str, int]]:
+    """stream_all's outputs, as served_rows gives them."""
+    return [([t for o in outs for t in o[0]], outs[-1][3], sum(len(o[5]) for o in outs)) for outs in streamed]
+
+
+@pytest.mark.parametrize("logprobs", [None, 3], ids=["bulk", "with-logprobs"])
+def test_the_engine_process_rows_carry_what_single_steps_stream(default_model, logprobs):
+    """As the engine process runs it (bare rows), a launch's sequences that no token of it stops take their tokens
+    at once; those that stop in it (stop token, min_tokens, EOS, max_tokens) go step by step, and a row with logprobs
+    takes the launch that way. Every request gets the same tokens and end as alone, in single steps; with prefix
+    caching, the blocks they fill are registered; nothing is left held."""
+    requests = every_kind_of_end(default_model, logprobs_tokens=13)[1:]  # (stop strings are the front ends')
+    requests[1][1].logprobs = logprobs
+    single = as_rows(stream_all(make_engine(default_model, overlap=True), requests))
+    for steps in (1, 4):
+        engine = make_engine(default_model, overlap=True, decode_steps=steps, enable_prefix_caching=True)
+        assert served_rows(engine, requests) == single
+        assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
+        assert engine.blocks.cached  # full blocks of the outputs were registered
+
+
 @pytest.mark.parametrize("steps", [0, 9])
 def test_decode_steps_out_of_range_are_refused(steps, capsys):
     from service.settings import parse

@@ -80,6 +80,10 @@ class SampleResult:
         self._read = tokens, logprobs
         return self._read
 
+    def token_array(self) -> np.ndarray:
+        """The token ids `read` returned, as the host's array (valid until the ring reuses its slot: copy them)."""
+        return self._host[0]
+
 
 class HostRing:
     """Pinned host memory for the samples' copies to the host, in `slots` slots used in turn: a step's copy goes into
