@@ -14,8 +14,8 @@
 #   dashboard  one front end, 4,096 x 256 concurrent streams with no /dashboard page open and with five open
 #              (tests/gpu/serving/pages.py polls as the page does), DASHBOARD_ROUNDS (default 3) runs of each in
 #              the order ABBA ABBA ... (no drift favours either), DASHBOARD_REQUESTS (default 4,096) requests a run
-#   decode     `bench offline` at --decode-steps 1 and 8, then one front end at --decode-steps 1, 8 and 4: HEAVY_REQUESTS
-#              x 256 non-streaming and streaming, each with its steps' times and the GPUs' use
+#   decode     `bench offline` at --decode-steps 1 and 8, then one front end at --decode-steps 1, 8 and 4 (DECODE_STEPS):
+#              HEAVY_REQUESTS x 256 non-streaming and streaming, each with its steps' times and the GPUs' use
 #   decode-n4  `bench offline` at --decode-steps 1 and 8, then four front ends at --decode-steps 8: HEAVY_REQUESTS x 256
 #              streaming twice, then non-streaming
 #   profile    one front end, PROFILE_REQUESTS (default 16,384) x 256 concurrent streams while py-spy samples the server's processes (all of
@@ -111,11 +111,12 @@ print("newest point:", {k: v[-1] for k, v in p.items() if k != "t"})'
       unserve ;;
     decode | decode-n4)
       for k in 1 8; do
+        [ -f "$RESULTS/offline-k$k.json" ] && continue  # (decode and decode-n4 in one call: once)
         step "offline-k$k" "$T" "$PYTHON" -m service bench offline --model "$MODEL" --num-requests "${HEAVY_REQUESTS:-1024}" \
           --max-num-seqs 256 --peers none --decode-steps "$k" --label "serving-offline-k$k" --json "$RESULTS/offline-k$k.json"
       done
       if [ "$phase" = decode ]; then
-        for k in 1 8 4; do
+        for k in ${DECODE_STEPS:-1 8 4}; do
           serve 1 --decode-steps "$k" || continue
           warm 1
           steps_since "n1-k$k-before" > /dev/null
