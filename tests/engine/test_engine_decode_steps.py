@@ -168,20 +168,27 @@ def as_rows(streamed: list) -> list[tuple[list[int], str, int]]:
     return [([t for o in outs for t in o[0]], outs[-1][3], sum(len(o[5]) for o in outs)) for outs in streamed]
 
 
-@pytest.mark.parametrize("logprobs", [None, 3], ids=["bulk", "with-logprobs"])
-def test_the_engine_process_rows_carry_what_single_steps_stream(default_model, logprobs):
+def test_the_engine_process_rows_carry_what_single_steps_stream(default_model):
     """As the engine process runs it (bare rows), a launch's sequences that no token of it stops take their tokens
-    at once; those that stop in it (stop token, min_tokens, EOS, max_tokens) go step by step, and a row with logprobs
-    takes the launch that way. Every request gets the same tokens and end as alone, in single steps; with prefix
-    caching, the blocks they fill are registered; nothing is left held."""
+    at once; those that stop in it (stop token, min_tokens, EOS, max_tokens) go step by step, and so does every row
+    of a launch while a row of it wants logprobs. Every request gets the same tokens, logprobs and end as in single
+    steps; with prefix caching, the blocks they fill are registered; nothing is left held. (Single steps in the
+    engine process: every served test.)"""
     requests = every_kind_of_end(default_model, logprobs_tokens=13)[1:]  # (stop strings are the front ends')
-    requests[1][1].logprobs = logprobs
-    single = as_rows(stream_all(make_engine(default_model, overlap=True), requests))
-    for steps in (1, 4):
-        engine = make_engine(default_model, overlap=True, decode_steps=steps, enable_prefix_caching=True)
-        assert served_rows(engine, requests) == single
-        assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
-        assert engine.blocks.cached  # full blocks of the outputs were registered
+    alone = make_engine(default_model, overlap=True, enable_prefix_caching=True)
+    single = as_rows(stream_all(alone, requests))
+    engine = make_engine(default_model, overlap=True, decode_steps=4, enable_prefix_caching=True)
+    step, size = engine.step, engine.blocks.block_size
+
+    def registering():  # after every step each running sequence's full blocks whose tokens are known are registered
+        out = step()
+        assert all(s.num_hashed_blocks == min(s.num_computed_tokens, len(s.token_ids)) // size
+                   for s in engine.scheduler.running)
+        return out
+    engine.step = registering
+    assert served_rows(engine, requests) == single
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
+    assert engine.blocks.cached.keys() == alone.blocks.cached.keys()  # the same full blocks registered
 
 
 @pytest.mark.parametrize("steps", [0, 9])

@@ -10,6 +10,7 @@
 #         (default 2) in ABBA order (ours, theirs, theirs, ours: an even number), with the connections each front
 #         end holds mid-run; every run sends prompts of its own (bench serve --seed RUN, http_load.py a new seed
 #         each run): a run that repeats the prompts of the run before finds them in the prefix cache
+#   SERVE_ARGS       more options for the real phase's server (e.g. "--decode-steps 8")
 #   LOADGEN_TIMEOUT  seconds for each client run (default 300)
 source "$(dirname "$0")/env.sh"
 T=${LOADGEN_TIMEOUT:-300}
@@ -50,7 +51,8 @@ for phase in "${PHASES[@]}"; do
         kill "$server"; wait "$server" 2>/dev/null
       done ;;
     real)
-      serve "${API_SERVERS:-4}" || continue
+      # shellcheck disable=SC2086  # (SERVE_ARGS: the server's options, split into words)
+      serve "${API_SERVERS:-4}" ${SERVE_ARGS-} || continue
       STEP_LINES=0 step warm "$T" "$PYTHON" tests/gpu/serving/http_load.py "$URL" --model "$MODEL" --requests 512 \
         --concurrency 256 --stream --label warm
       # ABBA: ours, theirs, theirs, ours, ..., so that a server drifting over the call meets both clients alike
