@@ -81,7 +81,8 @@ class SampleResult:
         return self._read
 
     def token_array(self) -> np.ndarray:
-        """The token ids `read` returned, as the host's array (valid until the ring reuses its slot: copy them)."""
+        """The token ids `read` returned, as the host's array: the ring's slot itself, to be read before the ring
+        reuses it (a later launch's copy)."""
         return self._host[0]
 
 
