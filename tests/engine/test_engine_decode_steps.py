@@ -57,22 +57,29 @@ def test_streams_exactly_what_single_steps_stream(default_model):
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
 
 
-def test_abort_between_launches_drops_the_tokens_in_flight_and_frees_blocks(tiny_case):
+@pytest.mark.parametrize("rows", [False, True], ids=["outputs", "engine-process-rows"])
+def test_abort_between_launches_drops_the_tokens_in_flight_and_frees_blocks(tiny_case, rows):
+    from service.engine.detokenizer import Detokenizer
+
     loaded, prompts, references = tiny_case
     engine = make_engine(loaded, overlap=True, decode_steps=4)
+    if rows:  # as the engine process runs it: bare rows [request id, tokens, finish reason, ...]
+        engine.rows, engine.detokenizer = True, Detokenizer(None)
+    rid, tokens = (lambda o: o[0], lambda o: o[1]) if rows else (lambda o: o.request_id, lambda o: o.new_token_ids)
     keep = engine.add_request(prompts[0], greedy(40))
     gone = engine.add_request(prompts[1], greedy(100))
     before = [o for _ in range(3) for o in engine.step()]
-    sent = sum(len(o.new_token_ids) for o in before if o.request_id == gone)
+    sent = sum(len(tokens(o)) for o in before if rid(o) == gone)
     assert sent > 3  # launches of several steps have been read back
     aborted = engine.abort(gone)
-    assert aborted.finish_reason == "abort" and aborted.num_output_tokens == sent
+    assert (aborted[2] if rows else aborted.finish_reason) == "abort"
+    assert rows or aborted.num_output_tokens == sent
     after = []
     while engine.has_unfinished():
         after += engine.step()
-    assert gone not in {o.request_id for o in after}
+    assert gone not in {rid(o) for o in after}  # its tokens in flight at the abort are dropped
     single = make_engine(loaded).generate([prompts[0]], greedy(40))[0]["token_ids"]
-    assert [t for o in before + after if o.request_id == keep for t in o.new_token_ids] == single
+    assert [t for o in before + after if rid(o) == keep for t in tokens(o)] == single
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
 
 
