@@ -444,18 +444,11 @@ class LLMEngine:
         sampled, k = parts[0].sampled, len(parts)
         tokens = (np.stack([part.result.token_array() for part in parts]) if k > 1  # [step, row]
                   else parts[0].result.token_array()[None])
-        lengths = np.fromiter(map(len, map(_token_ids, sampled)), np.int64, len(sampled))
-        on = lengths + k < np.fromiter(map(_length_at, sampled), np.int64, len(sampled))  # (-1: always looked at)
-        for eos in self._eos:
-            on &= (tokens != eos).all(axis=0)
         columns = tokens.T.tolist()
-        going, rest = self.scheduler.take_steps(sampled, columns, on.tolist())
+        going, rest = self.scheduler.take_steps(sampled, columns, self._going(sampled, tokens).tolist())
         outputs = [[sampled[row].request_id, columns[row], None, None, None] for row in going]  # _output's rows
-        if len(rest) == len(sampled):
-            seqs, picked = sampled, reads
-        else:
-            seqs = [sampled[row] for row in rest]
-            picked = [([ids[row] for row in rest], [None] * len(rest)) for ids, _ in reads]
+        seqs = [sampled[row] for row in rest]
+        picked = [([ids[row] for row in rest], [None] * len(rest)) for ids, _ in reads]
         heads = {} if k > 1 else None
         taken = [self._take(part.batch, seqs, ids, logprobs, heads) for part, (ids, logprobs) in zip(parts, picked)]
         taken[0][0].extend(outputs)
@@ -549,13 +542,16 @@ class LLMEngine:
         without a look. For the whole step at once: most rows of a step go on."""
         if self.detokenizer.tokenizer is not None or not seqs:  # every token goes through the detokenizer
             return None
-        lengths = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, len(seqs))  # before this step's token
-        limits = np.fromiter(map(_length_at, seqs), np.int64, len(seqs))  # -1: always looked at
-        tokens = np.asarray(tokens, dtype=np.int64)
-        stop = lengths + 1 >= limits
+        return ~self._going(seqs, np.asarray(tokens, dtype=np.int64)[None])
+
+    def _going(self, seqs: list[Sequence], tokens: np.ndarray) -> np.ndarray:
+        """Which rows' sequences none of their new `tokens` ([step, row], not appended yet) can end, with text left to
+        the front ends: no EOS among them, and the sequence short of its `length_at` after them."""
+        lengths = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, len(seqs))
+        going = lengths + len(tokens) < np.fromiter(map(_length_at, seqs), np.int64, len(seqs))  # (-1: never short)
         for eos in self._eos:  # (a few ids: np.isin costs three times as much)
-            stop |= tokens == eos
-        return stop
+            going &= (tokens != eos).all(axis=0)
+        return going
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p, produced = seq.params, len(seq.token_ids) - len(seq.prompt_token_ids)  # seq.num_output_tokens
