@@ -162,7 +162,7 @@ class LLMEngine:
     def new_sequence(self, request_id: str, ids: list[int], params: SamplingParams, arrival: float) -> Sequence:
         """The sequence of a request already validated (check_request) and tokenized."""
         seq = Sequence(request_id, ids, params, eos_token_ids=self.eos_token_ids, timings=Timings(arrival=arrival))
-        if params.max_tokens and params.structured is None and not params.stop_token_ids:
+        if params.max_tokens and not params.stop_token_ids:
             seq.length_at = min(len(ids) + params.max_tokens, self.max_model_len)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -546,11 +546,19 @@ class LLMEngine:
 
     def _going(self, seqs: list[Sequence], tokens: np.ndarray) -> np.ndarray:
         """Which rows' sequences none of their new `tokens` ([step, row], not appended yet) can end, with text left to
-        the front ends: no EOS among them, and the sequence short of its `length_at` after them."""
+        the front ends: no EOS among them, the sequence short of its `length_at` after them, and, where a grammar
+        constrains it, a single token that its grammar took ahead (`Grammars.accept`, while the step's masks filled)
+        without ending."""
         lengths = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, len(seqs))
         going = lengths + len(tokens) < np.fromiter(map(_length_at, seqs), np.int64, len(seqs))  # (-1: never short)
         for eos in self._eos:  # (a few ids: np.isin costs three times as much)
             going &= (tokens != eos).all(axis=0)
+        if self.grammars is not None:
+            single = len(tokens) == 1
+            for row, seq in enumerate(seqs):
+                if seq.matcher is not None and not (single and seq.accepted_at == len(seq.token_ids) and seq.accepted
+                                                    and seq.grammar_end is None):
+                    going[row] = False
         return going
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
@@ -559,10 +567,10 @@ class LLMEngine:
             seq.token_ids.pop()
             return "length"
         if seq.matcher is not None:  # the grammar takes the token (or took it already); a complete grammar ends it
-            if seq.accepted is None:  # (taken ahead, when a step's masks fill meanwhile: no matcher is touched then)
+            if seq.accepted_at != len(seq.token_ids) - 1:  # (taken ahead when a step's masks fill meanwhile)
                 self.grammars.accept([seq], [token])
             accepted, end = seq.accepted, seq.grammar_end
-            seq.accepted = seq.grammar_end = None
+            seq.accepted_at, seq.grammar_end = -1, None
             if not accepted:
                 log.error("request %s: token %d breaks its grammar", seq.request_id, token)
                 return "error"

@@ -44,17 +44,18 @@ class Sequence:
     plain: bool = False
     edit_slot: int = -1  # its slot in the sampler's LogitEdits, once it has one
     graph_row: int = 0  # its row of the decode graphs' block table (runner/cuda_graphs.TableRows), once it has one
-    # when only EOS and its length can end it (no stop token ids, grammar or prompt-only): the token count at which it
-    # ends for length (the engine sets it; -1: every token it samples is checked in full)
+    # when only EOS, its length and its grammar's verdict can end it (no stop token ids, not prompt-only): the token
+    # count at which it ends for length (the engine sets it; -1: every token it samples is checked in full)
     length_at: int = -1
     # with params.structured (engine/structured.py): the grammar compiling (a Future) and since when, then the matcher
     # that takes each token the host reads back
     grammar: object = None
     grammar_since: float = 0.0
     matcher: object = None
-    # whether the matcher took the newest token, and how that ended the grammar (structured.Grammars.accept), when it
-    # took it before the read-back
-    accepted: bool | None = None
+    # the matcher's verdict on a token it took before the read-back (structured.Grammars.accept): the length of
+    # token_ids then (the token's index), whether it took the token, and how that ended the grammar
+    accepted_at: int = -1
+    accepted: bool = False
     grammar_end: str | None = None
     timings: Timings = field(default_factory=Timings)
     # detokenizer and stop-string state, owned by service.engine.detokenizer

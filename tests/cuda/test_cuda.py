@@ -567,6 +567,12 @@ def test_cuda_constrained_requests_match_their_grammar_alone_batched_and_preempt
     assert [o["token_ids"] for o in tight.generate(ps, params)] == [o["token_ids"] for o in alone]
     assert tight.scheduler.num_preemptions > 0
     assert tight.blocks.num_free_blocks == tight.blocks.num_usable_blocks
+    from tests.engine.test_engine_decode_steps import served_rows
+    requests = [(one.tokenize(p), sp) for p, sp in zip(ps, params)]
+    for served in (engine(), engine(num_blocks=12)):  # as the engine process runs them (bare rows)
+        assert [r[:2] for r in served_rows(served, requests)] == [(o["token_ids"], o["finish_reason"]) for o in alone]
+        assert served.blocks.num_free_blocks == served.blocks.num_usable_blocks
+    assert served.scheduler.num_preemptions > 0
     for out, sp in zip(alone, params):
         if sp.structured is not None and out["finish_reason"] == "stop":
             value = json.loads(out["text"])  # (jsonschema is not on the GPU machine: the schema's rules by hand)

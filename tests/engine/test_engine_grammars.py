@@ -90,6 +90,44 @@ def test_constrained_rows_give_the_same_tokens_alone_batched_and_preempted(worde
             jsonschema.validate(json.loads(out["text"]), PERSON)
 
 
+def test_the_engine_process_takes_constrained_rows_as_single_checks_do(worded_tiny, monkeypatch):
+    """As the engine process runs them (bare rows, overlap), a constrained row whose grammar took its token ahead,
+    while the step's masks filled, and did not end goes on without a stop check; one whose grammar ends (a
+    complete grammar, a stop token), or that was not taken ahead, is checked in full. Alone, batched and preempted,
+    every request gets the tokens and end that it gets from the checks of every row, and nothing is left held."""
+    from tests.engine.test_engine_decode_steps import served_rows
+
+    ps = ["a", "tell me about a person", "b c d e f g", "x " * 30, "q"]
+    params = [SamplingParams(max_tokens=40, temperature=0, structured=schema(PERSON)),
+              SamplingParams(max_tokens=40, temperature=0.8, seed=3, structured=schema(PERSON)),
+              SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.8, seed=5, structured=StructuredOutput("json_object")),
+              SamplingParams(max_tokens=40, temperature=0.8, seed=7,  # complete after its first digit
+                             structured=schema({"type": "integer", "minimum": 0, "maximum": 9}))]
+    single = make_engine(worded_tiny, overlap=False)
+    prompts = [single.tokenize(p) for p in ps]
+    alone = [served_rows(single, [(p, sp)])[0] for p, sp in zip(prompts, params)]
+    assert alone[4][1] == "stop" and len(alone[4][0]) == 1
+    for blocks in (512, 8):  # 7 usable blocks of 16: some are preempted
+        engine = make_engine(worded_tiny, overlap=True, num_blocks=blocks)
+        served_rows(engine, [(p, dataclasses.replace(sp, max_tokens=1)) for p, sp in zip(prompts, params)])
+        checked, check = [], engine._check_stop
+        engine._check_stop = lambda seq, token: checked.append(seq.matcher is not None) or check(seq, token)
+        assert served_rows(engine, list(zip(prompts, params))) == alone
+        assert sum(checked) < 40  # (four constrained requests, most of their rows not checked)
+        assert (engine.scheduler.num_preemptions > 0) == (blocks == 8)
+        while engine.has_unfinished():
+            assert not engine.step()
+        assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
+        engine.close()
+    ready = Grammars.ready  # masks that allow every token: the first that breaks the grammar ends its request
+    monkeypatch.setattr(Grammars, "ready", staticmethod(lambda fill, device: (None, ready(fill, device)[1])))
+    for engine in (single, make_engine(worded_tiny, overlap=True)):
+        tokens, end, _ = served_rows(engine, [(prompts[0], params[0])])[0]
+        assert end == "error" and len(tokens) < 40
+        engine.close()
+
+
 def test_a_fill_that_fails_fails_its_step_and_the_engine_serves_on(worded_tiny, monkeypatch):
     """With overlap the masks fill in their own thread; one that raises fails the requests of its step (an error
     finish), frees their blocks, and the next requests run as usual."""

@@ -53,6 +53,7 @@ class LogitEdits:
             from service.engine.runner import triton_sampling
             self.kernels = triton_sampling
         self._plan: _Plan | None = None  # the last step's, reused while the edited rows hold the same sequences
+        self._masked: tuple[list[int], torch.Tensor] | None = None  # the last step's masked rows, on the device
 
     def _allocate(self, vocab: int) -> None:
         n, dev = self.capacity, self.device
@@ -122,7 +123,9 @@ class LogitEdits:
         return plan
 
     def _mask(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
-        index = to_device(rows, torch.long, self.device)
+        if self._masked is None or self._masked[0] != rows:  # (steps in a row mostly mask the same rows)
+            self._masked = rows, to_device(rows, torch.long, self.device)
+        index = self._masked[1]
         if self.triton:
             self.kernels.mask(logits, index, bitmask)
             return

@@ -1,7 +1,8 @@
 """What grammars cost the batch: engine step time with none, some or all rows constrained by a JSON schema, like for
 like (steps with the same number of running sequences), and the compile time of a 20-field schema.
 
-As `bench offline` runs the engine (all requests at once, greedy, timed from submission to the last token),
+As `bench offline` runs the engine (all requests at once, greedy, timed from submission to the last token), and as
+the engine process runs it (bare rows, no text: the front ends detokenize),
 --requests x --input-len random prompt tokens, --output-len tokens each. A constrained request's schema is an
 object holding an array of at least --output-len / 2 integers, so that it cannot end before --output-len tokens
 and the running batch stays whole; unconstrained ones ignore EOS. Kinds, alternating over --rounds: plain (none
@@ -84,7 +85,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="runs of each kind, alternating")
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, tokenizer=args.tokenizer, max_num_seqs=args.requests))
-    engine.detokenizer = Detokenizer(None)  # as in the engine process: text is the front ends' work
+    engine.rows, engine.detokenizer = True, Detokenizer(None)  # as in the engine process: text is the front ends'
     rng = random.Random(0)
     prompts = [[rng.randrange(100, min(engine.vocab_size, 30000)) for _ in range(args.input_len)]
                for _ in range(args.requests)]
