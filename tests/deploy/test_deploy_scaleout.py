@@ -188,14 +188,15 @@ class Load:
 
 
 class Stream:
-    """A long streamed request straight to one replica, read up to its first token: in flight for certain when a
-    signal is sent (a load through HAProxy may have nothing in flight on the victim at that instant, and a gauge
-    read from /metrics may be a step behind)."""
+    """A long streamed request straight to one replica, read up to its first token: in flight when a signal is sent
+    (a load through HAProxy may have nothing in flight on the victim at that instant, and a gauge read from /metrics
+    may be a step behind). To be cut by a kill it is as long as the tiny model's context allows: with 400 tokens one
+    ended whole in a busy suite run, as if the replica had written all of it before the test's SIGKILL landed."""
 
-    def __init__(self, instance: str):
+    def __init__(self, instance: str, max_tokens: int = 400):
         self.client = httpx.Client(timeout=120)
         self.cm = self.client.stream("POST", f"http://{instance}/v1/completions", json={
-            "model": MODEL, "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True})
+            "model": MODEL, "prompt": [5, 6, 7], "max_tokens": max_tokens, "ignore_eos": True, "stream": True})
         response = self.cm.__enter__()
         assert response.status_code == 200
         self.lines = response.iter_lines()
@@ -349,7 +350,7 @@ def test_sigkill_under_load_fails_only_its_in_flight_requests_and_fires_the_down
     with Load(fleet.lb, output_len=24) as load:  # on past HAProxy's DOWN, however long that takes
         wait_for("load on replica 3", lambda: fleet.running(3) >= 1, 60, fleet)
         notes_before = len(fleet.sink_log.read_text().splitlines())  # replicas still loading were down at the start
-        direct = Stream(instance)
+        direct = Stream(instance, max_tokens=1020)
         t_kill = time.time()
         os.kill(pid, signal.SIGKILL)
         assert direct.rest() is None  # in flight at the kill: cut
