@@ -32,6 +32,7 @@ from service.engine.sequence import Sequence
 from service.engine.structured import Grammars, StructuredOutput
 
 sys.path.insert(0, str(Path(__file__).parent))
+from host_steps import timed  # noqa: E402
 from penalties import run as timed_run  # noqa: E402  (all requests at once, output tok/s)
 
 
@@ -69,23 +70,16 @@ def parts(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingPara
     step() calls that launched a decode step of every sequence, on the engine's thread (the masks' fill, in its own
     thread, is the runs' `mask_ms`)."""
     spent, launched, calls = collections.Counter(), [], []
-
-    def timer(owner, name):
-        method = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            begin = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                spent[name] += time.perf_counter() - begin
-                if name == "forward":
-                    launched.append((args[0].phase, len(args[0].seqs)))
-        return timed
     wrapped = [(getattr(engine, holder) if holder else engine, name) for holder, name in PARTS
                if not holder or getattr(engine, holder) is not None]
     for owner, name in wrapped:
-        setattr(owner, name, timer(owner, name))
+        timed(owner, name, spent, name)
+    forward = engine.runner.forward
+
+    def logged(batch):  # a step() call counts when it launched a decode step of every sequence
+        launched.append((batch.phase, len(batch.seqs)))
+        return forward(batch)
+    engine.runner.forward = logged
     for prompt, sp in zip(prompts, params):
         engine.add_request(prompt, sp)
     while engine.has_unfinished():

@@ -26,6 +26,20 @@ from service.engine.detokenizer import Detokenizer
 from service.engine.runner import sampler as sampler_module
 
 
+def timed(owner, name: str, spent: collections.Counter, key: str) -> None:
+    """Wrap `owner`'s method `name` (in place) so that each call adds its seconds to spent[key]; on an instance,
+    `delattr(owner, name)` takes the wrapper off again."""
+    method = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        begin = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            spent[key] += time.perf_counter() - begin
+    setattr(owner, name, wrapper)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:llama-1b" if torch.cuda.is_available() else "random:tiny")
@@ -59,17 +73,6 @@ def main() -> None:
     spent, call = collections.Counter(), collections.Counter()  # over the run's decode steps; in this step() call
     decode = [0]
 
-    def timed(obj, name, key):
-        f = getattr(obj, name)
-
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            try:
-                return f(*a, **k)
-            finally:
-                call[key] += time.perf_counter() - t
-        setattr(obj, name, wrapper)
-
     launch = engine._launch
 
     def launch_logged(batch, *rest):  # a step counts when it is a decode step
@@ -77,16 +80,16 @@ def main() -> None:
         return launch(batch, *rest)
 
     engine._launch = launch_logged
-    timed(engine.scheduler, "schedule", "schedule")
-    timed(engine.runner, "forward", "launch")
-    timed(engine.runner, "sample", "sample")
-    timed(engine, "_read_back", "read back")
-    timed(engine.scheduler, "postprocess", "postprocess")  # inside "read back"
+    timed(engine.scheduler, "schedule", call, "schedule")
+    timed(engine.runner, "forward", call, "launch")
+    timed(engine.runner, "sample", call, "sample")
+    timed(engine, "_read_back", call, "read back")
+    timed(engine.scheduler, "postprocess", call, "postprocess")  # inside "read back"
     if engine.observer is not None:
-        timed(engine, "observer", "observe")  # inside "read back"
-    timed(sampler_module.SampleResult, "read", "wait")  # inside "read back"
+        timed(engine, "observer", call, "observe")  # inside "read back"
+    timed(sampler_module.SampleResult, "read", call, "wait")  # inside "read back"
     if torch.cuda.is_available():  # the graph launch alone (cudaGraphLaunch), inside "launch"
-        timed(torch.cuda.CUDAGraph, "replay", "graph launch")
+        timed(torch.cuda.CUDAGraph, "replay", call, "graph launch")
     gcs = collections.Counter()
     gc_start = [0.0]
 
