@@ -13,7 +13,7 @@ from service.engine.errors import InvalidRequestError
 from service.engine.models import load_model
 from service.engine.runner.logit_edits import LogitEdits
 from service.engine.sequence import Sequence
-from service.engine.structured import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, Grammars, StructuredOutput, check
+from service.engine.structured import MAX_MIN_ITEMS, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, Grammars, StructuredOutput, check
 from tests.conftest import make_engine, tokenizer_folder
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -223,12 +223,19 @@ def test_masks_keep_only_allowed_tokens_in_their_rows():
     (StructuredOutput("json_schema", '{"items": ' * (MAX_SCHEMA_DEPTH + 1) + "{}" + "}" * (MAX_SCHEMA_DEPTH + 1)),
      "deeper"),
     (StructuredOutput("json_schema", '[' * 100_000 + ']' * 100_000), "bytes"),
+    (StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"a": {
+        "type": "array", "minItems": MAX_MIN_ITEMS + 1}}})), f"minItems is {MAX_MIN_ITEMS + 1};"),
 ])
 def test_bad_schemas_are_refused_with_a_reason(bad, says):
     with pytest.raises(InvalidRequestError) as err:
         check(bad)
     assert says in err.value.message and err.value.param == "response_format"
     assert ".cc:" not in err.value.message  # xgrammar's source location is cut off
+
+
+def test_min_items_up_to_the_limit_and_any_max_items_pass():
+    array = {"type": "array", "items": {"type": "integer"}, "minItems": MAX_MIN_ITEMS, "maxItems": 100_000}
+    check(StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"a": array, "b": array}})))
 
 
 def test_a_model_without_tokenizer_refuses_structured_output(tiny_model):
