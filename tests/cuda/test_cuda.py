@@ -540,6 +540,48 @@ def test_cuda_mask_kernel_equals_the_torch_path(dtype):
     assert torch.equal(logits, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("edits", [False, True])
+def test_cuda_row_max_with_masks_equals_the_mask_kernel_then_max(dtype, edits):
+    """A greedy constrained step's fused path: the maximum of each row as the mask kernel (and the edits) would leave
+    it, for rows masked or not; a NaN where a row's mask bans the token is not seen, one where it allows it is."""
+    from service.engine.runner.triton_sampling import Fused, mask, row_max
+    from tests.engine.test_logit_edits import pack_bits
+    rows, vocab, gen = 9, 49_153, torch.Generator(device="cuda").manual_seed(2)
+    logits = (torch.randn(rows, vocab, device="cuda", generator=gen) * 4).to(dtype)
+    allowed = torch.rand(4, vocab, device="cuda", generator=gen) < 0.01
+    allowed[0, vocab - 1] = allowed[1, 31] = True
+    masked = [7, 0, 3, 8]
+    banned_nan = (~allowed[0]).nonzero()[0].item()
+    logits[7, banned_nan] = float("nan")  # banned by row 7's mask: not seen
+    logits[3, allowed[2].nonzero()[0].item()] = float("nan")  # allowed by row 3's: seen
+    before = logits.clone()
+    mask_rows = torch.full((rows,), -1, dtype=torch.long, device="cuda")
+    mask_rows[masked] = torch.arange(4, device="cuda")
+    fused = None
+    expected = logits.clone()
+    if edits:
+        state = _edit_state(gen, rows, vocab, 8)
+        row_slots = torch.randperm(rows, device="cuda", generator=gen)
+        row_slots[1::3] = -1
+        edited = (row_slots >= 0).nonzero().squeeze(1)
+        expected = _edited_by_torch(logits, edited, row_slots[edited], state, 8, False, False)  # (float32)
+        fused = Fused(row_slots, *state, 8, False, False)
+    mask(expected, torch.tensor(masked, device="cuda"), pack_bits(allowed))
+    expected = expected.float()
+    top_expected = expected.amax(-1)
+    first = torch.where(expected == top_expected.unsqueeze(1), torch.arange(vocab, device="cuda"), vocab).amin(-1)
+    top, tokens = row_max(logits, fused, (mask_rows, pack_bits(allowed)))
+    assert top[3].isnan() and not top[7].isnan()
+    keep = torch.tensor([r for r in range(rows) if r != 3], device="cuda")
+    assert torch.equal(tokens[keep], first[keep])
+    torch.testing.assert_close(top[keep], top_expected[keep], rtol=1e-5, atol=1e-4)
+    for i, row in enumerate(masked):
+        if row != 3:
+            assert allowed[i, tokens[row]]
+    assert torch.equal(logits.isnan(), before.isnan()) and torch.equal(logits.nan_to_num(), before.nan_to_num())
+
+
 @pytest.fixture(scope="module")
 def worded_tiny_cuda():
     from tests.conftest import tokenizer_folder

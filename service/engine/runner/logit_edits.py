@@ -8,8 +8,8 @@ samples (or again after its slot went to another: a preempted sequence's output 
 its penalties, its bias entries, which tokens its prompt holds, and how often each token appears in its output.
 `record` adds each sampled token to its row's counts on the device, so the counts are right for the next step
 even before the host has read the token back (overlap scheduling). A greedy step takes `argmax` instead: on CUDA the
-row maximum's own kernels apply the bias and penalties as they read the logits and count the chosen tokens, so the
-edits add no launch to the step (runner/triton_sampling.py). Per step the host uploads only the rows' slot
+row maximum's own kernels apply the bias, penalties and masks as they read the logits and count the chosen tokens,
+so the edits add no launch to the step (runner/triton_sampling.py). Per step the host uploads only the rows' slot
 indices; a step with no such row costs nothing here. Slots are reused on demand: a sequence that finished or waits
 (preempted) gives its slot up when one is needed, never a sequence of the step being sampled.
 """
@@ -54,6 +54,7 @@ class LogitEdits:
             self.kernels = triton_sampling
         self._plan: _Plan | None = None  # the last step's, reused while the edited rows hold the same sequences
         self._masked: tuple[list[int], torch.Tensor] | None = None  # the last step's masked rows, on the device
+        self._mask_map: tuple[list[int], torch.Tensor] | None = None  # and each row's mask row (a greedy CUDA step)
 
     def _allocate(self, vocab: int) -> None:
         n, dev = self.capacity, self.device
@@ -69,13 +70,13 @@ class LogitEdits:
                masks: "tuple[list[int], torch.Tensor] | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A greedy step: each row's largest logit once edited as `apply` says (NaN if the row holds one) and the
         first token with it; the tokens of penalized rows counted (on CUDA those of every edited row, when
-        one is penalized: the counts of a row without penalties are never read). On CUDA the bias and penalties are
-        applied by the row maximum's own two kernels (the edited logits are not stored; bans and masks still are)."""
-        plan = self.apply(logits, seqs, rows, banned, masks, defer=self.triton)
+        one is penalized: the counts of a row without penalties are never read). On CUDA the bias, penalties and
+        masks are applied by the row maximum's own two kernels (the edited logits are not stored; bans still are)."""
+        plan = self.apply(logits, seqs, rows, banned, None if self.triton else masks, defer=self.triton)
         if self.triton:
             return self.kernels.row_max(logits, None if plan is None else self.kernels.Fused(
                 plan.row_slots, self.counts, self.in_prompt, self.values, self.bias_ids, self.bias_values, plan.width,
-                plan.penalized is not None, plan.repetition))
+                plan.penalized is not None, plan.repetition), masks and (self._mask_rows(masks[0], len(seqs)), masks[1]))
         top, tokens = logits.max(-1)
         if plan is not None:
             self.record(tokens, plan)
@@ -121,6 +122,15 @@ class LogitEdits:
         if edited is not logits:
             logits.copy_(edited)
         return plan
+
+    def _mask_rows(self, rows: list[int], size: int) -> torch.Tensor:
+        """[size] int64 on the device: each row's row of the masks (`rows` lists the masked rows), -1 for none."""
+        if self._mask_map is None or self._mask_map[0] != rows or len(self._mask_map[1]) != size:
+            mapped = [-1] * size
+            for i, row in enumerate(rows):
+                mapped[row] = i
+            self._mask_map = rows, to_device(mapped, torch.long, self.device)
+        return self._mask_map[1]
 
     def _mask(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
         if self._masked is None or self._masked[0] != rows:  # (steps in a row mostly mask the same rows)

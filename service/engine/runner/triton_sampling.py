@@ -4,8 +4,9 @@ the grammars' token masks.
 `logits.max(-1)` gives each row to one block of 512 threads: a decode step of one sequence reads its 128,256 logits
 on one SM, 28-41 us on the H100 (a step there takes 1.2-1.5 ms). Here each row is cut into CHUNK-wide chunks, one
 program each, which write their maximum and its first index; a second kernel reduces each row's few chunk maxima.
-In a greedy step whose rows carry a bias or penalties, the same two kernels apply them as they read the logits and
-count the chosen tokens (`row_max(logits, edits)`): no launch of their own, and the edited logits are never stored.
+In a greedy step whose rows carry a bias or penalties, or grammars' token masks, the same two kernels apply them as
+they read the logits and count the chosen tokens (`row_max(logits, edits, masks)`): no launch of their own, and the
+edited logits are never stored.
 """
 
 from typing import NamedTuple
@@ -42,10 +43,11 @@ def _edited(x, cols, ok, slot, COUNTS, stride_c, IN_PROMPT, stride_p, VALUES, BI
 
 @triton.jit
 def _chunk_max_kernel(X, VALUES, INDICES, n, stride_x, SLOTS, COUNTS, stride_c, IN_PROMPT, stride_p, EDIT_VALUES,
-                      BIAS_IDS, BIAS_VALUES, stride_b, width, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-                      EDITS: tl.constexpr, PENALTIES: tl.constexpr, REPETITION: tl.constexpr):
+                      BIAS_IDS, BIAS_VALUES, stride_b, width, MASK_ROWS, MASK, words, BLOCK: tl.constexpr,
+                      USE_PDL: tl.constexpr, EDITS: tl.constexpr, PENALTIES: tl.constexpr, REPETITION: tl.constexpr,
+                      MASKED: tl.constexpr):
     """Each chunk's maximum and its first index; with EDITS, of the logits as edited for rows whose slot
-    (SLOTS[row]) is not -1."""
+    (SLOTS[row]) is not -1; with MASKED, -inf where the bitmask row MASK_ROWS[row] (unless -1) has a 0 bit."""
     if USE_PDL:  # the kernel before has finished and its writes are visible (engine/pdl.py)
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
@@ -57,6 +59,11 @@ def _chunk_max_kernel(X, VALUES, INDICES, n, stride_x, SLOTS, COUNTS, stride_c, 
         if slot >= 0:
             x = _edited(x, cols, cols < n, slot, COUNTS, stride_c, IN_PROMPT, stride_p, EDIT_VALUES, BIAS_IDS,
                         BIAS_VALUES, stride_b, width, PENALTIES, REPETITION)
+    if MASKED:  # (after the edits: they keep -inf as it is, so the order makes no difference)
+        m = tl.load(MASK_ROWS + row)
+        if m >= 0:
+            word = tl.load(MASK + m * words + cols // 32, mask=cols < n, other=0)
+            x = tl.where(((word >> (cols % 32)) & 1) == 0, float("-inf"), x)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     top, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
@@ -112,11 +119,14 @@ class Fused(NamedTuple):
     repetition: bool
 
 
-def row_max(logits: torch.Tensor, edits: Fused | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def row_max(logits: torch.Tensor, edits: Fused | None = None,
+            masks: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """As `logits.max(-1)` for a [rows, vocab] CUDA tensor: each row's maximum (NaN if the row holds one), as float32,
     and the first index of it. Two kernels: the chunks' maxima, then each row's over them. With `edits`, of the
     logits as their rows' bias and penalties edit them (computed in float32, `logits` left as they are), and the
-    chosen tokens of penalized rows counted."""
+    chosen tokens of penalized rows counted. With `masks` (each row's row of the bitmask or -1, [rows] int64; the
+    grammars' bitmask, [masked rows, words] int32), of the logits with -inf where the row's bits are 0, as `mask`
+    would leave them (a NaN there is not seen)."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1, "each row contiguous"
     chunks = triton.cdiv(vocab, CHUNK)
@@ -135,10 +145,14 @@ def row_max(logits: torch.Tensor, edits: Fused | None = None) -> tuple[torch.Ten
             assert bias_ids.stride() == bias_values.stride()
             stride_c, stride_p, stride_b, width = counts.stride(0), in_prompt.stride(0), bias_ids.stride(0), edits.width
             record = edits.penalties
+        mask_rows, bitmask = masks if masks is not None else (values, values)
+        if masks is not None:
+            assert len(mask_rows) == rows and bitmask.is_contiguous() and bitmask.dtype == torch.int32
         _chunk_max_kernel[(rows, chunks)](
             logits, values, indices, vocab, logits.stride(0), slots, counts, stride_c, in_prompt, stride_p,
-            edit_values, bias_ids, bias_values, stride_b, width, BLOCK=CHUNK, num_warps=8, EDITS=edits is not None,
-            PENALTIES=record, REPETITION=edits is not None and edits.repetition, **pdl.launch())
+            edit_values, bias_ids, bias_values, stride_b, width, mask_rows, bitmask, bitmask.shape[1], BLOCK=CHUNK,
+            num_warps=8, EDITS=edits is not None, PENALTIES=record, REPETITION=edits is not None and edits.repetition,
+            MASKED=masks is not None, **pdl.launch())
         _pick_kernel[(rows,)](values, indices, top, tokens, chunks, slots, counts, stride_c,
                               BLOCK=triton.next_power_of_2(chunks), num_warps=1, RECORD=record, **pdl.launch())
     return top, tokens
