@@ -13,7 +13,8 @@ from service.engine.errors import InvalidRequestError
 from service.engine.models import load_model
 from service.engine.runner.logit_edits import LogitEdits
 from service.engine.sequence import Sequence
-from service.engine.structured import MAX_MIN_ITEMS, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, Grammars, StructuredOutput, check
+from service.engine.structured import (MAX_MIN_ITEMS, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, Grammars, StructuredOutput,
+                                      check)
 from tests.conftest import make_engine, tokenizer_folder
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},

@@ -74,9 +74,10 @@ class LogitEdits:
         masks are applied by the row maximum's own two kernels (the edited logits are not stored; bans still are)."""
         plan = self.apply(logits, seqs, rows, banned, None if self.triton else masks, defer=self.triton)
         if self.triton:
-            return self.kernels.row_max(logits, None if plan is None else self.kernels.Fused(
+            fused = None if plan is None else self.kernels.Fused(
                 plan.row_slots, self.counts, self.in_prompt, self.values, self.bias_ids, self.bias_values, plan.width,
-                plan.penalized is not None, plan.repetition), masks and (self._mask_rows(masks[0], len(seqs)), masks[1]))
+                plan.penalized is not None, plan.repetition)
+            return self.kernels.row_max(logits, fused, masks and (self._mask_rows(masks[0], len(seqs)), masks[1]))
         top, tokens = logits.max(-1)
         if plan is not None:
             self.record(tokens, plan)

@@ -5,9 +5,9 @@ As `bench offline` runs the engine (all requests at once, greedy, timed from sub
 the engine process runs it (bare rows, no text: the front ends detokenize),
 --requests x --input-len random prompt tokens, --output-len tokens each. A constrained request's schema is an
 object holding an array of at least --output-len / 2 integers (at most 128, the limit), so that it cannot end
-before --output-len tokens (up to 256) and the running batch stays whole; unconstrained ones ignore EOS. Kinds, alternating over --rounds: plain (none
-constrained), some (--some of them), all (one schema), all-16 (16 distinct schemas), in reverse order every other
-round, so that a drift of the machine's speed falls on every kind alike. Prints one JSON line per run (output tok/s,
+before --output-len tokens (up to 256) and the running batch stays whole; unconstrained ones ignore EOS. Kinds,
+alternating over --rounds: plain (none constrained), some (--some of them), all (one schema), all-16 (16 distinct
+schemas), in reverse order every other round, so that a drift of the machine's speed falls on every kind alike. Prints one JSON line per run (output tok/s,
 the median step time over steps with every request running, the median mask time per constrained step) and a line
 with each kind's medians, its step ratio (each round's step time over the plain run's of the same round: their
 median, and the lowest and highest), and the compile times; with --parts, then where the engine's thread spends a
