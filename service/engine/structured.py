@@ -12,6 +12,7 @@ thread reads back the step before (llm_engine.py: the sampler launches after tha
 
 import json
 import logging
+import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,6 +32,11 @@ MAX_SCHEMA_DEPTH = 24  # objects and arrays nested in a schema, at most
 # has gone (on the 2-core CPU, minItems 129: 0.5 us a token throughout; 256: 105 us a token by the 1,500th item; 1,000:
 # 269 us), where maxItems costs the same at any size
 MAX_MIN_ITEMS = 128
+# a count in a `pattern`'s quantifier ({n}, {n,}, {n,m}), at most: past 128 xgrammar 0.2.9 stops unrolling the
+# repetition and checks the whole vocabulary at each token inside it (`.{0,129}`: 10.6 ms a token, against 10 us for
+# `.{0,128}`; on the 2-core CPU), which a batch waits for; maxLength has no such cost
+MAX_PATTERN_COUNT = 128
+_QUANTIFIER = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
 COMPILE_TIMEOUT_S = 10.0  # a grammar not compiled by then fails its request (it goes on compiling, then is cached)
 SEPARATORS = (",", ":")  # compact JSON: a small model cannot wander in whitespace
 # seconds: the GIL switch interval of an engine that fills masks beside its read-back (overlap). The fill's thread needs
@@ -78,6 +84,11 @@ def check(structured: StructuredOutput, param: str = "response_format") -> None:
     if (most := _min_items(schema)) > MAX_MIN_ITEMS:
         bad(f"minItems is {most:g}; at most {MAX_MIN_ITEMS} is allowed (a larger one slows every token of "
             "the array: bound its length with maxItems instead)")
+    for pattern in _patterns(schema):
+        for match in _QUANTIFIER.finditer(pattern):
+            if max(int(match[1]), int(match[2] or 0)) > MAX_PATTERN_COUNT:
+                bad(f"the pattern's {match[0]} counts past {MAX_PATTERN_COUNT}, which would slow every token of the "
+                    "string (bound a string's length with maxLength instead)")
     import xgrammar
 
     try:
@@ -106,6 +117,19 @@ def _min_items(value) -> int:
     own = value.get("minItems")
     own = own if isinstance(own, (int, float)) and not isinstance(own, bool) else 0
     return max([own, *map(_min_items, value.values())])
+
+
+def _patterns(value):
+    """Every string under a "pattern" key anywhere in a schema."""
+    if isinstance(value, list):
+        for item in value:
+            yield from _patterns(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if key == "pattern" and isinstance(item, str):
+                yield item
+            else:
+                yield from _patterns(item)
 
 
 def _reason(exc: Exception) -> str:

@@ -13,8 +13,8 @@ from service.engine.errors import InvalidRequestError
 from service.engine.models import load_model
 from service.engine.runner.logit_edits import LogitEdits
 from service.engine.sequence import Sequence
-from service.engine.structured import (MAX_MIN_ITEMS, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, Grammars, StructuredOutput,
-                                      check)
+from service.engine.structured import (MAX_MIN_ITEMS, MAX_PATTERN_COUNT, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, Grammars,
+                                      StructuredOutput, check)
 from tests.conftest import make_engine, tokenizer_folder
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -226,6 +226,11 @@ def test_masks_keep_only_allowed_tokens_in_their_rows():
     (StructuredOutput("json_schema", '[' * 100_000 + ']' * 100_000), "bytes"),
     (StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"a": {
         "type": "array", "minItems": MAX_MIN_ITEMS + 1}}})), f"minItems is {MAX_MIN_ITEMS + 1};"),
+    *((StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"a": {
+        "type": "string", "pattern": pattern}}})), f"{quantifier} counts past {MAX_PATTERN_COUNT}")
+      for pattern, quantifier in [("^.{0,%d}$" % (MAX_PATTERN_COUNT + 1), "{0,%d}" % (MAX_PATTERN_COUNT + 1)),
+                                  ("^[a-z]{%d}$" % (MAX_PATTERN_COUNT + 1), "{%d}" % (MAX_PATTERN_COUNT + 1)),
+                                  ("^x(ab){1000,}$", "{1000,}")]),
 ])
 def test_bad_schemas_are_refused_with_a_reason(bad, says):
     with pytest.raises(InvalidRequestError) as err:
@@ -234,9 +239,12 @@ def test_bad_schemas_are_refused_with_a_reason(bad, says):
     assert ".cc:" not in err.value.message  # xgrammar's source location is cut off
 
 
-def test_min_items_up_to_the_limit_and_any_max_items_pass():
+def test_counts_up_to_the_limits_pass():
+    """minItems up to its limit and maxItems of any size; pattern counts up to theirs, and braces that are not a
+    quantifier (escaped); maxLength of any size."""
     array = {"type": "array", "items": {"type": "integer"}, "minItems": MAX_MIN_ITEMS, "maxItems": 100_000}
-    check(StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"a": array, "b": array}})))
+    text = {"type": "string", "pattern": "^[a-z]{2,%d}\\{1000\\}$" % MAX_PATTERN_COUNT, "maxLength": 100_000}
+    check(StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"a": array, "b": text}})))
 
 
 def test_a_model_without_tokenizer_refuses_structured_output(tiny_model):
