@@ -32,11 +32,12 @@ MAX_SCHEMA_DEPTH = 24  # objects and arrays nested in a schema, at most
 # has gone (on the 2-core CPU, minItems 129: 0.5 us a token throughout; 256: 105 us a token by the 1,500th item; 1,000:
 # 269 us), where maxItems costs the same at any size
 MAX_MIN_ITEMS = 128
-# a count in a `pattern`'s quantifier ({n}, {n,}, {n,m}), at most: past 128 xgrammar 0.2.9 stops unrolling the
-# repetition and checks the whole vocabulary at each token inside it (`.{0,129}`: 10.6 ms a token, against 10 us for
-# `.{0,128}`; on the 2-core CPU), which a batch waits for; maxLength has no such cost
+# how often a `pattern` may repeat a part of itself through its quantifiers ({n}, {n,}, {n,m}; nested ones multiply),
+# at most: past 128 xgrammar 0.2.9 stops unrolling a repetition and checks the whole vocabulary at each token inside it
+# (`.{0,129}`: 10.6 ms a token, against 10 us for `.{0,128}`; on the 2-core CPU), which a batch waits for; and nested
+# ones unroll into their product at compile time (`(.{0,10}){0,100}` compiled for over 100 s). maxLength costs neither
 MAX_PATTERN_COUNT = 128
-_QUANTIFIER = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
+_COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
 COMPILE_TIMEOUT_S = 10.0  # a grammar not compiled by then fails its request (it goes on compiling, then is cached)
 SEPARATORS = (",", ":")  # compact JSON: a small model cannot wander in whitespace
 # seconds: the GIL switch interval of an engine that fills masks beside its read-back (overlap). The fill's thread needs
@@ -85,10 +86,10 @@ def check(structured: StructuredOutput, param: str = "response_format") -> None:
         bad(f"minItems is {most:g}; at most {MAX_MIN_ITEMS} is allowed (a larger one slows every token of "
             "the array: bound its length with maxItems instead)")
     for pattern in _patterns(schema):
-        for match in _QUANTIFIER.finditer(pattern):
-            if max(int(match[1]), int(match[2] or 0)) > MAX_PATTERN_COUNT:
-                bad(f"the pattern's {match[0]} counts past {MAX_PATTERN_COUNT}, which would slow every token of the "
-                    "string (bound a string's length with maxLength instead)")
+        if (count := _largest_count(pattern)) > MAX_PATTERN_COUNT:
+            bad(f"the pattern {pattern[:40]!r} repeats a part of itself {count} times (nested counts multiply); at "
+                f"most {MAX_PATTERN_COUNT} is allowed, as more would slow every token of the string (bound a "
+                "string's length with maxLength instead)")
     import xgrammar
 
     try:
@@ -130,6 +131,35 @@ def _patterns(value):
                 yield item
             else:
                 yield from _patterns(item)
+
+
+def _largest_count(pattern: str) -> int:
+    """The most times `pattern` repeats any part of itself through counted quantifiers: a count's larger bound (n of
+    {n} and {n,}), times the counts of the groups around it. (`*`, `+` and `?` count once: a loop is not unrolled.)"""
+    best, last, i = [1], 1, 0  # best: the largest count inside each open group; last: the atom just read, its own
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":  # an escaped character: one atom
+            i, last = i + 2, 1
+        elif c == "[":  # a class: one atom ("]" right after "[" or "[^" is one of its characters)
+            j = i + 1 + (pattern[i + 1:i + 2] == "^")
+            j += pattern[j:j + 1] == "]"
+            while j < len(pattern) and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            i, last = j + 1, 1
+        elif c == "(":
+            best.append(1)
+            i, last = i + 1, 1
+        elif c == ")":
+            last = best.pop() if len(best) > 1 else 1
+            best[-1] = max(best[-1], last)
+            i += 1
+        elif match := _COUNT.match(pattern, i):
+            best[-1] = max(best[-1], last * max(int(match[1]), int(match[2] or 0)))
+            i, last = match.end(), 1
+        else:
+            i, last = i + 1, 1
+    return max(best)
 
 
 def _reason(exc: Exception) -> str:

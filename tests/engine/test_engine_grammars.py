@@ -227,10 +227,10 @@ def test_masks_keep_only_allowed_tokens_in_their_rows():
     (StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"a": {
         "type": "array", "minItems": MAX_MIN_ITEMS + 1}}})), f"minItems is {MAX_MIN_ITEMS + 1};"),
     *((StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"a": {
-        "type": "string", "pattern": pattern}}})), f"{quantifier} counts past {MAX_PATTERN_COUNT}")
-      for pattern, quantifier in [("^.{0,%d}$" % (MAX_PATTERN_COUNT + 1), "{0,%d}" % (MAX_PATTERN_COUNT + 1)),
-                                  ("^[a-z]{%d}$" % (MAX_PATTERN_COUNT + 1), "{%d}" % (MAX_PATTERN_COUNT + 1)),
-                                  ("^x(ab){1000,}$", "{1000,}")]),
+        "type": "string", "pattern": pattern}}})), f"repeats a part of itself {count} times")
+      for pattern, count in [("^.{0,%d}$" % (MAX_PATTERN_COUNT + 1), MAX_PATTERN_COUNT + 1),
+                             ("^[a-z]{%d}$" % (MAX_PATTERN_COUNT + 1), MAX_PATTERN_COUNT + 1),
+                             ("^x(ab){1000,}$", 1000), ("^(.{0,10}){0,100}$", 1000), ("^([]{]{2,9}){0,100}$", 900)]),
 ])
 def test_bad_schemas_are_refused_with_a_reason(bad, says):
     with pytest.raises(InvalidRequestError) as err:
@@ -240,11 +240,13 @@ def test_bad_schemas_are_refused_with_a_reason(bad, says):
 
 
 def test_counts_up_to_the_limits_pass():
-    """minItems up to its limit and maxItems of any size; pattern counts up to theirs, and braces that are not a
-    quantifier (escaped); maxLength of any size."""
+    """minItems up to its limit and maxItems of any size; pattern counts up to theirs, nested ones multiplied, and
+    braces that are not a quantifier (escaped); maxLength of any size."""
     array = {"type": "array", "items": {"type": "integer"}, "minItems": MAX_MIN_ITEMS, "maxItems": 100_000}
     text = {"type": "string", "pattern": "^[a-z]{2,%d}\\{1000\\}$" % MAX_PATTERN_COUNT, "maxLength": 100_000}
-    check(StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"a": array, "b": text}})))
+    address = {"type": "string", "pattern": "^(\\d{1,3}\\.){3}\\d{1,3}$"}  # nested counts: 3 x 3
+    check(StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {
+        "a": array, "b": text, "c": address}})))
 
 
 def test_a_model_without_tokenizer_refuses_structured_output(tiny_model):

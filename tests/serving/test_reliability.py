@@ -111,6 +111,7 @@ HOSTILE_SCHEMAS = [
     ("response_format", {"type": "string", "pattern": "|".join(f"w{i}x" for i in range(3000))}, True),
     ("response_format", {"type": "string", "pattern": "(a{1,1000}){1,1000}"}, False),
     ("response_format", {"type": "string", "pattern": "^.{0,256}$"}, False),  # every token of it would take ms
+    ("response_format", {"type": "string", "pattern": "^(.{0,10}){0,100}$"}, False),  # a compile of minutes
     ("response_format", {"type": "string", "pattern": "^.{0,128}$", "maxLength": 1000000}, True),
     ("response_format", {"type": "array", "minItems": 1000000, "items": {"type": "integer"}}, False),
     ("response_format", {"type": "array", "maxItems": 1000000, "items": {"type": "integer"}}, True),
