@@ -61,7 +61,8 @@ class StructuredOutput:
 
 def check(structured: StructuredOutput, param: str = "response_format") -> None:
     """Raise InvalidRequestError (naming `param`) unless `structured` is a grammar the engine can compile: a known
-    kind, a schema that parses as JSON, within the size and nesting limits, that xgrammar turns into a grammar."""
+    kind, a schema that parses as JSON, within the size, nesting and count limits, that xgrammar turns into a
+    grammar."""
     def bad(message: str):
         raise InvalidRequestError(message, param=param)
 
@@ -88,8 +89,8 @@ def check(structured: StructuredOutput, param: str = "response_format") -> None:
     for pattern in _patterns(schema):
         if (count := _largest_count(pattern)) > MAX_PATTERN_COUNT:
             bad(f"the pattern {pattern[:40]!r} repeats a part of itself {count} times (nested counts multiply); at "
-                f"most {MAX_PATTERN_COUNT} is allowed, as more would slow every token of the string (bound a "
-                "string's length with maxLength instead)")
+                f"most {MAX_PATTERN_COUNT} is allowed, as more would slow every token of the string, or its compile (bound "
+                "a string's length with maxLength instead)")
     import xgrammar
 
     try:
