@@ -83,14 +83,15 @@ def check(structured: StructuredOutput, param: str = "response_format") -> None:
         bad("a JSON schema is an object (or true or false)")
     if _depth(schema) > MAX_SCHEMA_DEPTH:
         bad(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
-    if (most := _min_items(schema)) > MAX_MIN_ITEMS:
+    counts = [n for n in _under(schema, "minItems") if isinstance(n, (int, float)) and not isinstance(n, bool)]
+    if (most := max(counts, default=0)) > MAX_MIN_ITEMS:
         bad(f"minItems is {most:g}; at most {MAX_MIN_ITEMS} is allowed (a larger one slows every token of "
             "the array: bound its length with maxItems instead)")
-    for pattern in _patterns(schema):
+    for pattern in (p for p in _under(schema, "pattern") if isinstance(p, str)):
         if (count := _largest_count(pattern)) > MAX_PATTERN_COUNT:
             bad(f"the pattern {pattern[:40]!r} repeats a part of itself {count} times (nested counts multiply); at "
-                f"most {MAX_PATTERN_COUNT} is allowed, as more would slow every token of the string, or its compile (bound "
-                "a string's length with maxLength instead)")
+                f"most {MAX_PATTERN_COUNT} is allowed, as more would slow every token of the string, or its compile "
+                "(bound a string's length with maxLength instead)")
     import xgrammar
 
     try:
@@ -109,29 +110,17 @@ def _depth(value, level: int = 0) -> int:
     return level
 
 
-def _min_items(value) -> int:
-    """The largest number under a "minItems" key anywhere in a schema (the instances it holds, in `const` or `enum`,
-    too: simpler, and no schema needs such an instance)."""
-    if isinstance(value, list):
-        return max(map(_min_items, value), default=0)
-    if not isinstance(value, dict):
-        return 0
-    own = value.get("minItems")
-    own = own if isinstance(own, (int, float)) and not isinstance(own, bool) else 0
-    return max([own, *map(_min_items, value.values())])
-
-
-def _patterns(value):
-    """Every string under a "pattern" key anywhere in a schema."""
+def _under(value, key: str):
+    """Every value under `key` anywhere in a schema (in the instances it holds, `const` or `enum`, too: simpler, and
+    no schema needs such an instance)."""
     if isinstance(value, list):
         for item in value:
-            yield from _patterns(item)
+            yield from _under(item, key)
     elif isinstance(value, dict):
-        for key, item in value.items():
-            if key == "pattern" and isinstance(item, str):
+        for k, item in value.items():
+            if k == key:
                 yield item
-            else:
-                yield from _patterns(item)
+            yield from _under(item, key)
 
 
 def _largest_count(pattern: str) -> int:
