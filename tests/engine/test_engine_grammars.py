@@ -152,6 +152,32 @@ def test_a_fill_that_fails_fails_its_step_and_the_engine_serves_on(worded_tiny, 
     engine.close()
 
 
+def test_the_masks_fill_has_begun_when_the_engine_reads_back_and_matchers_keep_the_gil(worded_tiny, monkeypatch):
+    """With overlap the engine's thread reads back the step before while the masks fill: `fill` returns once the
+    masks' thread has begun (it needs the GIL to begin, which the read-back would hold). A matcher's own calls keep the
+    GIL (another thread cannot take it between two rows); the batch fill lets go of it."""
+    from xgrammar.tvm_ffi_binding._ffi_api import BatchGrammarMatcher, GrammarMatcher
+
+    engine = make_engine(worded_tiny, overlap=True)
+    fill, begun = Grammars.fill, []
+
+    def watched(self, *args, **kwargs):
+        future = fill(self, *args, **kwargs)
+        if future is not None:
+            begun.append(future.running() or future.done())
+        return future
+    monkeypatch.setattr(Grammars, "fill", watched)
+    outs = engine.generate(["a", "b"], SamplingParams(max_tokens=30, temperature=0, structured=schema(PERSON)))
+    assert all(o["finish_reason"] in ("stop", "length") for o in outs)
+    assert len(begun) > 10 and all(begun)
+    release = {m.name: m.func.release_gil for m in GrammarMatcher.__tvm_ffi_type_info__.methods}
+    assert not any(release[name] for name in ("accept_token", "is_completed", "is_terminated",
+                                              "fill_next_token_bitmask"))
+    batch = {m.name: m.func.release_gil for m in BatchGrammarMatcher.__tvm_ffi_type_info__.methods}
+    assert batch["batch_fill_next_token_bitmask"]
+    engine.close()
+
+
 def test_a_grammar_is_compiled_once_and_counted(worded_tiny):
     engine = make_engine(worded_tiny)
     reports = []
