@@ -44,7 +44,7 @@ SEPARATORS = (",", ":")  # compact JSON: a small model cannot wander in whitespa
 # seconds: the GIL switch interval of an engine that fills masks beside its read-back (overlap). The fill's thread needs
 # the GIL for a moment after its C++ work (which lets go of it), while the engine's thread reads back a step: by
 # default Python hands the GIL over only after 5 ms. (For the moment before it, `fill` waits: a thread that only asks
-# for it began 0.05-0.6 ms late on the H200 machines' hosts, even at this interval)
+# for it began 0.19-0.6 ms late on the H200 machines' hosts, even at this interval)
 SWITCH_INTERVAL = 5e-5
 
 
