@@ -42,6 +42,7 @@ class _Launched:
     # a constrained step with overlap: its forward pass's logits and its masks filling, until its sampler launches
     logits: torch.Tensor | None = None
     masks: concurrent.futures.Future | None = None
+    taken: bool = False  # its constrained rows' grammars took its tokens ahead of its read-back (the next step's fill)
     # the decode steps launched behind this one over the same batch, before the host reads any back (decode_steps)
     then: list["_Launched"] = field(default_factory=list)
 
@@ -70,6 +71,8 @@ class LLMEngine:
         self.quantization = loaded.quantization
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
+        # the ids that end a sequence whatever its length (`_going`): EOS, and the grammars' stop tokens once a
+        # grammar is ready (the same, where the tokenizer names its EOS)
         self._eos = np.array(sorted(self.eos_token_ids), dtype=np.int64)
         try:
             self.runner = ModelRunner(loaded.model, config, self.device, loaded.max_model_len)
@@ -103,6 +106,7 @@ class LLMEngine:
         # reported with the next step (_grammar_stats): grammars found compiled, each request's wait for its grammar,
         # host time spent on masks
         self._grammar_hits, self._grammar_waits, self._mask_seconds = 0, [], 0.0
+        self._taken_ahead = False  # whether the step being read back had its tokens taken by their grammars ahead
 
     def _start_parallel(self, config: EngineConfig, loaded: LoadedModel | None) -> tuple[EngineConfig, LoadedModel]:
         from service.engine.parallel import TensorParallelGroup, load_shard
@@ -300,41 +304,44 @@ class LLMEngine:
         self.scheduler.advance(batch, sampled)
         masks = None
         if self.grammars is not None and any(s.matcher is not None for s in sampled):
-            previous, tokens = self._in_flight, None
+            previous, taken = self._in_flight, None  # (without overlap there is none: read back already)
             if previous is not None and previous.result is not None:
                 try:
-                    tokens, _ = previous.result.read(self._rank_failure)
+                    taken = previous.sampled, previous.result.read(self._rank_failure)[0]
                 except EngineDeadError:
                     raise
                 except Exception:  # NaN logits or a device fault: its read-back fails that step, next
                     pass
             begin = time.perf_counter()  # the wait for the tokens is the device's time, not the masks'
-            if tokens is not None:
-                self.grammars.accept(previous.sampled, tokens)
-            fill = self.grammars.fill(sampled, self.device, inline=not self.overlap)
+            fill = self.grammars.fill(sampled, self.device, taken, inline=not self.overlap)
             self._mask_seconds += time.perf_counter() - begin
+            if taken is not None:
+                previous.taken = True
             if self.overlap and fill is not None:
                 return _Launched(batch, phase, sampled, None, start, logits, fill)
-            masks, seconds = self.grammars.ready(fill, self.device)
+            masks, seconds, _ = self.grammars.ready(fill, self.device)  # (none refused: nothing taken ahead)
             self._mask_seconds += seconds
         result = self.runner.sample(sampled, logits, masks)
         return _Launched(batch, phase, sampled, result, start)
 
     def _sample_deferred(self) -> list[RequestOutput]:
         """Launch the sampler of the constrained step in flight once its masks are filled. A failed fill fails that
-        step."""
+        step; a request whose grammar refused the token it took ahead (which its mask should have ruled out) ends
+        with an error."""
         step = self._in_flight
         fill, step.masks = step.masks, None
         logits, step.logits = step.logits, None
         try:
-            masks, seconds = self.grammars.ready(fill, self.device)
+            masks, seconds, refused = self.grammars.ready(fill, self.device)
             self._mask_seconds += seconds
             step.result = self.runner.sample(step.sampled, logits, masks)
         except Exception as exc:
             log.exception("the masks of an engine step failed; failing its %d requests", len(step.batch.seqs))
             self._in_flight = None
             return self._fail(step.batch, exc)
-        return []
+        for seq in refused:
+            log.error("request %s: token %d breaks its grammar", seq.request_id, seq.token_ids[-1])
+        return self._end_with_error([seq for seq in refused if not seq.is_finished], time.perf_counter())
 
     def _more_steps(self, batch: ScheduledBatch, launched: "_Launched") -> int:
         """How many more decode steps of the same batch to launch behind `launched` before the host reads any back
@@ -389,23 +396,33 @@ class LLMEngine:
             self._grammar_waits.append(now - seq.grammar_since)
             if why == "":
                 self.scheduler.add(seq)
+                if len(self._eos) < len(ends := self.grammars.stops | set(self.eos_token_ids)):
+                    self._eos = np.array(sorted(ends), dtype=np.int64)
                 continue
             log.warning("request %s fails: %s", seq.request_id, why)
             seq.grammar = None
+            failed.append(seq)
+        self._compiling = waiting
+        return self._end_with_error(failed, now)
+
+    def _end_with_error(self, seqs: list[Sequence], now: float) -> list:
+        """Finish `seqs` (outside a step's read-back) with an error, and report them."""
+        outputs = []
+        for seq in seqs:
             self.scheduler.finish(seq, "error")
             seq.timings.finished = now
             del self.seqs[seq.request_id]
-            failed.append(self._output(seq, [], []))
-        self._compiling = waiting
-        if failed:
-            self._observe(failed, finished=failed)
-        return failed
+            outputs.append(self._output(seq, [], []))
+        if outputs:
+            self._observe(outputs, finished=outputs)
+        return outputs
 
     def _read_back(self, step: "_Launched") -> list[RequestOutput]:
         """Wait for a launched step's tokens, hand them to the scheduler's postprocess, and report the step. The steps
         launched behind it (`then`) are read back with it; each is reported with an even share of their time, and in
         the engine process a request's tokens of them go in one row."""
         parts, reads, failure = [step, *step.then], [], None
+        self._taken_ahead = step.taken
         for part in parts:
             try:
                 reads.append(part.result.read(self._rank_failure) if part.result else ([], []))
@@ -546,18 +563,16 @@ class LLMEngine:
 
     def _going(self, seqs: list[Sequence], tokens: np.ndarray) -> np.ndarray:
         """Which rows' sequences none of their new `tokens` ([step, row], not appended yet) can end, with text left to
-        the front ends: no EOS among them, the sequence short of its `length_at` after them, and, where a grammar
-        constrains it, a single token that its grammar took ahead (`Grammars.accept`, while the step's masks filled)
-        without ending."""
+        the front ends: no EOS (nor a grammar's stop token) among them, the sequence short of its `length_at` after
+        them, and, where a grammar constrains it, a token that its grammar took ahead of the read-back (while the next
+        step's masks filled)."""
         lengths = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, len(seqs))
         going = lengths + len(tokens) < np.fromiter(map(_length_at, seqs), np.int64, len(seqs))  # (-1: never short)
         for eos in self._eos:  # (a few ids: np.isin costs three times as much)
             going &= (tokens != eos).all(axis=0)
-        if self.grammars is not None:
-            single = len(tokens) == 1
+        if self.grammars is not None and not self._taken_ahead:
             for row, seq in enumerate(seqs):
-                if seq.matcher is not None and not (single and seq.accepted_at == len(seq.token_ids) and seq.accepted
-                                                    and seq.grammar_end is None):
+                if seq.matcher is not None:
                     going[row] = False
         return going
 
@@ -566,18 +581,12 @@ class LLMEngine:
         if p.max_tokens == 0:  # the prompt only: its one sample is dropped
             seq.token_ids.pop()
             return "length"
-        if seq.matcher is not None:  # the grammar takes the token (or took it already); a complete grammar ends it
-            if seq.accepted_at != len(seq.token_ids) - 1:  # (taken ahead when a step's masks fill meanwhile)
-                self.grammars.accept([seq], [token])
-            accepted, end = seq.accepted, seq.grammar_end
-            seq.accepted_at, seq.grammar_end = -1, None
-            if not accepted:
+        if seq.matcher is not None:  # its grammar takes the token (unless it took it ahead: `_sample_deferred`
+            # ends a request whose grammar refused it); a stop token, which only a complete grammar allows, ends it
+            if not self._taken_ahead and not self.grammars.accept(seq.matcher, token):
                 log.error("request %s: token %d breaks its grammar", seq.request_id, token)
                 return "error"
-            if end == "terminated":  # it took a stop token
-                return "stop"
-            if end == "complete":
-                self.detokenizer.append(seq)
+            if token in self.grammars.stops:
                 return "stop"
         if produced >= p.min_tokens and (
                 token in p.stop_token_ids or (not p.ignore_eos and token in seq.eos_token_ids)):

@@ -48,15 +48,10 @@ class Sequence:
     # count at which it ends for length (the engine sets it; -1: every token it samples is checked in full)
     length_at: int = -1
     # with params.structured (engine/structured.py): the grammar compiling (a Future) and since when, then the matcher
-    # that takes each token the host reads back
+    # that takes each token it samples
     grammar: object = None
     grammar_since: float = 0.0
     matcher: object = None
-    # the matcher's verdict on a token it took before the read-back (structured.Grammars.accept): the length of
-    # token_ids then (the token's index), whether it took the token, and how that ended the grammar
-    accepted_at: int = -1
-    accepted: bool = False
-    grammar_end: str | None = None
     timings: Timings = field(default_factory=Timings)
     # detokenizer and stop-string state, owned by service.engine.detokenizer
     text: str = ""

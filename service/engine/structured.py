@@ -4,10 +4,11 @@ What a request asks for is a `StructuredOutput` in its SamplingParams; `check` v
 arrives (a front end: a 400 that says why, before the engine sees it). The engine process compiles each distinct
 grammar against the tokenizer's vocabulary once, in a thread beside its loop, and keeps it in xgrammar's cache
 (`Grammars`); a request waits for its grammar outside the scheduler, so the batch never does. Each constrained
-sequence then has a matcher that takes its tokens as the host reads them back and fills its row of a token
-bitmask for the next sample; the sampler's LogitEdits applies the bitmask (runner/logit_edits.py). With overlap
-the masks of a step fill in a thread of their own (xgrammar's batch call lets go of the GIL) while the engine's
-thread reads back the step before (llm_engine.py: the sampler launches after that read-back).
+sequence then has a matcher that takes each token it samples and fills its row of a token bitmask for the next
+sample; the sampler's LogitEdits applies the bitmask (runner/logit_edits.py). With overlap the matchers of a step take
+the step before's tokens and fill their masks in a thread of their own (xgrammar's batch calls let go of the GIL)
+while the engine's thread reads that step back (llm_engine.py: the sampler launches after that read-back). A grammar
+that is complete allows nothing but a stop token: the sequence samples one, and ends there.
 """
 
 import json
@@ -176,24 +177,25 @@ class Grammars:
         self._compiler = self._pool.submit(self._new_compiler, tokenizer, vocab_size, sorted(stop_token_ids))
         self._cache: dict[tuple, Future] = {}  # insertion-ordered: the oldest is dropped first
         self._filler = ThreadPoolExecutor(1, thread_name_prefix="masks")
-        self._stops: frozenset[int] | None = None  # the tokenizer's stop tokens, as the matchers know them
+        self.stops: frozenset[int] | None = None  # the tokenizer's stop tokens, as the matchers know them
         self._buffers = None  # two [max_rows, words] int32 masks, built with the first constrained step
         self._turn = 0
         self._max_rows = max_rows
         self._batch = None  # xgrammar's batch matcher, made at the first step that needs it
+        self._last = None  # the last step's sequences, their constrained rows and matchers
 
     @staticmethod
     def _new_compiler(tokenizer, vocab_size: int, stop_token_ids: list[int]):
         import xgrammar
 
         # xgrammar's calls go through tvm-ffi, which lets go of the GIL in every call by default: a matcher's own
-        # calls (a microsecond or less each, one or two per row a step) keep it, so that another thread that waits
-        # for it cannot take it between two rows (with a busy Python thread beside it, 256 rows took 1.35 s instead
-        # of 0.2 ms on the H200 machine's host); the batch fill still lets go of it
+        # `accept_token` (a microsecond or less, for a token no step took ahead) keeps it, so that another thread
+        # that waits for it cannot take it between two rows (with a busy Python thread beside it, 256 rows took
+        # 1.35 s instead of 0.2 ms on the H200 machine's host); the batch calls still let go of it
         from xgrammar.tvm_ffi_binding._ffi_api import GrammarMatcher
 
         for method in GrammarMatcher.__tvm_ffi_type_info__.methods:
-            if method.name in ("accept_token", "is_completed", "is_terminated", "fill_next_token_bitmask"):
+            if method.name == "accept_token":
                 method.func.release_gil = False
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=stop_token_ids or None)
@@ -224,8 +226,8 @@ class Grammars:
         return compiler.compile_json_schema(structured.schema, any_whitespace=False, separators=SEPARATORS)
 
     def poll(self, seq, now: float) -> str | None:
-        """None while `seq`'s grammar compiles; "" once it is ready (the sequence gets its matcher); else why it
-        failed (an error from xgrammar, or the time limit)."""
+        """None while `seq`'s grammar compiles; "" once it is ready (the sequence gets its matcher: xgrammar's own
+        handle, whose calls skip the wrapper's); else why it failed (an error from xgrammar, or the time limit)."""
         future = seq.grammar
         if not future.done():
             if now - seq.grammar_since > self.timeout:
@@ -235,43 +237,26 @@ class Grammars:
             return f"its grammar failed to compile: {_reason(future.exception())}"
         import xgrammar
 
-        seq.matcher = xgrammar.GrammarMatcher(future.result())
+        seq.matcher = xgrammar.GrammarMatcher(future.result())._handle
         seq.grammar = None
-        if self._stops is None:  # (every matcher has the tokenizer's: read once)
-            self._stops = frozenset(seq.matcher.stop_token_ids)
+        if self.stops is None:  # (every matcher has the tokenizer's: read once)
+            self.stops = frozenset(seq.matcher.stop_token_ids())
         return ""
 
-    def complete(self, matcher) -> bool:
-        """Whether `matcher`'s grammar, complete, allows nothing more but a stop token: the output is done."""
-        import numpy as np
-        import xgrammar
+    @staticmethod
+    def accept(matcher, token: int) -> bool:
+        """A sequence's `matcher` takes a token the host read back (no step took it ahead): whether its grammar
+        allows it."""
+        return matcher.accept_token(token, False)
 
-        mask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
-        matcher.fill_next_token_bitmask(mask)
-        words = mask[0].numpy().view(np.uint32).copy()
-        for t in self._stops:
-            words[t // 32] &= ~np.uint32(1 << (t % 32))
-        return not words.any()
-
-    def accept(self, seqs: list, tokens: list[int]) -> None:
-        """The constrained sequences among `seqs` take their `tokens` (a step's samples), and what follows is decided
-        now, while no mask fills: `seq.accepted` (whether its grammar took the token) and `seq.grammar_end`
-        ("terminated": it took a stop token; "complete": the grammar allows nothing more but a stop token; else
-        None), with `seq.accepted_at` (the length of its token ids now), which the read-back reads. A sequence that
-        finished since that step was launched drops its token, and takes none. (One call per matcher: xgrammar's batch
-        call took twice as long for 32 or 256 rows, most of it reading back its list of results. The calls go to the
-        matcher's own handle, as its methods do: a quarter less time a row; xgrammar 0.2.9, pinned in the Makefile.)"""
-        stops = self._stops
-        for seq, token in zip(seqs, tokens):
-            matcher = seq.matcher
-            if matcher is None or seq.is_finished:
-                continue
-            handle = matcher._handle
-            seq.accepted_at = len(seq.token_ids)
-            seq.accepted = accepted = handle.accept_token(token, False)
-            # only a stop token terminates a grammar: no call into the matcher for the others
-            seq.grammar_end = None if not accepted else "terminated" if token in stops and handle.is_terminated() \
-                else "complete" if handle.is_completed() and self.complete(matcher) else None
+    def _rows(self, seqs: list) -> tuple[list[int], list, list]:
+        """The constrained rows of a step that samples `seqs`, their sequences and their matchers (the last step's
+        again when it sampled the same sequences: steady decode)."""
+        if self._last is None or self._last[0] != seqs:
+            rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+            owners = [seqs[i] for i in rows]
+            self._last = seqs, rows, owners, [s.matcher for s in owners]
+        return self._last[1:]
 
     def _matcher(self):
         """xgrammar's batch matcher, on one thread: a row's mask takes a microsecond or two, and xgrammar starts its
@@ -283,14 +268,31 @@ class Grammars:
             self._batch = xgrammar.BatchGrammarMatcher(max_threads=1)
         return self._batch
 
-    def fill(self, seqs: list, device, inline: bool = False) -> Future | None:
-        """Start filling the token masks of the constrained rows of a step about to sample `seqs` (their matchers have
-        taken every token before), in the mask thread, or here with `inline` (the caller waits for them at once); None
-        when no row is constrained. A sequence that finished, or whose grammar took its stop token, gets no mask: its
-        token will be dropped. Until `ready` has its result, no matcher of `seqs` may be used."""
-        rows = [i for i, s in enumerate(seqs)  # (a grammar that took its stop token has finished its sequence, or
-                if s.matcher is not None and not s.is_finished and s.grammar_end != "terminated"]  # will at read-back)
-        if not rows:
+    def fill(self, seqs: list, device, taken: tuple[list, list[int]] | None = None,
+             inline: bool = False) -> Future | None:
+        """Start filling the token masks of the constrained rows of a step about to sample `seqs`, in the mask
+        thread, or here with `inline` (the caller waits for them at once); None when there is nothing to do.
+        `taken`: (the sequences of the step before, the tokens it sampled), which the host has read but not handed to
+        them yet: their grammars take them first, in the same thread (a sequence that finished since drops its
+        token). A row whose grammar takes a stop token gets no mask (its sequence ends at the read-back; its token
+        will be dropped). Their matchers have taken every other token before. Until `ready` has its result, no
+        matcher of `seqs` or `taken` may be used."""
+        rows, owners, matchers = self._rows(seqs)
+        take, tokens = (), ()  # the matchers that take tokens first (of `owners`), and the tokens
+        if taken is not None:
+            before, tokens = taken
+            if before == seqs:  # (steady decode: the same rows)
+                take = matchers
+                tokens = tokens if len(rows) == len(seqs) else [tokens[i] for i in rows]
+            else:
+                picked = [i for i, s in enumerate(before) if s.matcher is not None and not s.is_finished]
+                owners = [before[i] for i in picked]
+                take, tokens = [s.matcher for s in owners], [tokens[i] for i in picked]
+            if not self.stops.isdisjoint(tokens):  # a grammar ends (once a request): no mask for it
+                ended = {id(m) for m, t in zip(take, tokens) if t in self.stops}
+                kept = [j for j, m in enumerate(matchers) if id(m) not in ended]
+                rows, matchers = [rows[j] for j in kept], [matchers[j] for j in kept]
+        if not rows and not take:
             return None
         import xgrammar
 
@@ -300,19 +302,22 @@ class Grammars:
                 self._buffers = [b.pin_memory() for b in self._buffers]
         self._turn ^= 1
         host = self._buffers[self._turn][:len(rows)]
-        matchers, batch = [seqs[i].matcher for i in rows], self._matcher()
+        # xgrammar's own calls (its wrappers make a list of handles, and read a list of verdicts an element a call)
+        batch, accept_all = self._matcher()._handle, xgrammar.matcher._core.BatchGrammarMatcher.batch_accept_token
 
         started = threading.Event()
 
-        def work():
+        def work():  # (the thread takes the GIL as little as it can: the read-back beside it needs it)
             begin = time.perf_counter()
             started.set()
-            batch.batch_fill_next_token_bitmask(matchers, host)
-            return rows, host, time.perf_counter() - begin
+            verdicts = accept_all(take, tokens, False) if take else None  # (each C++ call lets go of the GIL)
+            if rows:
+                batch.batch_fill_next_token_bitmask(matchers, host, None, False)
+            return rows, host, time.perf_counter() - begin, owners, verdicts
         if not inline:
             fill = self._filler.submit(work)
             # the thread needs the GIL to begin, and this one would hold it through the read-back that follows (up
-            # to the switch interval): wait here until it has it (it lets go inside xgrammar's call). Without this
+            # to the switch interval): wait here until it has it (it lets go inside xgrammar's calls). Without this
             # wait the fill began 0.19-0.6 ms after it was asked for on the H200 machines' hosts; with it, 0.05 ms
             started.wait()
             return fill
@@ -324,10 +329,14 @@ class Grammars:
         return done
 
     @staticmethod
-    def ready(fill: Future | None, device) -> tuple[tuple[list[int], "torch.Tensor"] | None, float]:
+    def ready(fill: Future | None, device) -> tuple[tuple[list[int], "torch.Tensor"] | None, float, list]:
         """Wait for a `fill`: ((rows, [rows, words] int32 on `device`, one bit per token, 1 where allowed), or None
-        when no row is constrained; the seconds the fill took)."""
+        when no row is masked; the seconds the fill took; the sequences whose grammar refused the token it was given)."""
         if fill is None:
-            return None, 0.0
-        rows, host, seconds = fill.result()
-        return (rows, host.to(device, non_blocking=True) if device.type == "cuda" else host.clone()), seconds
+            return None, 0.0, []
+        rows, host, seconds, owners, verdicts = fill.result()
+        # the verdicts are read here, not in the fill's thread: reading them takes the GIL (`in` is one call)
+        refused = [s for s, ok in zip(owners, verdicts) if not ok] if verdicts is not None and 0 in verdicts else []
+        if not rows:
+            return None, seconds, refused
+        return (rows, host.to(device, non_blocking=True) if device.type == "cuda" else host.clone()), seconds, refused

@@ -93,9 +93,10 @@ def test_constrained_rows_give_the_same_tokens_alone_batched_and_preempted(worde
 
 def test_the_engine_process_takes_constrained_rows_as_single_checks_do(worded_tiny, monkeypatch):
     """As the engine process runs them (bare rows, overlap), a constrained row whose grammar took its token ahead,
-    while the step's masks filled, and did not end goes on without a stop check; one whose grammar ends (a
-    complete grammar, a stop token), or that was not taken ahead, is checked in full. Alone, batched and preempted,
-    every request gets the tokens and end that it gets from the checks of every row, and nothing is left held."""
+    while the next step's masks filled, goes on without a stop check unless the token is a stop token (which a
+    complete grammar forces); a row not taken ahead is checked in full. Alone, batched and preempted, every request
+    gets the tokens and end that it gets from the checks of every row, and nothing is left held. A token that breaks
+    its grammar (masks that allow every token) ends its request with an error, whether taken ahead or not."""
     from tests.engine.test_engine_decode_steps import served_rows
 
     ps = ["a", "tell me about a person", "b c d e f g", "x " * 30, "q"]
@@ -108,7 +109,7 @@ def test_the_engine_process_takes_constrained_rows_as_single_checks_do(worded_ti
     single = make_engine(worded_tiny, overlap=False)
     prompts = [single.tokenize(p) for p in ps]
     alone = [served_rows(single, [(p, sp)])[0] for p, sp in zip(prompts, params)]
-    assert alone[4][1] == "stop" and len(alone[4][0]) == 1
+    assert alone[4][1] == "stop" and len(alone[4][0]) == 2 and alone[4][0][1] in single.eos_token_ids  # (forced)
     for blocks in (512, 8):  # 7 usable blocks of 16: some are preempted
         engine = make_engine(worded_tiny, overlap=True, num_blocks=blocks)
         served_rows(engine, [(p, dataclasses.replace(sp, max_tokens=1)) for p, sp in zip(prompts, params)])
@@ -122,7 +123,7 @@ def test_the_engine_process_takes_constrained_rows_as_single_checks_do(worded_ti
         assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
         engine.close()
     ready = Grammars.ready  # masks that allow every token: the first that breaks the grammar ends its request
-    monkeypatch.setattr(Grammars, "ready", staticmethod(lambda fill, device: (None, ready(fill, device)[1])))
+    monkeypatch.setattr(Grammars, "ready", staticmethod(lambda fill, device: (None, *ready(fill, device)[1:])))
     for engine in (single, make_engine(worded_tiny, overlap=True)):
         tokens, end, _ = served_rows(engine, [(prompts[0], params[0])])[0]
         assert end == "error" and len(tokens) < 40
@@ -154,8 +155,8 @@ def test_a_fill_that_fails_fails_its_step_and_the_engine_serves_on(worded_tiny, 
 
 def test_the_masks_fill_has_begun_when_the_engine_reads_back_and_matchers_keep_the_gil(worded_tiny, monkeypatch):
     """With overlap the engine's thread reads back the step before while the masks fill: `fill` returns once the
-    masks' thread has begun (it needs the GIL to begin, which the read-back would hold). A matcher's own calls keep the
-    GIL (another thread cannot take it between two rows); the batch fill lets go of it."""
+    masks' thread has begun (it needs the GIL to begin, which the read-back would hold). A matcher's own accept keeps
+    the GIL (another thread cannot take it between two rows); the batch calls let go of it."""
     from xgrammar.tvm_ffi_binding._ffi_api import BatchGrammarMatcher, GrammarMatcher
 
     engine = make_engine(worded_tiny, overlap=True)
@@ -171,10 +172,9 @@ def test_the_masks_fill_has_begun_when_the_engine_reads_back_and_matchers_keep_t
     assert all(o["finish_reason"] in ("stop", "length") for o in outs)
     assert len(begun) > 10 and all(begun)
     release = {m.name: m.func.release_gil for m in GrammarMatcher.__tvm_ffi_type_info__.methods}
-    assert not any(release[name] for name in ("accept_token", "is_completed", "is_terminated",
-                                              "fill_next_token_bitmask"))
+    assert not release["accept_token"]
     batch = {m.name: m.func.release_gil for m in BatchGrammarMatcher.__tvm_ffi_type_info__.methods}
-    assert batch["batch_fill_next_token_bitmask"]
+    assert batch["batch_fill_next_token_bitmask"] and batch["batch_accept_token"]
     engine.close()
 
 

@@ -140,10 +140,11 @@ class Sampler:
         """Sample a token per row of `logits` [len(seqs), vocab]; `masks` (rows, bitmask): the grammars' allowed
         tokens of constrained rows (engine/structured.py); `argmax`: the rows' (maxima, argmax) as `LogitEdits.argmax`
         gives them unedited, when a CUDA graph took them already."""
-        if masks is None and all(map(_plain, seqs)):  # plain greedy rows: nothing to edit, ban or report
+        if all(map(_plain, seqs)):  # plain greedy rows: nothing to edit, ban or report
             banned, wanted, edited, all_greedy = [], [], [], True
         else:
             banned, wanted, edited, all_greedy = self._scan(seqs)
+        if masks is not None or edited or banned:
             argmax = None  # (the graph's is of the logits unedited)
         if all_greedy and not wanted:
             # argmax is the same in the model's dtype: skip the float copy of [rows, vocab] (edits are computed in
