@@ -602,6 +602,7 @@ def test_cuda_constrained_requests_match_their_grammar_alone_batched_and_preempt
     engine = lambda **kw: make_engine(worded_tiny_cuda, device="cuda", overlap=overlap, **kw)
     one = engine(enable_prefix_caching=False)
     alone = [one.generate([p], sp)[0] for p, sp in zip(ps, params)]
+    assert one.runner.decode_graphs.masked  # a greedy constrained request alone: its masked maxima in a graph
     batched = engine()
     assert [o["token_ids"] for o in batched.generate(ps, params)] == [o["token_ids"] for o in alone]
     assert batched.runner.graphs and batched.runner.mixed_graphs.replays > 0  # the graphs stay on

@@ -27,6 +27,7 @@ from service.engine.scheduler import ScheduledBatch
 from service.engine.sequence import Sequence
 
 _pending = operator.attrgetter("num_pending_tokens")
+_plain = operator.attrgetter("plain")
 
 
 class ModelRunner:
@@ -147,6 +148,8 @@ class ModelRunner:
             return None
         argmax, rows = self._argmax[1:] if self._argmax is not None and self._argmax[0] is logits else (None, None)
         self._argmax = None
+        if masks is not None and argmax is not None and all(map(_plain, seqs)):  # the graph's logits, masked
+            argmax, masks = self.decode_graphs.masked_max(len(seqs), *masks), None
         result = self.sampler(logits, seqs, masks, argmax)
         self._fed = (result.token_ids, seqs, rows)
         return result
