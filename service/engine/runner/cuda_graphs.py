@@ -210,8 +210,9 @@ class DecodeGraphs:
         """The last replay's (`n` rows) row maxima and argmax with the grammars' masks applied (`rows`, the masked
         rows; `bitmask`, [rows, words] int32 on the device), for a step whose rows are all plain greedy but for their
         masks: `triton_sampling.row_max` in a graph of its own for the replay's size, captured at first use, over that
-        graph's logits (a launch instead of the kernels' two and their tensors: 0.3-0.4 ms of the host a step on the
-        H200 machines'). The masks go into a buffer of the graph's; the rows' map to them only when it changes."""
+        graph's logits (a launch instead of the kernels' two and their tensors: the sampler's launch took 0.24 ms
+        against 0.41 on an H200 machine's host). The masks go into a buffer of the graph's; the rows' map to them only
+        when it changes."""
         size = next(s for s in self.graph_sizes if s >= n)
         if self._masked_key != (rows, n, size):
             mapped = np.full(size, -1, dtype=np.int64)
