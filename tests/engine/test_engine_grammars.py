@@ -293,3 +293,31 @@ def test_the_grammar_cache_keeps_the_newest_and_no_more(worded_tiny, monkeypatch
     seqs[-1].grammar.result()
     assert grammars.start(seqs[-1]) and not grammars.start(seqs[0])  # the newest is kept, the oldest was dropped
     grammars.close()
+
+
+def test_the_paired_benchmark_runs_this_code_against_an_older_copy_in_one_process(tmp_path):
+    """tests/gpu/engine/paired.py (benchmarks.md's paired figures) on the CPU, with a copy of this service/ as the
+    older code: both engines in one process, each from its own package, every kind's figures for each."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    shutil.copytree(root / "service", tmp_path / "service", symlinks=True,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    out = subprocess.run(
+        [sys.executable, "tests/gpu/engine/paired.py", "--base", str(tmp_path), "--model", "random:tiny",
+         "--tokenizer", str(tokenizer_folder()), "--requests", "4", "--some", "2", "--input-len", "4",
+         "--output-len", "8", "--rounds", "2"], cwd=root, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    summary = rows[-1]
+    assert len(rows) == 3 and summary["engines"] == {"new": "service.engine.llm_engine",
+                                                     "base": "base_service.engine.llm_engine"}
+    for key in ("new_some_ratio", "new_all_ratio", "base_some_ratio", "base_all_ratio", "new_over_base_plain",
+                "new_over_base_all"):
+        assert summary[key] > 0, key
+

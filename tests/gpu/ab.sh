@@ -18,6 +18,9 @@
 #                  (tests/gpu/kernels/attention_sweep.py --current-only --base)
 #   sweep          the split decode attention's configurations, this code (tests/gpu/kernels/decode_split_sweep.py;
 #                  SWEEP_ARGS: its options)
+#   grammars       both codes' engines in one process, paired: 256 x 128/128 plain, 32 of them and all 256 constrained
+#                  by a JSON schema, ten rounds (tests/gpu/engine/paired.py; PAIRED_ARGS: its options; needs
+#                  LLM_TEST_TOKENIZER). For steps the host bounds, where separate processes drift apart
 #   AB_TIMEOUT  seconds for each run (default 300)
 source "$(dirname "$0")/env.sh"
 T=${AB_TIMEOUT:-300}
@@ -39,7 +42,7 @@ steps() {  # CODE NAME decode_steps.py's arguments...
   shift 2
   code "$which" "$name" "$PYTHON" -P tests/gpu/engine/decode_steps.py --profile-steps 0 "$@"
 }
-phases "one full" "one full 8b mixed 128 offline http attention sweep" "$@"
+phases "one full" "one full 8b mixed 128 offline http attention sweep grammars" "$@"
 for phase in "${PHASES[@]}"; do
   q=none
   [[ $phase == *:* ]] && q=${phase#*:}
@@ -83,6 +86,11 @@ for phase in "${PHASES[@]}"; do
     sweep)  # SWEEP_ARGS: its options, split on spaces
       # shellcheck disable=SC2086
       STEP_LINES=60 step sweep "$T" "$PYTHON" tests/gpu/kernels/decode_split_sweep.py ${SWEEP_ARGS:-} ;;
+    grammars)  # PAIRED_ARGS: its options, split on spaces
+      # shellcheck disable=SC2086
+      STEP_LINES=20 step grammars "$T" "$PYTHON" tests/gpu/engine/paired.py --model random:llama-1b \
+        --tokenizer "${LLM_TEST_TOKENIZER:?a tokenizer for random weights: tests/gpu/wheels.sh saves one}" \
+        ${PAIRED_ARGS:-} ;;
   esac
 done
 finish

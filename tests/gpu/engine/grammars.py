@@ -38,10 +38,25 @@ from host_steps import timed  # noqa: E402
 from penalties import run as timed_run  # noqa: E402  (all requests at once, output tok/s)
 
 
-def array_schema(name: str, items: int) -> StructuredOutput:
-    return StructuredOutput("json_schema", json.dumps({
+def array_schema(name: str, items: int, structured=StructuredOutput) -> StructuredOutput:
+    return structured("json_schema", json.dumps({
         "type": "object", "properties": {name: {"type": "array", "items": {"type": "integer"}, "minItems": items}},
         "required": [name]}))
+
+
+def kinds(n: int, some: int, output_len: int, sampling=SamplingParams, structured=StructuredOutput) -> dict:
+    """Each kind's SamplingParams for `n` requests (`sampling` and `structured`: the classes of the code that runs
+    them, this checkout's or another commit's)."""
+    items = min(output_len // 2, MAX_MIN_ITEMS)
+    base = dict(max_tokens=output_len, ignore_eos=True, temperature=0)
+    plain = sampling(**base, min_tokens=output_len)
+    return {
+        "plain": [plain] * n,
+        "some": [sampling(**base, structured=array_schema("k", items, structured)) if i % (n // some) == 0 else plain
+                 for i in range(n)],
+        "all": [sampling(**base, structured=array_schema("k", items, structured))] * n,
+        "all-16": [sampling(**base, structured=array_schema(f"k{i % 16}", items, structured)) for i in range(n)],
+    }
 
 
 def fields_schema(count: int) -> StructuredOutput:
@@ -130,21 +145,13 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(100, min(engine.vocab_size, 30000)) for _ in range(args.input_len)]
                for _ in range(args.requests)]
-    n, items = args.requests, min(args.output_len // 2, MAX_MIN_ITEMS)
-    base = dict(max_tokens=args.output_len, ignore_eos=True, temperature=0)
-    plain = SamplingParams(**base, min_tokens=args.output_len)
-    kinds = {
-        "plain": [plain] * n,
-        "some": [SamplingParams(**base, structured=array_schema("k", items)) if i % (n // args.some) == 0 else plain
-                 for i in range(n)],
-        "all": [SamplingParams(**base, structured=array_schema("k", items))] * n,
-        "all-16": [SamplingParams(**base, structured=array_schema(f"k{i % 16}", items)) for i in range(n)],
-    }
-    for params in kinds.values():  # warm-up: compiles, graphs and grammars out of the figures
+    n = args.requests
+    by_kind = kinds(n, args.some, args.output_len)
+    for params in by_kind.values():  # warm-up: compiles, graphs and grammars out of the figures
         run(engine, prompts, params)
-    figures = {k: [] for k in kinds}
+    figures = {k: [] for k in by_kind}
     for r in range(args.rounds):
-        for kind, params in list(kinds.items())[::1 if r % 2 == 0 else -1]:
+        for kind, params in list(by_kind.items())[::1 if r % 2 == 0 else -1]:
             figures[kind].append(run(engine, prompts, params))
             print(json.dumps({"round": r + 1, "kind": kind, **{k: round(v, 3) if isinstance(v, float) else v
                                                                for k, v in figures[kind][-1].items()}}), flush=True)
@@ -161,7 +168,7 @@ def main() -> None:
     summary.update({k: round(v, 2) for k, v in compile_times(engine).items()})
     print(json.dumps(summary))
     for kind in ("plain", "all") if args.parts else ():
-        print(json.dumps({"parts": kind, **parts(engine, prompts, kinds[kind])}))
+        print(json.dumps({"parts": kind, **parts(engine, prompts, by_kind[kind])}))
     engine.close()
 
 
