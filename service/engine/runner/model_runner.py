@@ -9,6 +9,7 @@ pinned_upload's double-buffered uploads), kv_cache (the cache's shape and size) 
 """
 
 import contextlib
+import functools
 import operator
 
 import numpy as np
@@ -27,7 +28,6 @@ from service.engine.scheduler import ScheduledBatch
 from service.engine.sequence import Sequence
 
 _pending = operator.attrgetter("num_pending_tokens")
-_plain = operator.attrgetter("plain")
 
 
 class ModelRunner:
@@ -148,9 +148,10 @@ class ModelRunner:
             return None
         argmax, rows = self._argmax[1:] if self._argmax is not None and self._argmax[0] is logits else (None, None)
         self._argmax = None
-        if masks is not None and argmax is not None and all(map(_plain, seqs)):  # the graph's logits, masked
-            argmax, masks = self.decode_graphs.masked_max(len(seqs), *masks), None
-        result = self.sampler(logits, seqs, masks, argmax)
+        masked = None  # a decode graph's logits, masked: their maxima in a graph of their own
+        if masks is not None and argmax is not None:
+            masked = functools.partial(self.decode_graphs.masked_max, len(seqs))
+        result = self.sampler(logits, seqs, masks, argmax, masked)
         self._fed = (result.token_ids, seqs, rows)
         return result
 

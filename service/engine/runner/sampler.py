@@ -136,12 +136,17 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
                  masks: "tuple[list[int], torch.Tensor] | None" = None,
-                 argmax: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampleResult:
+                 argmax: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 masked: "Callable[[list[int], torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None" = None) \
+            -> SampleResult:
         """Sample a token per row of `logits` [len(seqs), vocab]; `masks` (rows, bitmask): the grammars' allowed
         tokens of constrained rows (engine/structured.py); `argmax`: the rows' (maxima, argmax) as `LogitEdits.argmax`
-        gives them unedited, when a CUDA graph took them already."""
+        gives them unedited, when a CUDA graph took them already; `masked(rows, bitmask)`: that graph's (maxima,
+        argmax) with `masks` applied (cuda_graphs.DecodeGraphs.masked_max), for a step whose rows are all plain."""
         if all(map(_plain, seqs)):  # plain greedy rows: nothing to edit, ban or report
             banned, wanted, edited, all_greedy = [], [], [], True
+            if masks is not None and masked is not None:
+                argmax, masks = masked(*masks), None
         else:
             banned, wanted, edited, all_greedy = self._scan(seqs)
         if masks is not None or edited or banned:
