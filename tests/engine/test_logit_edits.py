@@ -168,3 +168,10 @@ def test_bits_pack_and_unpack_in_xgrammars_layout(rows, n, data):
     assert torch.equal(unpack_bits(words, n), flags)
     for r, t in flags.nonzero().tolist():  # token t: bit t % 32 of word t // 32, as xgrammar fills its masks
         assert (words[r, t // 32].item() >> (t % 32)) & 1
+
+
+def test_mask_rows_maps_each_row_to_its_row_of_the_bitmask():
+    """What row_max and the decode graphs' masked maxima take: a masked row's row of the bitmask, -1 elsewhere."""
+    from service.engine.runner.logit_edits import mask_rows
+    assert mask_rows([3, 1], 5).tolist() == [-1, 1, -1, 0, -1]
+    assert mask_rows([], 2).tolist() == [-1, -1]

@@ -23,6 +23,7 @@ import torch
 
 from service.engine.runner.attention import AttentionMetadata, ForwardContext, forward_context
 from service.engine.runner.input_packing import HostInputs, block_m_for, build_tiles, host_inputs
+from service.engine.runner.logit_edits import mask_rows
 from service.engine.runner.pinned_upload import PinnedUpload, to_device
 from service.engine.scheduler import ScheduledBatch
 from service.engine.sequence import Sequence, Status
@@ -214,15 +215,13 @@ class DecodeGraphs:
         against 0.41 on an H200 machine's host). The masks go into a buffer of the graph's; the rows' map to them only
         when it changes."""
         size = next(s for s in self.graph_sizes if s >= n)
-        if self._masked_key != (rows, n, size):
-            mapped = np.full(size, -1, dtype=np.int64)
-            mapped[rows] = np.arange(len(rows))
+        if self._masked_key != (rows, size):
             if self.g_mask_rows is None:
                 max_batch = max(self.graph_sizes)
                 self.g_mask_rows = torch.full((max_batch,), -1, dtype=torch.long, device=self.runner.device)
                 self.g_bitmask = torch.zeros(max_batch, bitmask.shape[1], dtype=torch.int32, device=self.runner.device)
-            self.g_mask_rows[:size].copy_(to_device(mapped, torch.long, self.runner.device))
-            self._masked_key = (rows, n, size)
+            self.g_mask_rows[:size].copy_(to_device(mask_rows(rows, size), torch.long, self.runner.device))
+            self._masked_key = (rows, size)
         self.g_bitmask[:len(rows)].copy_(bitmask)
         if size not in self.masked:
             from service.engine.runner import triton_sampling  # (Triton: CUDA only)

@@ -16,6 +16,7 @@ indices; a step with no such row costs nothing here. Slots are reused on demand:
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from service.engine.runner.pinned_upload import to_device
@@ -39,6 +40,14 @@ class _Plan(NamedTuple):
     penalized: tuple[torch.Tensor, torch.Tensor] | None  # (rows, slots) with a penalty
     repetition: bool  # any row with a repetition penalty
     ones: torch.Tensor  # [penalized rows] int32, what record adds
+
+
+def mask_rows(rows: list[int], size: int) -> np.ndarray:
+    """[size] int64: each of a step's `size` rows' row of the grammars' bitmask (`rows`: the masked rows, in the
+    bitmask's order), -1 for a row without one: what `triton_sampling.row_max` takes."""
+    mapped = np.full(size, -1, dtype=np.int64)
+    mapped[rows] = np.arange(len(rows))
+    return mapped
 
 
 class LogitEdits:
@@ -125,12 +134,9 @@ class LogitEdits:
         return plan
 
     def _mask_rows(self, rows: list[int], size: int) -> torch.Tensor:
-        """[size] int64 on the device: each row's row of the masks (`rows` lists the masked rows), -1 for none."""
+        """`mask_rows` on the device (the last step's again while its rows and size stay)."""
         if self._mask_map is None or self._mask_map[0] != rows or len(self._mask_map[1]) != size:
-            mapped = [-1] * size
-            for i, row in enumerate(rows):
-                mapped[row] = i
-            self._mask_map = rows, to_device(mapped, torch.long, self.device)
+            self._mask_map = rows, to_device(mask_rows(rows, size), torch.long, self.device)
         return self._mask_map[1]
 
     def _mask(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
