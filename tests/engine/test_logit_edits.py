@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.engine import SamplingParams
-from service.engine.runner.logit_edits import LogitEdits
+from service.engine.runner.logit_edits import LogitEdits, mask_rows
 from service.engine.sequence import Sequence
 from tests.conftest import make_engine
 
@@ -172,6 +172,5 @@ def test_bits_pack_and_unpack_in_xgrammars_layout(rows, n, data):
 
 def test_mask_rows_maps_each_row_to_its_row_of_the_bitmask():
     """What row_max and the decode graphs' masked maxima take: a masked row's row of the bitmask, -1 elsewhere."""
-    from service.engine.runner.logit_edits import mask_rows
     assert mask_rows([3, 1], 5).tolist() == [-1, 1, -1, 0, -1]
     assert mask_rows([], 2).tolist() == [-1, -1]
