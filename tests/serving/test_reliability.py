@@ -257,7 +257,8 @@ def inject_faults(engine, monkeypatch, faults: list):
     runner = engine.runner
     forward, sample = runner.forward, runner.sampler
 
-    def nan_once(logits, seqs, masks=None, argmax=None):  # (a graph's argmax was of the logits before: dropped)
+    def nan_once(logits, seqs, masks=None, argmax=None, masked=None):  # (a graph's argmax and masked maxima are of
+        # the logits before: dropped)
         runner.sampler = sample
         return sample(torch.full_like(logits, float("nan")), seqs, masks)
 
