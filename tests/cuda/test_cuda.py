@@ -698,9 +698,9 @@ def test_cuda_nan_logits_fail_the_step_and_the_engine_serves_on(tiny_cuda):
     for _ in range(3):  # past prefill, into graph-replayed decode steps
         engine.step()
     sample = engine.runner.sampler
-    # (the graph's argmax, of the logits before, is dropped)
-    engine.runner.sampler = lambda logits, seqs, masks, argmax=None: sample(torch.full_like(logits, float("nan")),
-                                                                            seqs, masks)
+    # (the graph's argmax and masked maxima, of the logits before, are dropped)
+    engine.runner.sampler = lambda logits, seqs, masks, argmax=None, masked=None: sample(
+        torch.full_like(logits, float("nan")), seqs, masks)
     try:
         failed = engine.step()
     finally:
