@@ -126,9 +126,9 @@ def test_a_failed_step_leaves_nothing_in_the_prefix_cache(tiny_model, monkeypatc
     engine.add_sequence(seq)
     real = engine.runner.sampler.__class__.__call__
 
-    def fail(self, logits, seqs):
-        result = real(self, logits, seqs)
-        result.read = lambda: (_ for _ in ()).throw(RuntimeError("device fault"))
+    def fail(self, logits, seqs, *rest):
+        result = real(self, logits, seqs, *rest)
+        result.read = lambda *args: (_ for _ in ()).throw(RuntimeError("device fault"))
         return result
     monkeypatch.setattr(type(engine.runner.sampler), "__call__", fail)
     outs = engine.step()
