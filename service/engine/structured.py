@@ -7,9 +7,8 @@ grammar against the tokenizer's vocabulary once, in a thread beside its loop, an
 sequence then has a matcher that takes each token it samples and fills its row of a token bitmask for the next
 sample; the sampler's LogitEdits applies the bitmask (runner/logit_edits.py). With overlap the matchers of a step take
 the step before's tokens and fill their masks in a thread of their own (xgrammar's batch calls let go of the GIL)
-while the device runs the step's forward pass and the engine's thread reads the step before back; on CUDA the sampler
-is launched at once and waits on the device for the masks (runner/host_gate.py). A grammar that is complete allows
-nothing but a stop token: the sequence samples one, and ends there.
+while the engine's thread reads that step back (llm_engine.py: the sampler launches after that read-back). A grammar
+that is complete allows nothing but a stop token: the sequence samples one, and ends there.
 """
 
 import json
@@ -43,8 +42,9 @@ _COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
 COMPILE_TIMEOUT_S = 10.0  # a grammar not compiled by then fails its request (it goes on compiling, then is cached)
 SEPARATORS = (",", ":")  # compact JSON: a small model cannot wander in whitespace
 # seconds: the GIL switch interval of an engine that fills masks beside its read-back (overlap). The fill's thread needs
-# the GIL for moments between its C++ calls (which let go of it), while the engine's thread reads back a step: by
-# default Python hands the GIL over only after 5 ms
+# the GIL for a moment after its C++ work (which lets go of it), while the engine's thread reads back a step: by
+# default Python hands the GIL over only after 5 ms. (For the moment before it, `fill` waits: a thread that only asks
+# for it began 0.19-0.6 ms late on the H200 machines' hosts, even at this interval)
 SWITCH_INTERVAL = 5e-5
 
 
@@ -283,8 +283,8 @@ class Grammars:
         """Start filling the token masks of the constrained rows of a step about to sample `seqs` (it has some), in
         the masks' thread, or here with `inline`.
         `taken`: (the sequences of the step before, its SampleResult), whose tokens the host has not handed to them
-        yet: in the same thread, their grammars take them first, as soon as they are on the host (`wait(failure)`;
-        a sequence that finished since drops its token). A row whose grammar takes a stop token gets a mask that
+        yet: in the same thread, their grammars take them first, as soon as they are on the host (`read(failure)`; a
+        sequence that finished since drops its token). A row whose grammar takes a stop token gets a mask that
         allows every token (its sequence ends at the read-back; its token will be dropped).
         `gate` (runner/host_gate.py: CUDA, with overlap): the fill opens its ticket once the masks are in `host`, and
         the device waits for that before it copies them; without one, the caller waits for `done` before the sampler
@@ -317,9 +317,8 @@ class Grammars:
                 tokens = verdicts = None
                 if take:
                     try:
-                        source.wait(failure)  # (without the GIL)
-                        tokens = source.token_array().tolist()
-                    except Exception:  # a device fault: that step fails at its read-back (as with NaN logits)
+                        tokens = source.read(failure)[0]  # (waits for the device, without the GIL)
+                    except Exception:  # NaN logits or a device fault: that step fails at its read-back
                         pass
                 begin = time.perf_counter()
                 indices, fill = None, matchers

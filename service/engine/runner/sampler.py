@@ -57,7 +57,17 @@ class SampleResult:
         raises RankFailedError when it names a reason: a collective whose peer is gone never ends on the device."""
         if self._read is not None:
             return self._read
-        self.waited = self.wait(failure)
+        if self._event is not None:
+            begin = time.perf_counter()
+            if failure is None:
+                self._event.synchronize()
+            else:
+                while not self._event.query():
+                    if why := failure():
+                        raise RankFailedError(why)
+                    time.sleep(0)  # (the watcher, which names the failure, gets the GIL)
+            self.waited = time.perf_counter() - begin
+            self._ring.check(self._slot, self._generation)
         token_ids, top, *extra = self._host
         tokens = token_ids.tolist()
         if np.isnan(top).any():  # a NaN makes the argmax meaningless: fail the step rather than emit garbage
@@ -69,22 +79,6 @@ class SampleResult:
                 logprobs[row] = (chosen[j], list(zip(top_i[j][:k], top_v[j][:k])))
         self._read = tokens, logprobs
         return self._read
-
-    def wait(self, failure: Callable[[], str | None] | None = None) -> float:
-        """Wait for the copy (`read`'s wait, for any thread: the masks' thread then takes the tokens from
-        `token_array`); the seconds it waited."""
-        if self._event is None:
-            return 0.0
-        begin = time.perf_counter()
-        if failure is None:
-            self._event.synchronize()
-        else:
-            while not self._event.query():
-                if why := failure():
-                    raise RankFailedError(why)
-                time.sleep(0)  # (the watcher, which names the failure, gets the GIL)
-        self._ring.check(self._slot, self._generation)
-        return time.perf_counter() - begin
 
     def token_array(self) -> np.ndarray:
         """The token ids `read` returned, as the host's array: the ring's slot itself, to be read before the ring
