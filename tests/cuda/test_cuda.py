@@ -603,7 +603,6 @@ def test_cuda_constrained_requests_match_their_grammar_alone_batched_and_preempt
     one = engine(enable_prefix_caching=False)
     alone = [one.generate([p], sp)[0] for p, sp in zip(ps, params)]
     assert one.runner.decode_graphs.masked  # a greedy constrained request alone: its masked maxima in a graph
-    assert (one.runner.gate.word.item() > 10) == overlap  # with overlap, the sampler waited for each step's masks
     batched = engine()
     assert [o["token_ids"] for o in batched.generate(ps, params)] == [o["token_ids"] for o in alone]
     assert batched.runner.graphs and batched.runner.mixed_graphs.replays > 0  # the graphs stay on
@@ -624,42 +623,6 @@ def test_cuda_constrained_requests_match_their_grammar_alone_batched_and_preempt
             if sp.structured.kind == "json_schema":
                 assert list(value) == ["name", "age", "city"] and value["city"] in PERSON["properties"]["city"]["enum"]
                 assert isinstance(value["age"], int) and 0 <= value["age"] <= 150 and len(value["name"]) <= 12
-
-
-def test_cuda_host_gate_holds_the_stream_until_the_host_opens_it_or_its_time_limit():
-    from service.engine.runner.host_gate import HostGate
-    gate, x = HostGate(timeout=60), torch.zeros(4, device="cuda")
-    first = gate.ticket()
-    gate.wait(first)
-    x.add_(1)
-    passed = torch.cuda.Event()
-    passed.record()
-    assert not passed.query()  # (nothing opens it until the next line)
-    gate.open(first)
-    passed.synchronize()
-    assert x.tolist() == [1.0] * 4 and not gate.expired(first)
-    gate.timeout = 0.05
-    late = gate.ticket()
-    gate.wait(late)
-    x.add_(1)
-    torch.cuda.synchronize()  # (returns: the wait ends at its time limit)
-    assert gate.expired(late) and x.tolist() == [2.0] * 4
-    gate.open(late)
-    after = gate.ticket()
-    gate.open(after)
-    gate.wait(after)
-    torch.cuda.synchronize()
-    assert not gate.expired(after) and gate.expired(late)
-    gate.close()
-    gate.wait(gate.ticket())  # (closed: every wait passes)
-    torch.cuda.synchronize()
-
-
-def test_cuda_masks_past_the_gates_time_limit_fail_their_step_and_the_engine_serves_on(worded_tiny_cuda, monkeypatch):
-    from tests.engine.test_engine_grammars import a_fill_held_past_the_gate_fails_its_step
-    engine = make_engine(worded_tiny_cuda, device="cuda", overlap=True)
-    engine.runner.gate.timeout = 0.2
-    a_fill_held_past_the_gate_fails_its_step(engine, monkeypatch)
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -210,35 +210,28 @@ class DecodeGraphs:
     def masked_max(self, n: int, rows: list[int], bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The last replay's (`n` rows) row maxima and argmax with the grammars' masks applied (`rows`, the masked
         rows; `bitmask`, [rows, words] int32 on the device), for a step whose rows are all plain greedy but for their
-        masks: `triton_sampling.row_max` in a graph of its own for the replay's size (`masked_graph`), over that
+        masks: `triton_sampling.row_max` in a graph of its own for the replay's size, captured at first use, over that
         graph's logits (a launch instead of the kernels' two and their tensors: the sampler's launch took 0.24 ms
         against 0.41 on an H200 machine's host). The masks go into a buffer of the graph's; the rows' map to them only
         when it changes."""
-        size = self.masked_graph(n, bitmask.shape[1])
+        size = next(s for s in self.graph_sizes if s >= n)
         if self._masked_key != (rows, size):
+            if self.g_mask_rows is None:
+                max_batch = max(self.graph_sizes)
+                self.g_mask_rows = torch.full((max_batch,), -1, dtype=torch.long, device=self.runner.device)
+                self.g_bitmask = torch.zeros(max_batch, bitmask.shape[1], dtype=torch.int32, device=self.runner.device)
             self.g_mask_rows[:size].copy_(to_device(mask_rows(rows, size), torch.long, self.runner.device))
             self._masked_key = (rows, size)
         self.g_bitmask[:len(rows)].copy_(bitmask)
+        if size not in self.masked:
+            from service.engine.runner import triton_sampling  # (Triton: CUDA only)
+
+            logits = self.graphs[size][1]
+            self.masked[size] = capture_call(
+                lambda: triton_sampling.row_max(logits, None, (self.g_mask_rows[:size], self.g_bitmask)))
         graph, (top, tokens) = self.masked[size]
         graph.replay()
         return top[:n], tokens[:n]
-
-    def masked_graph(self, n: int, words: int) -> int:
-        """The size of `masked_max`'s graph for `n` rows (masks of `words` words a row), captured now if it was not
-        yet: before the device waits for the masks (runner/host_gate.py), as a capture waits for the device."""
-        size = next(s for s in self.graph_sizes if s >= n)
-        if size in self.masked:
-            return size
-        if self.g_mask_rows is None:
-            max_batch = max(self.graph_sizes)
-            self.g_mask_rows = torch.full((max_batch,), -1, dtype=torch.long, device=self.runner.device)
-            self.g_bitmask = torch.zeros(max_batch, words, dtype=torch.int32, device=self.runner.device)
-        from service.engine.runner import triton_sampling  # (Triton: CUDA only)
-
-        logits = self.graphs[size][1]
-        self.masked[size] = capture_call(
-            lambda: triton_sampling.row_max(logits, None, (self.g_mask_rows[:size], self.g_bitmask)))
-        return size
 
     def mirrored(self, size: int, tables: tuple[int, int, int]) -> list[torch.Tensor]:
         """The input buffers a replay fills (padding included), and the block-table rows it changed."""

@@ -234,23 +234,3 @@ def mask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> Non
     if len(rows):
         _mask_kernel[(len(rows), triton.cdiv(vocab, MASK_BLOCK))](
             logits, logits.stride(0), rows, bitmask, bitmask.shape[1], vocab, BLOCK=MASK_BLOCK, num_warps=4)
-
-
-@triton.jit(do_not_specialize=["ticket"])
-def _wait_kernel(WORD, EXPIRED, ticket, slots, timeout_ns):
-    """One program polls WORD (pinned host memory, over the bus) until it reaches `ticket`, or `timeout_ns` have
-    passed: then it writes `ticket` into its slot of EXPIRED (host memory too) and the stream goes on."""
-    start = tl.extra.cuda.globaltimer()
-    opened = tl.load(WORD, volatile=True)
-    while opened < ticket:
-        if tl.extra.cuda.globaltimer() - start > timeout_ns:
-            tl.store(EXPIRED + ticket % slots, ticket)
-            opened = opened * 0 + ticket
-        else:
-            opened = tl.load(WORD, volatile=True)
-
-
-def wait_for_host(word: torch.Tensor, expired: torch.Tensor, ticket: int, timeout_ns: int) -> None:
-    """Queue `_wait_kernel` on the current stream: what follows on it runs once the host set `word` to `ticket` (or
-    more), or when `timeout_ns` have passed."""
-    _wait_kernel[(1,)](word, expired, ticket, len(expired), timeout_ns)
