@@ -321,6 +321,8 @@ class LLMEngine:
                 return _Launched(batch, phase, sampled, None, start, logits, fill)
             masks, seconds, _ = self.grammars.ready(fill, self.device)  # (none refused: nothing taken ahead)
             self._mask_seconds += seconds
+        elif self.grammars is not None:
+            self.grammars.forget()  # no constrained row: the last constrained step's sequences are let go
         result = self.runner.sample(sampled, logits, masks)
         return _Launched(batch, phase, sampled, result, start)
 

@@ -182,7 +182,7 @@ class Grammars:
         self._turn = 0
         self._max_rows = max_rows
         self._batch = None  # xgrammar's batch matcher, made at the first step that needs it
-        self._last = None  # the last step's sequences, their constrained rows and matchers
+        self._last = None  # the last constrained step's sequences, their constrained rows and matchers (`_rows`)
 
     @staticmethod
     def _new_compiler(tokenizer, vocab_size: int, stop_token_ids: list[int]):
@@ -258,6 +258,10 @@ class Grammars:
             self._last = seqs, rows, owners, [s.matcher for s in owners]
         return self._last[1:]
 
+    def forget(self) -> None:
+        """Let go of the last step's sequences (`_rows`): a step without constrained rows ran."""
+        self._last = None
+
     def _matcher(self):
         """xgrammar's batch matcher, on one thread: a row's mask takes a microsecond or two, and xgrammar starts its
         threads for each call (256 rows in an array of integers on the H200 machine's host: 0.44 ms on one thread,
@@ -331,7 +335,8 @@ class Grammars:
     @staticmethod
     def ready(fill: Future | None, device) -> tuple[tuple[list[int], "torch.Tensor"] | None, float, list]:
         """Wait for a `fill`: ((rows, [rows, words] int32 on `device`, one bit per token, 1 where allowed), or None
-        when no row is masked; the seconds the fill took; the sequences whose grammar refused the token it was given)."""
+        when no row is masked; the seconds the fill took; the sequences whose grammar refused the token it was
+        given)."""
         if fill is None:
             return None, 0.0, []
         rows, host, seconds, owners, verdicts = fill.result()

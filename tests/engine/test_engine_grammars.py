@@ -2,8 +2,10 @@
 end with their grammar, batched and overlapped like any request, and nothing left behind."""
 
 import dataclasses
+import gc
 import json
 import threading
+import weakref
 
 import pytest
 import torch
@@ -89,6 +91,22 @@ def test_constrained_rows_give_the_same_tokens_alone_batched_and_preempted(worde
     for out in alone[:2]:
         if out["finish_reason"] == "stop":
             jsonschema.validate(json.loads(out["text"]), PERSON)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_finished_constrained_requests_are_let_go(worded_tiny, overlap):
+    """Once a step without constrained rows runs, nothing keeps the sequences of finished constrained requests (nor
+    their matchers with them)."""
+    engine = make_engine(worded_tiny, overlap=overlap)
+    params = SamplingParams(max_tokens=10, temperature=0, structured=StructuredOutput("json_object"))
+    ids = [engine.add_request(prompt, params) for prompt in ("a", "b")]
+    gone = [weakref.ref(engine.seqs[i]) for i in ids]
+    while engine.has_unfinished():
+        engine.step()
+    engine.generate(["c"], SamplingParams(max_tokens=3))
+    gc.collect()
+    assert not any(ref() for ref in gone)
+    engine.close()
 
 
 def test_the_engine_process_takes_constrained_rows_as_single_checks_do(worded_tiny, monkeypatch):
