@@ -285,6 +285,10 @@ class LLMEngine:
             outputs += self._read_back(launched)
         elif not had_in_flight:  # no step ran or was read back: report the engine's state all the same
             self._observe([], batch=batch)
+        if not self.has_unfinished():  # idle: the last steps' sequences, all finished, are let go
+            self.runner.forget()
+            if self.grammars is not None:
+                self.grammars.forget()
         return outputs
 
     def _read_in_flight(self) -> list[RequestOutput]:

@@ -155,6 +155,10 @@ class ModelRunner:
         self._fed = (result.token_ids, seqs, rows)
         return result
 
+    def forget(self) -> None:
+        """Let go of the last launch's samples and sequences: nothing runs any more, so no token of it is pending."""
+        self._fed = self._argmax = None
+
     def _eager(self, batch: ScheduledBatch, decode_only: bool, sample_rows: list[int],
                wanted: "prompt_logprobs.Wanted | None" = None) -> torch.Tensor | None:
         """The step outside the CUDA graphs: the logits at `sample_rows` (None when no row samples), and the
