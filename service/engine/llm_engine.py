@@ -42,6 +42,7 @@ class _Launched:
     # a constrained step with overlap: its forward pass's logits and its masks filling, until its sampler launches
     logits: torch.Tensor | None = None
     masks: concurrent.futures.Future | None = None
+    constrained: bool = False  # some of its rows sample under a grammar
     taken: bool = False  # its constrained rows' grammars took its tokens ahead of its read-back (the next step's fill)
     # the decode steps launched behind this one over the same batch, before the host reads any back (decode_steps)
     then: list["_Launched"] = field(default_factory=list)
@@ -106,7 +107,9 @@ class LLMEngine:
         # reported with the next step (_grammar_stats): grammars found compiled, each request's wait for its grammar,
         # host time spent on masks
         self._grammar_hits, self._grammar_waits, self._mask_seconds = 0, [], 0.0
-        self._taken_ahead = False  # whether the step being read back had its tokens taken by their grammars ahead
+        # whether the step being read back has constrained rows whose grammars take their tokens there (none took
+        # them ahead)
+        self._grammars_take = False
 
     def _start_parallel(self, config: EngineConfig, loaded: LoadedModel | None) -> tuple[EngineConfig, LoadedModel]:
         from service.engine.parallel import TensorParallelGroup, load_shard
@@ -307,7 +310,8 @@ class LLMEngine:
         sampled, logits = self.runner.forward(batch)
         self.scheduler.advance(batch, sampled)
         masks = None
-        if self.grammars is not None and any(s.matcher is not None for s in sampled):
+        constrained = self.grammars is not None and any(s.matcher is not None for s in sampled)
+        if constrained:
             previous, taken = self._in_flight, None  # (without overlap there is none: read back already)
             if previous is not None and previous.result is not None:
                 try:
@@ -322,13 +326,13 @@ class LLMEngine:
             if taken is not None:
                 previous.taken = True
             if self.overlap and fill is not None:
-                return _Launched(batch, phase, sampled, None, start, logits, fill)
+                return _Launched(batch, phase, sampled, None, start, logits, fill, constrained)
             masks, seconds, _ = self.grammars.ready(fill, self.device)  # (none refused: nothing taken ahead)
             self._mask_seconds += seconds
         elif self.grammars is not None:
             self.grammars.forget()  # no constrained row: the last constrained step's sequences are let go
         result = self.runner.sample(sampled, logits, masks)
-        return _Launched(batch, phase, sampled, result, start)
+        return _Launched(batch, phase, sampled, result, start, constrained=constrained)
 
     def _sample_deferred(self) -> list[RequestOutput]:
         """Launch the sampler of the constrained step in flight once its masks are filled. A failed fill fails that
@@ -428,7 +432,7 @@ class LLMEngine:
         launched behind it (`then`) are read back with it; each is reported with an even share of their time, and in
         the engine process a request's tokens of them go in one row."""
         parts, reads, failure = [step, *step.then], [], None
-        self._taken_ahead = step.taken
+        self._grammars_take = step.constrained and not step.taken
         for part in parts:
             try:
                 reads.append(part.result.read(self._rank_failure) if part.result else ([], []))
@@ -576,7 +580,7 @@ class LLMEngine:
         going = lengths + len(tokens) < np.fromiter(map(_length_at, seqs), np.int64, len(seqs))  # (-1: never short)
         for eos in self._eos:  # (a few ids: np.isin costs three times as much)
             going &= (tokens != eos).all(axis=0)
-        if self.grammars is not None and not self._taken_ahead:
+        if self._grammars_take:
             for row, seq in enumerate(seqs):
                 if seq.matcher is not None:
                     going[row] = False
@@ -589,7 +593,7 @@ class LLMEngine:
             return "length"
         if seq.matcher is not None:  # its grammar takes the token (unless it took it ahead: `_sample_deferred`
             # ends a request whose grammar refused it); a stop token, which only a complete grammar allows, ends it
-            if not self._taken_ahead and not self.grammars.accept(seq.matcher, token):
+            if self._grammars_take and not self.grammars.accept(seq.matcher, token):
                 log.error("request %s: token %d breaks its grammar", seq.request_id, token)
                 return "error"
             if token in self.grammars.stops:
