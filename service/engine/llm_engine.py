@@ -24,7 +24,7 @@ from service.engine.messages import sample_id
 from service.engine.sampling import SamplingParams, check_request, sample_seed, tokenize
 from service.engine.scheduler import ScheduledBatch, Scheduler
 from service.engine.sequence import Sequence
-from service.engine.structured import SWITCH_INTERVAL, Grammars
+from service.engine.structured import SWITCH_INTERVAL, Fill, Grammars
 
 log = logging.getLogger(__name__)
 _token_ids, _length_at = operator.attrgetter("token_ids"), operator.attrgetter("length_at")
@@ -39,9 +39,7 @@ class _Launched:
     sampled: list[Sequence]  # the sequences that sample in it, in the order of result's rows
     result: SampleResult | None
     start: float
-    # a constrained step with overlap: its forward pass's logits and its masks filling, until its sampler launches
-    logits: torch.Tensor | None = None
-    masks: concurrent.futures.Future | None = None
+    masks: Fill | None = None  # its constrained rows' masks (a step with some), until it is read back
     constrained: bool = False  # some of its rows sample under a grammar
     taken: bool = False  # its constrained rows' grammars took its tokens ahead of its read-back (the next step's fill)
     # the decode steps launched behind this one over the same batch, before the host reads any back (decode_steps)
@@ -282,8 +280,6 @@ class LLMEngine:
         outputs += self._read_in_flight()
         if launched is not None and self.overlap:
             self._in_flight = launched
-            if launched.masks is not None:  # filled while the step before was read back
-                outputs += self._sample_deferred()
         elif launched is not None:
             outputs += self._read_back(launched)
         elif not had_in_flight:  # no step ran or was read back: report the engine's state all the same
@@ -299,59 +295,30 @@ class LLMEngine:
         return self._read_back(step) if step is not None else []
 
     def _launch(self, batch: ScheduledBatch, start: float) -> "_Launched":
-        """Launch the step. One that samples constrained rows is split: the forward pass is launched, then the host
-        waits for the step in flight's tokens, the grammars take them, and the masks start filling. With overlap
-        the masks fill in their thread while this one reads back the step in flight, and the sampler launches after
-        that read-back (`_sample_deferred`, which waits for the masks if they are not filled yet; waiting only before
-        the next forward pass, to hide the scheduling too, left the device idle more often than it gained on the
-        H200). Without overlap the sampler launches once they are filled. Other steps launch forward pass and sampler
-        at once."""
+        """Launch the step: its forward pass, then its sampler. For a step that samples constrained rows, the masks
+        start filling in between (structured.Grammars.fill), their grammars taking the step in flight's tokens first
+        as soon as they are on the host. On CUDA with overlap the sampler is launched at once, behind a gate where the
+        device waits for the masks (runner/host_gate.py): the host waits for nothing, and the masks fill while the
+        device runs the forward pass. Elsewhere the host waits for the masks before it launches the sampler."""
         phase = batch.phase  # before num_computed_tokens moves
         sampled, logits = self.runner.forward(batch)
         self.scheduler.advance(batch, sampled)
-        masks = None
+        masks = fill = None
         constrained = self.grammars is not None and any(s.matcher is not None for s in sampled)
         if constrained:
-            previous, taken = self._in_flight, None  # (without overlap there is none: read back already)
-            if previous is not None and previous.result is not None:
-                try:
-                    taken = previous.sampled, previous.result.read(self._rank_failure)[0]
-                except EngineDeadError:
-                    raise
-                except Exception:  # NaN logits or a device fault: its read-back fails that step, next
-                    pass
-            begin = time.perf_counter()  # the wait for the tokens is the device's time, not the masks'
-            fill = self.grammars.fill(sampled, self.device, taken, inline=not self.overlap)
-            self._mask_seconds += time.perf_counter() - begin
+            previous = self._in_flight  # (without overlap there is none: read back already)
+            taken = (previous.sampled, previous.result) if previous is not None and previous.result else None
+            gate = self.runner.gate if self.overlap else None
+            fill = self.grammars.fill(sampled, self.device, taken, gate, self._rank_failure, not self.overlap)
             if taken is not None:
                 previous.taken = True
-            if self.overlap and fill is not None:
-                return _Launched(batch, phase, sampled, None, start, logits, fill, constrained)
-            masks, seconds, _ = self.grammars.ready(fill, self.device)  # (none refused: nothing taken ahead)
-            self._mask_seconds += seconds
+            if gate is None:
+                concurrent.futures.wait([fill.done])  # (a failed fill fails the step at its read-back)
+            masks = fill.rows, fill.host, fill.ticket
         elif self.grammars is not None:
             self.grammars.forget()  # no constrained row: the last constrained step's sequences are let go
         result = self.runner.sample(sampled, logits, masks)
-        return _Launched(batch, phase, sampled, result, start, constrained=constrained)
-
-    def _sample_deferred(self) -> list[RequestOutput]:
-        """Launch the sampler of the constrained step in flight once its masks are filled. A failed fill fails that
-        step; a request whose grammar refused the token it took ahead (which its mask should have ruled out) ends
-        with an error."""
-        step = self._in_flight
-        fill, step.masks = step.masks, None
-        logits, step.logits = step.logits, None
-        try:
-            masks, seconds, refused = self.grammars.ready(fill, self.device)
-            self._mask_seconds += seconds
-            step.result = self.runner.sample(step.sampled, logits, masks)
-        except Exception as exc:
-            log.exception("the masks of an engine step failed; failing its %d requests", len(step.batch.seqs))
-            self._in_flight = None
-            return self._fail(step.batch, exc)
-        for seq in refused:
-            log.error("request %s: token %d breaks its grammar", seq.request_id, seq.token_ids[-1])
-        return self._end_with_error([seq for seq in refused if not seq.is_finished], time.perf_counter())
+        return _Launched(batch, phase, sampled, result, start, fill, constrained=constrained)
 
     def _more_steps(self, batch: ScheduledBatch, launched: "_Launched") -> int:
         """How many more decode steps of the same batch to launch behind `launched` before the host reads any back
@@ -431,7 +398,7 @@ class LLMEngine:
         """Wait for a launched step's tokens, hand them to the scheduler's postprocess, and report the step. The steps
         launched behind it (`then`) are read back with it; each is reported with an even share of their time, and in
         the engine process a request's tokens of them go in one row."""
-        parts, reads, failure = [step, *step.then], [], None
+        parts, reads, failure, refused = [step, *step.then], [], None, []
         self._grammars_take = step.constrained and not step.taken
         for part in parts:
             try:
@@ -441,6 +408,15 @@ class LLMEngine:
             except Exception as exc:  # a device fault (or NaN logits) surfaces here, when the host waits for the step
                 failure = exc
                 break
+        if step.masks is not None and failure is None:  # (a constrained step: one part)
+            try:
+                seconds, refused = self.grammars.ready(step.masks)
+                self._mask_seconds += seconds
+            except Exception as exc:  # the fill failed: the step's tokens, sampled with its masks, are void
+                failure, reads = exc, []
+            for seq in refused:  # (its token of this step is dropped)
+                log.error("request %s: token %d breaks its grammar", seq.request_id, seq.token_ids[-1])
+            refused = self._end_with_error([seq for seq in refused if not seq.is_finished], time.perf_counter())
         if failure is None and self.rows and self.detokenizer.tokenizer is None and step.phase == "decode" and all(
                 part.result is not None and not part.result.logprob_rows for part in parts):
             taken = self._take_rows(parts, reads)
@@ -453,7 +429,7 @@ class LLMEngine:
         duration = (end - max(step.start, self._last_read_back)) / len(parts)
         wait = sum(part.result.waited for part in parts if part.result) / len(parts)
         self._last_read_back = end
-        outputs = []
+        outputs = refused
         for part, (rows, first_tokens, finished) in zip(parts, taken):
             self._observe(rows, first_tokens, finished, part.batch, part.phase, duration, device_wait=wait)
             outputs += rows
@@ -591,7 +567,7 @@ class LLMEngine:
         if p.max_tokens == 0:  # the prompt only: its one sample is dropped
             seq.token_ids.pop()
             return "length"
-        if seq.matcher is not None:  # its grammar takes the token (unless it took it ahead: `_sample_deferred`
+        if seq.matcher is not None:  # its grammar takes the token (unless it took it ahead: `_read_back`
             # ends a request whose grammar refused it); a stop token, which only a complete grammar allows, ends it
             if self._grammars_take and not self.grammars.accept(seq.matcher, token):
                 log.error("request %s: token %d breaks its grammar", seq.request_id, token)

@@ -7,14 +7,14 @@ grammar against the tokenizer's vocabulary once, in a thread beside its loop, an
 sequence then has a matcher that takes each token it samples and fills its row of a token bitmask for the next
 sample; the sampler's LogitEdits applies the bitmask (runner/logit_edits.py). With overlap the matchers of a step take
 the step before's tokens and fill their masks in a thread of their own (xgrammar's batch calls let go of the GIL)
-while the engine's thread reads that step back (llm_engine.py: the sampler launches after that read-back). A grammar
-that is complete allows nothing but a stop token: the sequence samples one, and ends there.
+while the device runs the step's forward pass and the engine's thread reads the step before back; on CUDA the sampler
+is launched at once and waits on the device for the masks (runner/host_gate.py). A grammar that is complete allows
+nothing but a stop token: the sequence samples one, and ends there.
 """
 
 import json
 import logging
 import re
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,9 +43,8 @@ _COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
 COMPILE_TIMEOUT_S = 10.0  # a grammar not compiled by then fails its request (it goes on compiling, then is cached)
 SEPARATORS = (",", ":")  # compact JSON: a small model cannot wander in whitespace
 # seconds: the GIL switch interval of an engine that fills masks beside its read-back (overlap). The fill's thread needs
-# the GIL for a moment after its C++ work (which lets go of it), while the engine's thread reads back a step: by
-# default Python hands the GIL over only after 5 ms. (For the moment before it, `fill` waits: a thread that only asks
-# for it began 0.19-0.6 ms late on the H200 machines' hosts, even at this interval)
+# the GIL for moments between its C++ calls (which let go of it), while the engine's thread reads back a step: by
+# default Python hands the GIL over only after 5 ms
 SWITCH_INTERVAL = 5e-5
 
 
@@ -162,6 +161,16 @@ def _reason(exc: Exception) -> str:
     return tail if sep and ".cc:" in head else text
 
 
+@dataclass
+class Fill:
+    """The token masks of a step's constrained rows, filling (`Grammars.fill`)."""
+
+    rows: list[int]  # the step's rows that have a mask, in the masks' order
+    host: "torch.Tensor"  # [rows, words] int32, one bit per token, 1 where allowed (pinned, on CUDA)
+    ticket: int | None  # the gate's ticket that the fill opens (runner/host_gate.py), if any
+    done: Future  # the fill's seconds, the sequences that took tokens ahead and their grammars' verdicts
+
+
 class Grammars:
     """The engine process's side: a compiler over the tokenizer's vocabulary (built at first use), compiles in
     threads beside the engine loop, the compiled grammars of recent requests (at most CACHE_ENTRIES), and the step's
@@ -272,32 +281,27 @@ class Grammars:
             self._batch = xgrammar.BatchGrammarMatcher(max_threads=1)
         return self._batch
 
-    def fill(self, seqs: list, device, taken: tuple[list, list[int]] | None = None,
-             inline: bool = False) -> Future | None:
-        """Start filling the token masks of the constrained rows of a step about to sample `seqs`, in the mask
-        thread, or here with `inline` (the caller waits for them at once); None when there is nothing to do.
-        `taken`: (the sequences of the step before, the tokens it sampled), which the host has read but not handed to
-        them yet: their grammars take them first, in the same thread (a sequence that finished since drops its
-        token). A row whose grammar takes a stop token gets no mask (its sequence ends at the read-back; its token
-        will be dropped). Their matchers have taken every other token before. Until `ready` has its result, no
-        matcher of `seqs` or `taken` may be used."""
+    def fill(self, seqs: list, device, taken: "tuple[list, object] | None" = None, gate=None, failure=None,
+             inline: bool = False) -> Fill:
+        """Start filling the token masks of the constrained rows of a step about to sample `seqs` (it has some), in
+        the masks' thread, or here with `inline`.
+        `taken`: (the sequences of the step before, its SampleResult), whose tokens the host has not handed to them
+        yet: in the same thread, their grammars take them first, as soon as they are on the host (`wait(failure)`;
+        a sequence that finished since drops its token). A row whose grammar takes a stop token gets a mask that
+        allows every token (its sequence ends at the read-back; its token will be dropped).
+        `gate` (runner/host_gate.py: CUDA, with overlap): the fill opens its ticket once the masks are in `host`, and
+        the device waits for that before it copies them; without one, the caller waits for `done` before the sampler
+        reads them. Until the step is read back (`ready`), no matcher of `seqs` or `taken` may be used."""
         rows, owners, matchers = self._rows(seqs)
-        take, tokens = (), ()  # the matchers that take tokens first (of `owners`), and the tokens
+        take, pick = (), None  # the matchers that take tokens first, and which rows of the step before are theirs
         if taken is not None:
-            before, tokens = taken
+            before, source = taken
             if before == seqs:  # (steady decode: the same rows)
-                take = matchers
-                tokens = tokens if len(rows) == len(seqs) else [tokens[i] for i in rows]
+                take, pick = matchers, None if len(rows) == len(seqs) else rows
             else:
-                picked = [i for i, s in enumerate(before) if s.matcher is not None and not s.is_finished]
-                owners = [before[i] for i in picked]
-                take, tokens = [s.matcher for s in owners], [tokens[i] for i in picked]
-            if not self.stops.isdisjoint(tokens):  # a grammar ends (once a request): no mask for it
-                ended = {id(m) for m, t in zip(take, tokens) if t in self.stops}
-                kept = [j for j, m in enumerate(matchers) if id(m) not in ended]
-                rows, matchers = [rows[j] for j in kept], [matchers[j] for j in kept]
-        if not rows and not take:
-            return None
+                pick = [i for i, s in enumerate(before) if s.matcher is not None and not s.is_finished]
+                owners = [before[i] for i in pick]
+                take = [s.matcher for s in owners]
         import xgrammar
 
         if self._buffers is None:  # two, used in turn: a step's masks may still be uploading while the next fills
@@ -306,42 +310,55 @@ class Grammars:
                 self._buffers = [b.pin_memory() for b in self._buffers]
         self._turn ^= 1
         host = self._buffers[self._turn][:len(rows)]
+        ticket = gate.ticket() if gate is not None else None
         # xgrammar's own calls (its wrappers make a list of handles, and read a list of verdicts an element a call)
         batch, accept_all = self._matcher()._handle, xgrammar.matcher._core.BatchGrammarMatcher.batch_accept_token
+        stops, write = self.stops, self._write
 
-        started = threading.Event()
-
-        def work():  # (the thread takes the GIL as little as it can: the read-back beside it needs it)
-            begin = time.perf_counter()
-            started.set()
-            verdicts = accept_all(take, tokens, False) if take else None  # (each C++ call lets go of the GIL)
-            if rows:
-                batch.batch_fill_next_token_bitmask(matchers, host, None, False)
-            return rows, host, time.perf_counter() - begin, owners, verdicts
-        if not inline:
-            fill = self._filler.submit(work)
-            # the thread needs the GIL to begin, and this one would hold it through the read-back that follows (up
-            # to the switch interval): wait here until it has it (it lets go inside xgrammar's calls). Without this
-            # wait the fill began 0.19-0.6 ms after it was asked for on the H200 machines' hosts; with it, 0.05 ms
-            started.wait()
-            return fill
-        done = Future()
-        try:
-            done.set_result(work())
-        except Exception as exc:  # (raised by `ready`, as from the thread)
-            done.set_exception(exc)
-        return done
+        def work():  # (the thread takes the GIL as little as it can: the engine's thread beside it needs it)
+            try:
+                tokens = verdicts = None
+                if take:
+                    try:
+                        source.wait(failure)  # (without the GIL)
+                        tokens = source.token_array().tolist()
+                    except Exception:  # a device fault: that step fails at its read-back (as with NaN logits)
+                        pass
+                begin = time.perf_counter()
+                indices, fill = None, matchers
+                if tokens is not None:
+                    tokens = tokens if pick is None else [tokens[i] for i in pick]
+                    verdicts = accept_all(take, tokens, False)  # (each C++ call lets go of the GIL)
+                    if not stops.isdisjoint(tokens):  # a grammar ends (once a request): every token allowed
+                        ended = {id(m) for m, t in zip(take, tokens) if t in stops}
+                        indices = [j for j, m in enumerate(matchers) if id(m) not in ended]
+                        fill = [matchers[j] for j in indices]
+                        host.fill_(-1)
+                write(batch, fill, host, indices)
+                return time.perf_counter() - begin, owners, verdicts
+            finally:
+                if gate is not None:
+                    gate.open(ticket)
+        if inline:
+            future = Future()
+            try:
+                future.set_result(work())
+            except Exception as exc:  # (raised by `ready`, as from the thread)
+                future.set_exception(exc)
+        else:
+            future = self._filler.submit(work)
+        return Fill(rows, host, ticket, future)
 
     @staticmethod
-    def ready(fill: Future | None, device) -> tuple[tuple[list[int], "torch.Tensor"] | None, float, list]:
-        """Wait for a `fill`: ((rows, [rows, words] int32 on `device`, one bit per token, 1 where allowed), or None
-        when no row is masked; the seconds the fill took; the sequences whose grammar refused the token it was
-        given)."""
-        if fill is None:
-            return None, 0.0, []
-        rows, host, seconds, owners, verdicts = fill.result()
+    def _write(batch, matchers: list, host: "torch.Tensor", indices: list[int] | None) -> None:
+        """The matchers' masks into `host` (rows `indices`, or the first ones in order)."""
+        batch.batch_fill_next_token_bitmask(matchers, host, indices, False)
+
+    @staticmethod
+    def ready(fill: Fill) -> tuple[float, list]:
+        """Once the step that `fill` masked is on the host: the seconds the fill took, and the sequences whose grammar
+        refused the token they took ahead. Raises what the fill raised."""
+        seconds, owners, verdicts = fill.done.result()
         # the verdicts are read here, not in the fill's thread: reading them takes the GIL (`in` is one call)
         refused = [s for s, ok in zip(owners, verdicts) if not ok] if verdicts is not None and 0 in verdicts else []
-        if not rows:
-            return None, seconds, refused
-        return (rows, host.to(device, non_blocking=True) if device.type == "cuda" else host.clone()), seconds, refused
+        return seconds, refused

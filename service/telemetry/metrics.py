@@ -130,8 +130,9 @@ class Metrics:
         self.grammar_cache_hits = Counter("llm_grammar_cache_hits", "Constrained requests whose grammar was compiled "
                                           "already (same response_format or tools).", m, registry=r)
         self.grammar_mask_seconds = histogram("llm_grammar_mask_seconds", "Host time a step with constrained rows "
-                                              "spends advancing their grammars and filling and uploading their token "
-                                              "masks (steps without constrained rows record nothing).", MASK_BUCKETS)
+                                              "spends advancing their grammars and filling their token masks, in a "
+                                              "thread beside the device (steps without constrained rows record "
+                                              "nothing).", MASK_BUCKETS)
         self.step_failures = Counter("llm_engine_step_failures", "Engine steps that raised (out of memory, NaN "
                                      "logits, any exception), by the exception's type; the requests of such a step "
                                      "finish with finish_reason error and the engine serves on.", ["model", "error"],

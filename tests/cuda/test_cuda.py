@@ -6,6 +6,7 @@ These run only where a CUDA GPU is present (the GPU machine); CI has none and sk
 import importlib.util
 import itertools
 import random
+import threading
 
 import pytest
 import torch
@@ -603,6 +604,7 @@ def test_cuda_constrained_requests_match_their_grammar_alone_batched_and_preempt
     one = engine(enable_prefix_caching=False)
     alone = [one.generate([p], sp)[0] for p, sp in zip(ps, params)]
     assert one.runner.decode_graphs.masked  # a greedy constrained request alone: its masked maxima in a graph
+    assert (one.runner.gate.word.item() > 10) == overlap  # with overlap, the sampler waited for each step's masks
     batched = engine()
     assert [o["token_ids"] for o in batched.generate(ps, params)] == [o["token_ids"] for o in alone]
     assert batched.runner.graphs and batched.runner.mixed_graphs.replays > 0  # the graphs stay on
@@ -623,6 +625,72 @@ def test_cuda_constrained_requests_match_their_grammar_alone_batched_and_preempt
             if sp.structured.kind == "json_schema":
                 assert list(value) == ["name", "age", "city"] and value["city"] in PERSON["properties"]["city"]["enum"]
                 assert isinstance(value["age"], int) and 0 <= value["age"] <= 150 and len(value["name"]) <= 12
+
+
+def test_cuda_host_gate_holds_the_stream_until_the_host_opens_it():
+    """Fresh gates, one after another: what is queued behind a wait runs only once the host opens its ticket (the
+    host writes the payload first, and the device's copy of it after the wait must see it); a closed gate opens
+    every wait queued."""
+    from service.engine.runner.host_gate import HostGate
+    payload = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+    for round in range(1, 101):
+        gate, x = HostGate(torch.device("cuda")), torch.zeros(4, dtype=torch.int32, device="cuda")
+        ticket = gate.ticket()
+        gate.wait(ticket)
+        x.copy_(payload, non_blocking=True)
+        passed = torch.cuda.Event()
+        passed.record()
+        assert not passed.query()  # (nothing opens it until the next lines)
+        payload.fill_(round)
+        gate.open(ticket)
+        passed.synchronize()
+        assert x.tolist() == [round] * 4
+    for _ in range(3):
+        gate.wait(gate.ticket())
+    gate.close()
+    torch.cuda.synchronize()  # (returns: closed, every wait queued is open)
+
+
+@pytest.mark.parametrize("late,graphs", [(False, True), (True, True), (True, False)])
+def test_cuda_a_fill_late_or_raising_fails_no_one_else(worded_tiny_cuda, monkeypatch, late, graphs):
+    """The device waits at the gate for masks that fill late (here: the third fill held until the engine's thread
+    reads its step back, having launched the next step behind it: that step's sampler has not run by then), and
+    every token is the one it is without the hold, with CUDA graphs (the masks' copy on a stream of its own) and
+    without (the compute stream waits); a fill that raises opens its gate and fails only its step."""
+    from service.engine.structured import Grammars
+    from tests.engine.test_engine_grammars import PERSON, a_fill_that_raises_fails_its_step, schema
+    engine = make_engine(worded_tiny_cuda, device="cuda", overlap=True, cuda_graphs=graphs)
+    if not late:
+        a_fill_that_raises_fails_its_step(engine, monkeypatch)
+        return
+    params = SamplingParams(max_tokens=20, temperature=0, structured=schema(PERSON))
+    alone = [o["token_ids"] for o in engine.generate(["a", "b"], params)]
+    write, launch, read_back = Grammars._write, engine._launch, engine._read_back
+    writes, constrained, held, passed = [], [], threading.Event(), []
+
+    def slow(*args):
+        writes.append(args)
+        if len(writes) == 3:
+            assert held.wait(60)
+        write(*args)
+
+    def launching(batch, start):
+        step = launch(batch, start)
+        if step.masks is not None:
+            constrained.append(step)
+        return step
+
+    def reading(step):
+        if len(constrained) >= 3 and step is constrained[2]:
+            passed.append(step.result._event.query())  # (its sampler, behind the closed gate)
+            held.set()
+        return read_back(step)
+    monkeypatch.setattr(Grammars, "_write", staticmethod(slow))
+    monkeypatch.setattr(engine, "_launch", launching)
+    monkeypatch.setattr(engine, "_read_back", reading)
+    assert [o["token_ids"] for o in engine.generate(["a", "b"], params)] == alone and passed == [False]
+    assert engine.runner.gate.word.item() == engine.runner.gate.last > 10
+    engine.close()
 
 
 @pytest.mark.parametrize("overlap", [True, False])

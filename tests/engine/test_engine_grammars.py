@@ -3,6 +3,7 @@ end with their grammar, batched and overlapped like any request, and nothing lef
 
 import dataclasses
 import gc
+import itertools
 import json
 import threading
 import weakref
@@ -114,7 +115,7 @@ def test_finished_constrained_requests_are_let_go(worded_tiny, overlap):
     engine.close()
 
 
-def test_the_engine_process_takes_constrained_rows_as_single_checks_do(worded_tiny, monkeypatch):
+def test_the_engine_process_takes_constrained_rows_as_single_checks_do(worded_tiny, monkeypatch, caplog):
     """As the engine process runs them (bare rows, overlap), a constrained row whose grammar took its token ahead,
     while the next step's masks filled, goes on without a stop check unless the token is a stop token (which a
     complete grammar forces); a row not taken ahead is checked in full. Alone, batched and preempted, every request
@@ -145,11 +146,12 @@ def test_the_engine_process_takes_constrained_rows_as_single_checks_do(worded_ti
             assert not engine.step()
         assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
         engine.close()
-    ready = Grammars.ready  # masks that allow every token: the first that breaks the grammar ends its request
-    monkeypatch.setattr(Grammars, "ready", staticmethod(lambda fill, device: (None, *ready(fill, device)[1:])))
+    # masks that allow every token: the first token that breaks the grammar ends its request
+    monkeypatch.setattr(Grammars, "_write", staticmethod(lambda batch, matchers, host, indices: host.fill_(-1)))
     for engine in (single, make_engine(worded_tiny, overlap=True)):
+        caplog.clear()
         tokens, end, _ = served_rows(engine, [(prompts[0], params[0])])[0]
-        assert end == "error" and len(tokens) < 40
+        assert end == "error" and len(tokens) < 40 and "breaks its grammar" in caplog.text
         engine.close()
 
 
@@ -159,11 +161,11 @@ def test_a_fill_that_fails_fails_its_step_and_the_engine_serves_on(worded_tiny, 
     engine = make_engine(worded_tiny, overlap=True)
     ready, calls = Grammars.ready, []
 
-    def broken(fill, device):
+    def broken(fill):
         calls.append(fill)
         if len(calls) == 3:  # a step well into the run
             raise RuntimeError("a fill that failed")
-        return ready(fill, device)
+        return ready(fill)
     monkeypatch.setattr(Grammars, "ready", staticmethod(broken))
     params = SamplingParams(max_tokens=20, temperature=0, structured=schema(PERSON))
     outs = engine.generate(["a", "b"], params)  # (one grammar: they join the batch together)
@@ -176,76 +178,95 @@ def test_a_fill_that_fails_fails_its_step_and_the_engine_serves_on(worded_tiny, 
     engine.close()
 
 
-def test_the_masks_fill_has_begun_when_the_engine_reads_back_and_matchers_keep_the_gil(worded_tiny, monkeypatch):
-    """With overlap the engine's thread reads back the step before while the masks fill: `fill` returns once the
-    masks' thread has begun (it needs the GIL to begin, which the read-back would hold). A matcher's own accept keeps
-    the GIL (another thread cannot take it between two rows); the batch calls let go of it."""
+class HostGate:
+    """runner/host_gate.py's gate, played on the host: `wait` blocks until its ticket is opened (a ticket never opened
+    is noted after a minute, and passes, so that the test fails rather than hangs)."""
+
+    def __init__(self):
+        self.opened, self.last, self.never, self.tickets = 0, 0, set(), itertools.count(1)
+        self.changed = threading.Condition()
+
+    def ticket(self) -> int:
+        self.last = next(self.tickets)
+        return self.last
+
+    def wait(self, ticket: int) -> None:
+        with self.changed:
+            if not self.changed.wait_for(lambda: self.opened >= ticket, 60):
+                self.never.add(ticket)
+
+    def open(self, ticket: int) -> None:
+        with self.changed:
+            self.opened = ticket
+            self.changed.notify_all()
+
+    def close(self) -> None:
+        self.open(self.last)
+
+
+def test_the_sampler_waits_at_a_gate_that_the_masks_fill_opens(worded_tiny):
+    """With a gate (CUDA), the engine's thread launches a constrained step's sampler without waiting for its masks;
+    the sampler waits at the gate (the device's wait, played on the host here), which the masks' thread opens once
+    they are filled. The requests get the tokens they get without a gate, and every ticket is opened."""
+    ps = ["a", "tell me about a person", "b c d e f g"]
+    params = [SamplingParams(max_tokens=30, temperature=0, structured=schema(PERSON)),
+              SamplingParams(max_tokens=30, temperature=0.8, seed=3, structured=StructuredOutput("json_object")),
+              SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)]
+    plain = make_engine(worded_tiny, overlap=True)
+    gated = make_engine(worded_tiny, overlap=True)
+    gated.runner.gate = gate = HostGate()
+    assert [o["token_ids"] for o in gated.generate(ps, params)] == [o["token_ids"] for o in plain.generate(ps, params)]
+    while gated.has_unfinished():
+        assert not gated.step()
+    assert gate.opened == gate.last > 10 and not gate.never
+    assert gated.blocks.num_free_blocks == gated.blocks.num_usable_blocks and not gated.seqs
+    for engine in (plain, gated):
+        engine.close()
+
+
+def test_a_fill_that_raises_opens_its_gate_and_fails_its_step(worded_tiny, monkeypatch):
+    engine = make_engine(worded_tiny, overlap=True)
+    engine.runner.gate = HostGate()
+    a_fill_that_raises_fails_its_step(engine, monkeypatch)
+    assert not engine.runner.gate.never
+
+
+def a_fill_that_raises_fails_its_step(engine, monkeypatch) -> None:
+    """A fill that raises in the masks' thread still opens its gate (the device, waiting there, would wait for
+    good); its step's requests end with an error at its read-back, the next requests run as usual, and every ticket
+    is opened."""
+    write, calls = Grammars._write, []
+
+    def broken(*args):
+        calls.append(args)
+        if len(calls) == 3:
+            raise RuntimeError("a fill that failed")
+        write(*args)
+    monkeypatch.setattr(Grammars, "_write", staticmethod(broken))
+    params = SamplingParams(max_tokens=20, temperature=0, structured=schema(PERSON))
+    outs = engine.generate(["a", "b"], params)
+    assert [o["finish_reason"] for o in outs] == ["error", "error"]
+    while engine.has_unfinished():
+        assert not engine.step()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
+    again = engine.generate(["a"], params)[0]
+    assert again["finish_reason"] in ("stop", "length") and len(calls) > 3
+    assert engine.runner.gate.last > 3
+    engine.close()
+
+
+def test_matchers_keep_the_gil_and_their_batch_calls_let_go_of_it(worded_tiny):
+    """A matcher's own accept keeps the GIL (another thread cannot take it between two rows); the batch calls, which
+    the masks' thread makes beside the engine's thread, let go of it."""
     from xgrammar.tvm_ffi_binding._ffi_api import BatchGrammarMatcher, GrammarMatcher
 
     engine = make_engine(worded_tiny, overlap=True)
-    fill, begun = Grammars.fill, []
-
-    def watched(self, *args, **kwargs):
-        future = fill(self, *args, **kwargs)
-        if future is not None:
-            begun.append(future.running() or future.done())
-        return future
-    monkeypatch.setattr(Grammars, "fill", watched)
-    outs = engine.generate(["a", "b"], SamplingParams(max_tokens=30, temperature=0, structured=schema(PERSON)))
-    assert all(o["finish_reason"] in ("stop", "length") for o in outs)
-    assert len(begun) > 10 and all(begun)
+    engine.generate(["a"], SamplingParams(max_tokens=2, temperature=0, structured=schema(PERSON)))
     release = {m.name: m.func.release_gil for m in GrammarMatcher.__tvm_ffi_type_info__.methods}
     assert not release["accept_token"]
     batch = {m.name: m.func.release_gil for m in BatchGrammarMatcher.__tvm_ffi_type_info__.methods}
     assert batch["batch_fill_next_token_bitmask"] and batch["batch_accept_token"]
     engine.close()
-
-
-def test_a_grammar_is_compiled_once_and_counted(worded_tiny):
-    engine = make_engine(worded_tiny)
-    reports = []
-    engine.observer = reports.append
-    engine.generate(["a", "b", "c"], SamplingParams(max_tokens=5, temperature=0, structured=schema(PERSON)))
-    engine.generate(["d"], SamplingParams(max_tokens=5, temperature=0, structured=schema(PERSON)))
-    assert sum(r.grammar_hits for r in reports) == 3  # the first of the four compiled it
-    assert len([w for r in reports for w in r.grammar_waits]) == 4
-    assert sum(r.mask_seconds for r in reports) > 0
-    workers = [t for t in threading.enumerate() if t.name.startswith("grammar")]
-    assert 0 < len(workers) <= engine.grammars.WORKERS
-    engine.close()
-
-
-def test_a_grammar_that_does_not_compile_in_time_fails_its_request_only(worded_tiny):
-    engine = make_engine(worded_tiny)
-    plain = engine.add_request("a", SamplingParams(max_tokens=3, temperature=0))
-    engine.add_request("b", SamplingParams(max_tokens=3, temperature=0, structured=schema(PERSON)),
-                       request_id="late")
-    engine.grammars.timeout = -1.0  # every wait is past it
-    finished = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out.finish_reason
-    assert finished == {plain: "length", "late": "error"}
-    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
-    engine.grammars.timeout = 10.0
-    out = engine.generate(["b"], SamplingParams(max_tokens=3, temperature=0, structured=schema(PERSON)))[0]
-    assert out["finish_reason"] in ("stop", "length") and out["text"].startswith("{")
-
-
-def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing(worded_tiny):
-    engine = make_engine(worded_tiny)
-    engine.add_request("b", SamplingParams(max_tokens=3, structured=schema(PERSON)), request_id="gone")
-    assert engine.num_waiting == 1
-    out = engine.abort("gone")
-    assert out.finish_reason == "abort" and not engine._compiling and not engine.has_unfinished()
-
-
-def test_min_tokens_does_not_hold_a_complete_grammar(worded_tiny):
-    engine = make_engine(worded_tiny)
-    out = engine.generate(["a"], SamplingParams(max_tokens=60, min_tokens=60, temperature=0,
-                                                structured=schema({"enum": ["yes", "no"]})))[0]
-    assert out["text"] in ('"yes"', '"no"') and out["finish_reason"] == "stop"
 
 
 def test_masks_keep_only_allowed_tokens_in_their_rows():

@@ -110,6 +110,8 @@ class DecodeGraphs:
         # `masked_max`'s graphs (batch size -> (graph, (row maxima, tokens))) and buffers, made at first use
         self.masked: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.g_mask_rows = self.g_bitmask = self._masked_key = None
+        # `masks_behind`'s stream, and its events: the masks copied, the masks read by the step's sampler
+        self._copies = self._copied = self._read = None
         self._capture_graphs()
 
     def _graph_sizes(self) -> list[int]:
@@ -209,29 +211,61 @@ class DecodeGraphs:
 
     def masked_max(self, n: int, rows: list[int], bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The last replay's (`n` rows) row maxima and argmax with the grammars' masks applied (`rows`, the masked
-        rows; `bitmask`, [rows, words] int32 on the device), for a step whose rows are all plain greedy but for their
-        masks: `triton_sampling.row_max` in a graph of its own for the replay's size, captured at first use, over that
+        rows; `bitmask`, [rows, words] int32 in pinned host memory or on the device), for a step whose rows are all plain greedy but for their
+        masks: `triton_sampling.row_max` in a graph of its own for the replay's size (`masked_graph`), over that
         graph's logits (a launch instead of the kernels' two and their tensors: the sampler's launch took 0.24 ms
         against 0.41 on an H200 machine's host). The masks go into a buffer of the graph's; the rows' map to them only
         when it changes."""
-        size = next(s for s in self.graph_sizes if s >= n)
+        size = self.masked_graph(n, bitmask.shape[1])
         if self._masked_key != (rows, size):
-            if self.g_mask_rows is None:
-                max_batch = max(self.graph_sizes)
-                self.g_mask_rows = torch.full((max_batch,), -1, dtype=torch.long, device=self.runner.device)
-                self.g_bitmask = torch.zeros(max_batch, bitmask.shape[1], dtype=torch.int32, device=self.runner.device)
             self.g_mask_rows[:size].copy_(to_device(mask_rows(rows, size), torch.long, self.runner.device))
             self._masked_key = (rows, size)
-        self.g_bitmask[:len(rows)].copy_(bitmask)
-        if size not in self.masked:
-            from service.engine.runner import triton_sampling  # (Triton: CUDA only)
-
-            logits = self.graphs[size][1]
-            self.masked[size] = capture_call(
-                lambda: triton_sampling.row_max(logits, None, (self.g_mask_rows[:size], self.g_bitmask)))
+        if bitmask.data_ptr() != self.g_bitmask.data_ptr():  # (not there yet: `masks_behind` copied them there)
+            self.g_bitmask[:len(rows)].copy_(bitmask, non_blocking=True)
         graph, (top, tokens) = self.masked[size]
         graph.replay()
         return top[:n], tokens[:n]
+
+    def masked_graph(self, n: int, words: int) -> int:
+        """The size of `masked_max`'s graph for `n` rows (masks of `words` words a row), captured now if it was not
+        yet: before the device waits for the masks (runner/host_gate.py), as a capture waits for the device."""
+        size = next(s for s in self.graph_sizes if s >= n)
+        if size in self.masked:
+            return size
+        self._mask_buffers(words)
+        from service.engine.runner import triton_sampling  # (Triton: CUDA only)
+
+        logits = self.graphs[size][1]
+        self.masked[size] = capture_call(
+            lambda: triton_sampling.row_max(logits, None, (self.g_mask_rows[:size], self.g_bitmask)))
+        return size
+
+    def masks_behind(self, gate, ticket: int, host: torch.Tensor) -> torch.Tensor:
+        """The grammars' masks `host` ([rows, words] int32, pinned), copied into `masked_max`'s buffer on a stream of
+        their own behind the `gate`'s wait for `ticket` (runner/host_gate.py): the copy runs beside the forward pass as
+        soon as the host has filled them, and the compute stream waits for the copy only (at 256 rows of a 49,152-token
+        vocabulary, 1.5 MB). Returns the buffer's rows, for the sampler; `masks_read` once it is launched."""
+        self._mask_buffers(host.shape[1])
+        if self._copies is None:
+            self._copies, self._copied, self._read = torch.cuda.Stream(), torch.cuda.Event(), torch.cuda.Event()
+        compute = torch.cuda.current_stream()
+        with torch.cuda.stream(self._copies):
+            self._copies.wait_event(self._read)  # (the step before's sampler has read the buffer)
+            gate.wait(ticket)
+            self.g_bitmask[:len(host)].copy_(host, non_blocking=True)
+            self._copied.record()
+        compute.wait_event(self._copied)
+        return self.g_bitmask[:len(host)]
+
+    def masks_read(self) -> None:
+        """The sampler that reads `masks_behind`'s buffer is launched: the next copy waits for it."""
+        self._read.record()
+
+    def _mask_buffers(self, words: int) -> None:
+        if self.g_mask_rows is None:
+            max_batch = max(self.graph_sizes)
+            self.g_mask_rows = torch.full((max_batch,), -1, dtype=torch.long, device=self.runner.device)
+            self.g_bitmask = torch.zeros(max_batch, words, dtype=torch.int32, device=self.runner.device)
 
     def mirrored(self, size: int, tables: tuple[int, int, int]) -> list[torch.Tensor]:
         """The input buffers a replay fills (padding included), and the block-table rows it changed."""

@@ -10,6 +10,7 @@ pinned_upload's double-buffered uploads), kv_cache (the cache's shape and size) 
 
 import contextlib
 import functools
+import logging
 import operator
 
 import numpy as np
@@ -20,6 +21,7 @@ from service.engine.config import EngineConfig, resolve_kv_dtype
 from service.engine.runner import compilation, prompt_logprobs
 from service.engine.runner.attention import ForwardContext, forward_context, torch_paged_attention
 from service.engine.runner.cuda_graphs import DecodeGraphs, MixedGraphs
+from service.engine.runner.host_gate import HostGate
 from service.engine.runner.input_packing import pack_inputs
 from service.engine.runner.kv_cache import blocks_that_fit, kv_shape, new_kv_caches
 from service.engine.runner.pinned_upload import to_device
@@ -27,6 +29,7 @@ from service.engine.runner.sampler import SampleResult, Sampler
 from service.engine.scheduler import ScheduledBatch
 from service.engine.sequence import Sequence
 
+log = logging.getLogger(__name__)
 _pending = operator.attrgetter("num_pending_tokens")
 
 
@@ -69,6 +72,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.eager_steps = 0  # steps run outside the CUDA graphs (all of them without graphs)
         self.parallel = None  # rank 0's tensor-parallel group, which sends each graph replay to the other ranks
+        self.gate = _gate(device)  # where the device waits for the grammars' masks (None: the host waits)
         if device.type == "cuda" and config.cuda_graphs:
             if self.backend_name != "triton":
                 raise ValueError("CUDA graphs need the triton attention backend")
@@ -80,6 +84,8 @@ class ModelRunner:
         """Give back the KV cache and the CUDA graphs now, not when a reference cycle is next collected (a
         process that makes engines one after another, such as `bench run`, would otherwise run out of GPU memory).
         The runner cannot run after this."""
+        if self.gate is not None:
+            self.gate.close()
         self.kv_caches, self.graphs, self._fed, self._argmax = [], {}, None, None
         self.decode_graphs = self.mixed_graphs = None
         if self.device.type == "cuda":
@@ -140,19 +146,32 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, seqs: list[Sequence], logits: torch.Tensor | None,
-               masks: "tuple[list[int], torch.Tensor] | None" = None) -> SampleResult | None:
-        """Launch the sampling of a forward pass's `logits` for `seqs`, with the grammars' token `masks` (rows,
-        bitmask) where some are constrained; the next forward pass takes these samples as inputs on the device."""
+               masks: "tuple[list[int], torch.Tensor, int | None] | None" = None) -> SampleResult | None:
+        """Launch the sampling of a forward pass's `logits` for `seqs`, with the grammars' token `masks` where some
+        are constrained: (rows, bitmask on the host, the `gate`'s ticket that says it is filled, or None when it is
+        filled already); the next forward pass takes these samples as inputs on the device."""
         if not seqs:
             self._fed = None
             return None
-        argmax, rows = self._argmax[1:] if self._argmax is not None and self._argmax[0] is logits else (None, None)
+        argmax, table_rows = (self._argmax[1:] if self._argmax is not None and self._argmax[0] is logits
+                              else (None, None))
         self._argmax = None
         masked = None  # a decode graph's logits, masked: their maxima in a graph of their own
-        if masks is not None and argmax is not None:
-            masked = functools.partial(self.decode_graphs.masked_max, len(seqs))
+        behind = masks is not None and masks[2] is not None and self.decode_graphs is not None
+        if masks is not None:
+            rows, host, ticket = masks
+            if argmax is not None:
+                masked = functools.partial(self.decode_graphs.masked_max, len(seqs))
+                self.decode_graphs.masked_graph(len(seqs), host.shape[1])
+            if behind:  # copied beside the forward pass once the host has filled them (in pinned memory)
+                host = self.decode_graphs.masks_behind(self.gate, ticket, host)
+            elif ticket is not None:  # the device waits here until the host has filled them
+                self.gate.wait(ticket)
+            masks = rows, host if self.device.type == "cuda" else host.clone()  # (copied where the sampler uses it)
         result = self.sampler(logits, seqs, masks, argmax, masked)
-        self._fed = (result.token_ids, seqs, rows)
+        if behind:
+            self.decode_graphs.masks_read()
+        self._fed = (result.token_ids, seqs, table_rows)
         return result
 
     def forget(self) -> None:
@@ -216,3 +235,14 @@ class ModelRunner:
         compilation.uncompile(self.model)
         fusion.unfuse(self.model)
         self.compiled, self.fused_layers, self.fused_mlps = False, 0, 0
+
+
+def _gate(device: torch.device) -> HostGate | None:
+    if device.type != "cuda":
+        return None
+    try:
+        return HostGate(device)
+    except (OSError, AttributeError, RuntimeError) as exc:  # (no such call in this driver)
+        log.warning("the device cannot wait for the host (%s): a constrained step's sampler waits for its masks "
+                    "on the host", exc)
+        return None

@@ -57,17 +57,7 @@ class SampleResult:
         raises RankFailedError when it names a reason: a collective whose peer is gone never ends on the device."""
         if self._read is not None:
             return self._read
-        if self._event is not None:
-            begin = time.perf_counter()
-            if failure is None:
-                self._event.synchronize()
-            else:
-                while not self._event.query():
-                    if why := failure():
-                        raise RankFailedError(why)
-                    time.sleep(0)  # (the watcher, which names the failure, gets the GIL)
-            self.waited = time.perf_counter() - begin
-            self._ring.check(self._slot, self._generation)
+        self.waited = self.wait(failure)
         token_ids, top, *extra = self._host
         tokens = token_ids.tolist()
         if np.isnan(top).any():  # a NaN makes the argmax meaningless: fail the step rather than emit garbage
@@ -79,6 +69,22 @@ class SampleResult:
                 logprobs[row] = (chosen[j], list(zip(top_i[j][:k], top_v[j][:k])))
         self._read = tokens, logprobs
         return self._read
+
+    def wait(self, failure: Callable[[], str | None] | None = None) -> float:
+        """Wait for the copy (`read`'s wait, for any thread: the masks' thread then takes the tokens from
+        `token_array`); the seconds it waited."""
+        if self._event is None:
+            return 0.0
+        begin = time.perf_counter()
+        if failure is None:
+            self._event.synchronize()
+        else:
+            while not self._event.query():
+                if why := failure():
+                    raise RankFailedError(why)
+                time.sleep(0)  # (the watcher, which names the failure, gets the GIL)
+        self._ring.check(self._slot, self._generation)
+        return time.perf_counter() - begin
 
     def token_array(self) -> np.ndarray:
         """The token ids `read` returned, as the host's array: the ring's slot itself, to be read before the ring
@@ -140,9 +146,10 @@ class Sampler:
                  masked: "Callable[[list[int], torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None" = None) \
             -> SampleResult:
         """Sample a token per row of `logits` [len(seqs), vocab]; `masks` (rows, bitmask): the grammars' allowed
-        tokens of constrained rows (engine/structured.py); `argmax`: the rows' (maxima, argmax) as `LogitEdits.argmax`
-        gives them unedited, when a CUDA graph took them already; `masked(rows, bitmask)`: that graph's (maxima,
-        argmax) with `masks` applied (cuda_graphs.DecodeGraphs.masked_max), for a step whose rows are all plain."""
+        tokens of constrained rows (engine/structured.py), the bitmask on the device or in pinned host memory;
+        `argmax`: the rows' (maxima, argmax) as `LogitEdits.argmax` gives them unedited, when a CUDA graph took them
+        already; `masked(rows, bitmask)`: that graph's (maxima, argmax) with `masks` applied
+        (cuda_graphs.DecodeGraphs.masked_max), for a step whose rows are all plain."""
         if all(map(_plain, seqs)):  # plain greedy rows: nothing to edit, ban or report
             banned, wanted, edited, all_greedy = [], [], [], True
             if masks is not None and masked is not None:
@@ -151,6 +158,8 @@ class Sampler:
             banned, wanted, edited, all_greedy = self._scan(seqs)
         if masks is not None or edited or banned:
             argmax = None  # (the graph's is of the logits unedited)
+        if masks is not None and masks[1].device.type != self.device.type:  # (pinned host memory, behind the gate)
+            masks = masks[0], masks[1].to(self.device, non_blocking=True)
         if all_greedy and not wanted:
             # argmax is the same in the model's dtype: skip the float copy of [rows, vocab] (edits are computed in
             # float32 as the logits are read). max propagates NaN, so the row maxima tell whether any logit was NaN:
