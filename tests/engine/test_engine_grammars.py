@@ -269,6 +269,53 @@ def test_matchers_keep_the_gil_and_their_batch_calls_let_go_of_it(worded_tiny):
     engine.close()
 
 
+def test_a_grammar_is_compiled_once_and_counted(worded_tiny):
+    engine = make_engine(worded_tiny)
+    reports = []
+    engine.observer = reports.append
+    engine.generate(["a", "b", "c"], SamplingParams(max_tokens=5, temperature=0, structured=schema(PERSON)))
+    engine.generate(["d"], SamplingParams(max_tokens=5, temperature=0, structured=schema(PERSON)))
+    assert sum(r.grammar_hits for r in reports) == 3  # the first of the four compiled it
+    assert len([w for r in reports for w in r.grammar_waits]) == 4
+    assert sum(r.mask_seconds for r in reports) > 0
+    workers = [t for t in threading.enumerate() if t.name.startswith("grammar")]
+    assert 0 < len(workers) <= engine.grammars.WORKERS
+    engine.close()
+
+
+def test_a_grammar_that_does_not_compile_in_time_fails_its_request_only(worded_tiny):
+    engine = make_engine(worded_tiny)
+    plain = engine.add_request("a", SamplingParams(max_tokens=3, temperature=0))
+    engine.add_request("b", SamplingParams(max_tokens=3, temperature=0, structured=schema(PERSON)),
+                       request_id="late")
+    engine.grammars.timeout = -1.0  # every wait is past it
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+    assert finished == {plain: "length", "late": "error"}
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks and not engine.seqs
+    engine.grammars.timeout = 10.0
+    out = engine.generate(["b"], SamplingParams(max_tokens=3, temperature=0, structured=schema(PERSON)))[0]
+    assert out["finish_reason"] in ("stop", "length") and out["text"].startswith("{")
+
+
+def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing(worded_tiny):
+    engine = make_engine(worded_tiny)
+    engine.add_request("b", SamplingParams(max_tokens=3, structured=schema(PERSON)), request_id="gone")
+    assert engine.num_waiting == 1
+    out = engine.abort("gone")
+    assert out.finish_reason == "abort" and not engine._compiling and not engine.has_unfinished()
+
+
+def test_min_tokens_does_not_hold_a_complete_grammar(worded_tiny):
+    engine = make_engine(worded_tiny)
+    out = engine.generate(["a"], SamplingParams(max_tokens=60, min_tokens=60, temperature=0,
+                                                structured=schema({"enum": ["yes", "no"]})))[0]
+    assert out["text"] in ('"yes"', '"no"') and out["finish_reason"] == "stop"
+
+
 def test_masks_keep_only_allowed_tokens_in_their_rows():
     edits = LogitEdits(torch.device("cpu"), capacity=2)
     seqs = [Sequence(str(i), [1], SamplingParams()) for i in range(3)]
