@@ -662,6 +662,8 @@ def test_cuda_a_fill_late_or_raising_fails_no_one_else(worded_tiny_cuda, monkeyp
     engine = make_engine(worded_tiny_cuda, device="cuda", overlap=True, cuda_graphs=graphs)
     if not late:
         a_fill_that_raises_fails_its_step(engine, monkeypatch)
+        assert engine.runner.gate.word.item() == engine.runner.gate.last > 3
+        engine.close()
         return
     params = SamplingParams(max_tokens=20, temperature=0, structured=schema(PERSON))
     alone = [o["token_ids"] for o in engine.generate(["a", "b"], params)]

@@ -210,12 +210,12 @@ class DecodeGraphs:
         return self.graphs[size][1][:n], (top[:n], tokens[:n]), rows
 
     def masked_max(self, n: int, rows: list[int], bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last replay's (`n` rows) row maxima and argmax with the grammars' masks applied (`rows`, the masked
-        rows; `bitmask`, [rows, words] int32 in pinned host memory or on the device), for a step whose rows are all plain greedy but for their
-        masks: `triton_sampling.row_max` in a graph of its own for the replay's size (`masked_graph`), over that
-        graph's logits (a launch instead of the kernels' two and their tensors: the sampler's launch took 0.24 ms
-        against 0.41 on an H200 machine's host). The masks go into a buffer of the graph's; the rows' map to them only
-        when it changes."""
+        """The last replay's (`n` rows) row maxima and argmax with the grammars' masks applied (`rows`, the masked rows;
+        `bitmask`, [rows, words] int32 in pinned host memory or on the device), for a step whose rows are all plain
+        greedy but for their masks: `triton_sampling.row_max` in a graph of its own for the replay's size
+        (`masked_graph`), over that graph's logits (a launch instead of the kernels' two and their tensors: the
+        sampler's launch took 0.24 ms against 0.41 on an H200 machine's host). The masks go into a buffer of the
+        graph's; the rows' map to them only when it changes."""
         size = self.masked_graph(n, bitmask.shape[1])
         if self._masked_key != (rows, size):
             self.g_mask_rows[:size].copy_(to_device(mask_rows(rows, size), torch.long, self.runner.device))

@@ -2,12 +2,12 @@
 host while the device runs the step's forward pass, and its sampler, launched at once behind it, reads them only once
 the host says they are there.
 
-The host launches the whole step (forward pass, the gate, the masks' copy, the sampler, and the next step's forward
-pass behind it) without waiting; a thread fills the masks into pinned memory and opens the gate, and the device goes
-on. With CUDA graphs the gate and the copy are on a stream of their own, beside the forward pass, and the sampler
-waits for the copy only (cuda_graphs.DecodeGraphs.masks_behind). The wait is the driver's own (`cuStreamWaitValue32`: the stream's front end waits for a word of pinned host memory
-to reach the ticket; no kernel, no SM, no time limit), so the host must open every ticket it queues: the masks' thread
-opens its ticket however its fill ends, and `close` opens all of them.
+The host launches the whole step (forward pass, the gate, the masks' copy, the sampler, and the next step's forward pass
+behind it) without waiting; a thread fills the masks into pinned memory and opens the gate, and the device goes on. With
+CUDA graphs the gate and the copy are on a stream of their own, beside the forward pass, and the sampler waits for the
+copy only (cuda_graphs.DecodeGraphs.masks_behind). The wait is the driver's own (`cuStreamWaitValue32`: the stream's
+front end waits for a word of pinned host memory to reach the ticket; no kernel, no SM, no time limit), so the host must
+open every ticket it queues: the masks' thread opens its ticket however its fill ends, and `close` opens all of them.
 """
 
 import ctypes
