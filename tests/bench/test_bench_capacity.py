@@ -12,6 +12,7 @@ import pytest
 from service.bench import bootstrap, slo
 from service.bench.loadgen.capacity import command as capacity
 from service.bench.loadgen.capacity import search as cs
+from service.bench.loadgen.results import saturation
 from service.bench.regress.queries import history, values
 from service.bench.store import open_store
 from tests.conftest import LiveServer, free_port
@@ -323,10 +324,14 @@ def test_bad_input_gets_a_clear_message_and_exit_status(capsys):
 
 # --- the real service on CPU --------------------------------------------------------------------------------
 
-def test_the_real_service_has_a_capacity_and_says_queueing_limited_it(tiny_model, tmp_path):
+def test_the_real_service_has_a_capacity_and_says_queueing_limited_it(tiny_model, tmp_path, monkeypatch):
     """2 sequences per batch and 32-token replies: from 3 concurrent requests on, each new one waits for a reply
     to finish, so TTFT jumps; at 16 it waits for 7 replies (about 200 steps, against 1 or 2 for a first token
-    unloaded), so an SLO of 10x the unloaded TTFT holds at 2 and fails before 16 even on a noisy machine."""
+    unloaded), so an SLO of 10x the unloaded TTFT holds at 2 and fails before 16 even on a noisy machine. The load
+    generator's own lag limit is raised: on a busy 2-core machine its dispatch lag passed 25 ms at 5 requests (and
+    the verdict said the client limited it), which is the machine's speed, not the server's queueing
+    (test_loadgen_workers tests that verdict)."""
+    monkeypatch.setattr(saturation, "LAG_P99_LIMIT_S", 1.0)
     with LiveServer(tiny_model, {"max_num_seqs": 2}) as server:
         common = ["--url", server.url, "--by", "concurrency", "--input-len", "16", "--output-len", "32",
                   "--random-token-range", "10:500", "--warmup-seconds", "0.5", "--min-requests", "10",
