@@ -39,8 +39,7 @@ class _Launched:
     sampled: list[Sequence]  # the sequences that sample in it, in the order of result's rows
     result: SampleResult | None
     start: float
-    masks: Fill | None = None  # its constrained rows' masks (a step with some), until it is read back
-    constrained: bool = False  # some of its rows sample under a grammar
+    masks: Fill | None = None  # its constrained rows' masks: a step with some (and only such a step) has them
     taken: bool = False  # its constrained rows' grammars took its tokens ahead of its read-back (the next step's fill)
     # the decode steps launched behind this one over the same batch, before the host reads any back (decode_steps)
     then: list["_Launched"] = field(default_factory=list)
@@ -304,8 +303,7 @@ class LLMEngine:
         sampled, logits = self.runner.forward(batch)
         self.scheduler.advance(batch, sampled)
         masks = fill = None
-        constrained = self.grammars is not None and any(s.matcher is not None for s in sampled)
-        if constrained:
+        if self.grammars is not None and any(s.matcher is not None for s in sampled):
             previous = self._in_flight  # (without overlap there is none: read back already)
             taken = (previous.sampled, previous.result) if previous is not None and previous.result else None
             gate = self.runner.gate if self.overlap else None
@@ -318,7 +316,7 @@ class LLMEngine:
         elif self.grammars is not None:
             self.grammars.forget()  # no constrained row: the last constrained step's sequences are let go
         result = self.runner.sample(sampled, logits, masks)
-        return _Launched(batch, phase, sampled, result, start, fill, constrained=constrained)
+        return _Launched(batch, phase, sampled, result, start, fill)
 
     def _more_steps(self, batch: ScheduledBatch, launched: "_Launched") -> int:
         """How many more decode steps of the same batch to launch behind `launched` before the host reads any back
@@ -399,7 +397,7 @@ class LLMEngine:
         launched behind it (`then`) are read back with it; each is reported with an even share of their time, and in
         the engine process a request's tokens of them go in one row."""
         parts, reads, failure, refused = [step, *step.then], [], None, []
-        self._grammars_take = step.constrained and not step.taken
+        self._grammars_take = step.masks is not None and not step.taken
         for part in parts:
             try:
                 reads.append(part.result.read(self._rank_failure) if part.result else ([], []))

@@ -167,7 +167,7 @@ class ModelRunner:
                 host = self.decode_graphs.masks_behind(self.gate, ticket, host)
             elif ticket is not None:  # the device waits here until the host has filled them
                 self.gate.wait(ticket)
-            masks = rows, host if self.device.type == "cuda" else host.clone()  # (copied where the sampler uses it)
+            masks = rows, host  # (the device's copy behind the gate, or the host's buffer: the sampler copies that)
         result = self.sampler(logits, seqs, masks, argmax, masked)
         if behind:
             self.decode_graphs.masks_read()
